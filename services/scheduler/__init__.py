@@ -1,0 +1,1 @@
+"""The scheduler: every request's state and the global paged block table."""

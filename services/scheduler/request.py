@@ -1,0 +1,92 @@
+"""A request's state as the scheduler owns it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.messages import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One request: its tokens, how many are in the KV cache, and where its blocks are.
+
+    ``num_computed_tokens`` counts the tokens whose K/V are in the cache (vLLM V1); the
+    request's next ``num_tokens - num_computed_tokens`` tokens are still to be computed.
+    """
+
+    request_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_model_len: int  # tokens
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    group_id: str | None = None
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    sent_to_detokenizer: bool = False
+    # tokens sampled in the last step but not yet published to the detokenizer
+    pending_output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request can ever hold: prompt + max_tokens, capped by max_model_len."""
+        max_tokens = self.sampling_params.max_tokens
+        limit = self.max_model_len if max_tokens is None else self.num_prompt_tokens + max_tokens
+        return min(limit, self.max_model_len)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float]:
+        """Lower sorts first: higher priority (lower value), then older."""
+        return (self.priority, self.arrival_time)
+
+    def check_stop(self) -> bool:
+        """After appending a token: decide whether the request is finished (sets the reason).
+
+        Order as in vLLM: EOS (unless ``ignore_eos``), then ``stop_token_ids``, then
+        ``max_tokens``, then ``max_model_len``.
+        """
+        last = self.output_token_ids[-1]
+        params = self.sampling_params
+        if not params.ignore_eos and last in self.eos_token_ids:
+            self.finish_reason, self.stop_reason = "stop", None
+        elif last in params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", last
+        elif params.max_tokens is not None and len(self.output_token_ids) >= params.max_tokens:
+            self.finish_reason = "length"
+        elif self.num_tokens >= self.max_model_len:
+            self.finish_reason = "length"
+        else:
+            return False
+        return True

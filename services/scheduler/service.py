@@ -1,0 +1,226 @@
+"""The scheduler service: the step loop of every executor group, over NATS.
+
+recv (submit / abort / register / heartbeat / step result) -> ``Scheduler`` (no I/O)
+-> send (one ``StepPlan`` per idle group, one ``DetokStep`` per detokenizer shard, errors to
+gateways). Each group steps independently: its next plan is built when its last result
+arrives, while the other groups compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+import structlog
+
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler, SchedulerConfig, StepOutcome
+from shared import subjects as subj
+from shared.bus import Bus
+from shared.config import Settings
+from shared.messages import (
+    AbortRequests,
+    DetokNewRequest,
+    DetokStep,
+    GatewayStep,
+    Heartbeat,
+    RegisterAck,
+    RegisterGroup,
+    RequestDelta,
+    SchedulerStats,
+    ServiceError,
+    StatsQuery,
+    StepResult,
+    SubmitRequest,
+    TokenUpdate,
+)
+from shared.model_source import ModelInfo
+
+log = structlog.get_logger("scheduler")
+PROMPT_TAIL_TOKENS = 6  # prompt context the detokenizer needs for the first output token
+
+
+class SchedulerService:
+    """Owns the ``Scheduler`` and drives it from NATS messages."""
+
+    name = "scheduler"
+
+    def __init__(self, settings: Settings, model_info: ModelInfo, bus: Bus | None = None) -> None:
+        self.settings = settings
+        self.model_info = model_info
+        self.subjects = subj.Subjects(model_info.name)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=settings.max_num_seqs,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+            )
+        )
+        self.bus = bus
+        self._own_bus = bus is None
+        self._tasks: list[asyncio.Task] = []
+        self._step_sent_at: dict[str, float] = {}
+
+    async def start(self) -> None:
+        if self.bus is None:
+            self.bus = await Bus.connect(self.settings.nats_url, name="scheduler")
+        s, b = self.subjects, self.bus
+        await b.subscribe(s.submit, SubmitRequest, self._on_submit)
+        await b.subscribe(s.abort, AbortRequests, self._on_abort)
+        await b.subscribe(s.register, RegisterGroup, self._on_register)
+        await b.subscribe(s.heartbeat, Heartbeat, self._on_heartbeat)
+        await b.subscribe(s.result, StepResult, self._on_result)
+        await b.subscribe(s.stats_get, StatsQuery, self._on_stats_query)
+        await b.flush()
+        self._tasks = [asyncio.create_task(self._watchdog()), asyncio.create_task(self._publish_stats())]
+        log.info("scheduler_started", model=self.model_info.name)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._own_bus and self.bus is not None:
+            await self.bus.close()
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _on_submit(self, msg: SubmitRequest) -> None:
+        req = Request(
+            request_id=msg.request_id,
+            gateway_id=msg.gateway_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            sampling_params=msg.sampling_params,
+            max_model_len=self.model_info.max_model_len,
+            eos_token_ids=self.model_info.eos_token_ids,
+            priority=msg.priority,
+            arrival_time=msg.arrival_time or time.time(),
+        )
+        error = self.scheduler.add_request(req)
+        if error is not None:
+            log.info("request_rejected", request_id=req.request_id, reason=error.message)
+            await self._send_error(req.gateway_id, req.request_id, error)
+            return
+        log.debug("request_queued", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens)
+        await self._kick()
+
+    async def _on_abort(self, msg: AbortRequests) -> None:
+        for req in self.scheduler.abort(msg.request_ids, msg.reason):
+            log.info("request_aborted", request_id=req.request_id, reason=msg.reason)
+        await self._kick()
+
+    async def _on_register(self, msg: RegisterGroup) -> RegisterAck:
+        if msg.block_size < 1 or msg.num_blocks < 1:
+            return RegisterAck(
+                group_id=msg.group_id, accepted=False, error=ServiceError(message="empty KV cache pool")
+            )
+        requeued = self.scheduler.remove_group(msg.group_id)
+        self.scheduler.add_group(msg.group_id, msg.num_blocks, msg.block_size)
+        log.info("group_registered", group_id=msg.group_id, num_blocks=msg.num_blocks,
+                 block_size=msg.block_size, requeued=len(requeued))
+        asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._kick()))
+        return RegisterAck(group_id=msg.group_id, accepted=True)
+
+    async def _on_heartbeat(self, msg: Heartbeat) -> None:
+        group = self.scheduler.groups.get(msg.group_id)
+        if group is not None:
+            group.last_heartbeat = time.monotonic()
+
+    async def _on_result(self, result: StepResult) -> None:
+        self._step_sent_at.pop(result.group_id, None)
+        if result.error is not None:
+            log.error("step_failed", group_id=result.group_id, error=result.error.message)
+            await self._fail_group(result.group_id, result.error)
+            return
+        outcome = self.scheduler.update_from_output(result)
+        await self._publish_outputs(outcome)
+        for req in outcome.finished:
+            log.info("request_finished", request_id=req.request_id, finish_reason=req.finish_reason,
+                     output_tokens=len(req.output_token_ids), preemptions=req.num_preemptions)
+        await self._kick()
+
+    async def _on_stats_query(self, _: StatsQuery) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ------------------------------------------------------------------ step loop
+
+    async def _kick(self) -> None:
+        """Send the next plan to every idle group that has work."""
+        for group_id, group in list(self.scheduler.groups.items()):
+            if group.in_flight is not None or not self.scheduler.has_work(group_id):
+                continue
+            plan = self.scheduler.schedule(group_id)
+            if plan is None:
+                continue
+            self._step_sent_at[group_id] = time.monotonic()
+            await self.bus.publish(self.subjects.step(group_id), plan)
+
+    async def _publish_outputs(self, outcome: StepOutcome) -> None:
+        shards: dict[int, DetokStep] = defaultdict(DetokStep)
+        n = self.settings.num_detokenizer_shards
+        for req in outcome.updated:
+            step = shards[subj.detok_shard(req.request_id, n)]
+            if not req.sent_to_detokenizer:
+                req.sent_to_detokenizer = True
+                p = req.sampling_params
+                step.new_requests.append(
+                    DetokNewRequest(
+                        request_id=req.request_id,
+                        gateway_id=req.gateway_id,
+                        prompt_tail_ids=req.prompt_token_ids[-PROMPT_TAIL_TOKENS:],
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        stop=p.stop,
+                        include_stop_str_in_output=p.include_stop_str_in_output,
+                        skip_special_tokens=p.skip_special_tokens,
+                    )
+                )
+            step.updates.append(
+                TokenUpdate(
+                    request_id=req.request_id,
+                    new_token_ids=req.pending_output_ids,
+                    finish_reason=req.finish_reason if req.is_finished else None,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+            req.pending_output_ids = []
+        for shard, step in shards.items():
+            await self.bus.publish(self.subjects.detok(shard), step)
+
+    async def _send_error(self, gateway_id: str, request_id: str, error: ServiceError) -> None:
+        delta = RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error)
+        await self.bus.publish(subj.gateway(gateway_id), GatewayStep(outputs=[delta]))
+
+    async def _fail_group(self, group_id: str, error: ServiceError) -> None:
+        """A group failed a step: drop it; its requests are requeued for another group."""
+        moved = self.scheduler.remove_group(group_id)
+        log.warning("group_dropped", group_id=group_id, requeued=len(moved), reason=error.message)
+        if not self.scheduler.groups:
+            # Nobody left to run them: fail the waiting requests rather than hang clients.
+            waiting = list(self.scheduler.waiting)
+            self.scheduler.abort([r.request_id for r in waiting], "error")
+            for req in waiting:
+                await self._send_error(req.gateway_id, req.request_id, error)
+        await self._kick()
+
+    async def _watchdog(self) -> None:
+        """Drop groups whose heartbeat stopped or whose step never came back."""
+        while True:
+            await asyncio.sleep(min(0.5, self.settings.heartbeat_interval_s))
+            now = time.monotonic()
+            for group_id, group in list(self.scheduler.groups.items()):
+                if now - group.last_heartbeat > self.settings.heartbeat_timeout_s:
+                    moved = self.scheduler.remove_group(group_id)
+                    log.warning("group_heartbeat_lost", group_id=group_id, requeued=len(moved))
+                    await self._kick()
+                sent = self._step_sent_at.get(group_id)
+                if sent is not None and now - sent > self.settings.step_timeout_s:
+                    self._step_sent_at.pop(group_id, None)
+                    await self._fail_group(group_id, ServiceError(message="executor step timed out", status=500))
+
+    async def _publish_stats(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self.bus.publish(self.subjects.stats, self.scheduler.stats())
+            except Exception:  # the bus reconnects by itself
+                log.warning("stats_publish_failed")

@@ -1,0 +1,218 @@
+"""Scheduler unit tests with a fake executor that keeps executor-side state from the plans
+exactly as the real ModelRunner does, and 'samples' a deterministic function of the tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from shared.messages import SamplingParams, StepPlan, StepResult
+
+VOCAB = 1000
+EOS = 999
+
+
+def next_token(tokens: list[int]) -> int:
+    return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 7919 + len(tokens)) % (VOCAB - 1)
+
+
+class FakeExecutor:
+    """Mirrors the runner's state machine: tokens, block table, computed count per request."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.state: dict[str, dict] = {}
+        self.slots: dict[int, tuple[str, int]] = {}  # slot -> (request, position) written
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for rid in plan.finished_request_ids:
+            self.state.pop(rid, None)
+        for new in plan.new_requests:
+            self.state[new.request_id] = dict(
+                tokens=list(new.prompt_token_ids), blocks=list(new.block_ids), computed=new.num_computed_tokens
+            )
+        for cached in plan.cached_requests:
+            st = self.state[cached.request_id]
+            st["blocks"].extend(cached.new_block_ids)
+            assert st["computed"] == cached.num_computed_tokens
+        sampled = {}
+        for rid, n in plan.num_scheduled_tokens.items():
+            st = self.state[rid]
+            start = st["computed"]
+            assert n >= 1 and start + n <= len(st["tokens"])
+            for pos in range(start, start + n):
+                block = st["blocks"][pos // self.block_size]
+                assert 0 <= block < self.num_blocks
+                self.slots[block * self.block_size + pos % self.block_size] = (rid, pos)
+            # every position this request reads must still hold its own K/V
+            for pos in range(start + n):
+                slot = st["blocks"][pos // self.block_size] * self.block_size + pos % self.block_size
+                assert self.slots[slot] == (rid, pos), f"{rid} lost its KV at position {pos}"
+            st["computed"] = start + n
+            if st["computed"] == len(st["tokens"]):
+                tok = next_token(st["tokens"])
+                st["tokens"].append(tok)
+                sampled[rid] = tok
+        return StepResult(step_id=plan.step_id, group_id=plan.group_id, sampled_token_ids=sampled)
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int, seed: int = 0, priority: int = 0) -> Request:
+    rng = random.Random(seed)
+    return Request(
+        request_id=rid,
+        gateway_id="gw",
+        prompt_token_ids=[rng.randrange(VOCAB - 1) for _ in range(prompt_len)],
+        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        max_model_len=4096,
+        eos_token_ids=(EOS,),
+        priority=priority,
+        arrival_time=float(seed),
+    )
+
+
+def run(sched: Scheduler, ex: FakeExecutor, group: str = "g0", max_steps: int = 10_000, on_step=None):
+    outputs: dict[str, list[int]] = {}
+    plans = []
+    for _ in range(max_steps):
+        plan = sched.schedule(group)
+        if plan is None:
+            break
+        plans.append(plan)
+        outcome = sched.update_from_output(ex.execute(plan))
+        for req in outcome.finished:
+            outputs[req.request_id] = list(req.output_token_ids)
+        if on_step:
+            on_step(plan)
+    return outputs, plans
+
+
+def expected(req: Request) -> list[int]:
+    toks = list(req.prompt_token_ids)
+    out = []
+    for _ in range(req.sampling_params.max_tokens):
+        t = next_token(toks)
+        toks.append(t)
+        out.append(t)
+    return out
+
+
+def test_budgets_respected_and_all_blocks_freed():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    sched.add_group("g0", num_blocks=64, block_size=16)
+    ex = FakeExecutor(64, 16)
+    reqs = [make_request(f"r{i}", prompt_len=10 + 13 * i, max_tokens=5 + i, seed=i) for i in range(10)]
+    for r in reqs:
+        assert sched.add_request(r) is None
+
+    def check(plan: StepPlan):
+        assert sum(plan.num_scheduled_tokens.values()) <= 64
+        assert len(sched.groups["g0"].running) <= 4
+
+    outputs, plans = run(sched, ex, on_step=check)
+    assert {r.request_id: expected(r) for r in reqs} == outputs
+    assert sched.groups["g0"].kv.num_free_blocks == 64
+    assert sched.stats().num_running == 0 and sched.stats().num_waiting == 0
+
+
+def test_decodes_progress_while_long_prompt_prefills_in_chunks():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32))
+    sched.add_group("g0", num_blocks=128, block_size=16)
+    ex = FakeExecutor(128, 16)
+    short = make_request("short", prompt_len=8, max_tokens=20, seed=1)
+    sched.add_request(short)
+    run(sched, ex, max_steps=2)  # short is decoding now
+    long = make_request("long", prompt_len=200, max_tokens=3, seed=2)
+    sched.add_request(long)
+    chunks = []
+
+    def check(plan: StepPlan):
+        if "long" in plan.num_scheduled_tokens and sched.requests.get("long") is not None:
+            chunks.append(plan.num_scheduled_tokens["long"])
+            assert plan.num_scheduled_tokens.get("short") == 1  # the decode is never starved
+
+    outputs, _ = run(sched, ex, on_step=check)
+    assert chunks[:6] == [31, 31, 31, 31, 31, 31]  # 32-token budget minus the decode
+    assert sum(chunks[:7]) == 200
+    assert outputs == {"short": expected(short), "long": expected(long)}
+
+
+def test_preemption_under_tiny_pool_gives_same_outputs():
+    reqs = lambda: [make_request(f"r{i}", prompt_len=20 + 7 * i, max_tokens=30, seed=i) for i in range(6)]  # noqa: E731
+    big = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512))
+    big.add_group("g0", num_blocks=256, block_size=16)
+    for r in reqs():
+        big.add_request(r)
+    ref, _ = run(big, FakeExecutor(256, 16))
+
+    small = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512))
+    small.add_group("g0", num_blocks=12, block_size=16)
+    for r in reqs():
+        assert small.add_request(r) is None
+    out, _ = run(small, FakeExecutor(12, 16))
+    assert small.num_preemptions > 0
+    assert out == ref
+    assert small.groups["g0"].kv.num_free_blocks == 12
+
+
+def test_request_that_never_fits_is_rejected_at_once():
+    sched = Scheduler(SchedulerConfig())
+    sched.add_group("g0", num_blocks=4, block_size=16)
+    err = sched.add_request(make_request("big", prompt_len=60, max_tokens=10))
+    assert err is not None and err.param == "max_tokens"
+    assert sched.add_request(make_request("ok", prompt_len=50, max_tokens=14)) is None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_aborts_at_any_moment_free_every_block(seed):
+    rng = random.Random(seed)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48))
+    sched.add_group("g0", num_blocks=20, block_size=16)
+    ex = FakeExecutor(20, 16)
+    ids = []
+    for i in range(12):
+        r = make_request(f"r{i}", prompt_len=rng.randrange(1, 60), max_tokens=rng.randrange(1, 40), seed=i)
+        sched.add_request(r)
+        ids.append(r.request_id)
+    for _ in range(200):
+        plan = sched.schedule("g0")
+        if plan is None:
+            break
+        if rng.random() < 0.3:
+            sched.abort([rng.choice(ids)])
+        sched.update_from_output(ex.execute(plan))
+    sched.abort(ids)
+    assert sched.groups["g0"].kv.num_free_blocks == 20
+    assert not sched.requests and not sched.waiting and not sched.groups["g0"].running
+
+
+def test_priority_policy_runs_lower_value_first():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=512, policy="priority"))
+    sched.add_group("g0", num_blocks=64, block_size=16)
+    for i, prio in enumerate([5, 1, 3]):
+        sched.add_request(make_request(f"p{prio}", prompt_len=5, max_tokens=2, seed=i, priority=prio))
+    order = []
+    _, plans = run(sched, FakeExecutor(64, 16))
+    for plan in plans:
+        for new in plan.new_requests:
+            order.append(new.request_id)
+    assert order == ["p1", "p3", "p5"]
+
+
+def test_group_removal_requeues_requests_to_another_group():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    sched.add_group("a", num_blocks=32, block_size=16)
+    reqs = [make_request(f"r{i}", prompt_len=12, max_tokens=6, seed=i) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    ex_a = FakeExecutor(32, 16)
+    plan = sched.schedule("a")
+    sched.update_from_output(ex_a.execute(plan))
+    moved = sched.remove_group("a")
+    assert {r.request_id for r in moved} == {"r0", "r1", "r2"}
+    sched.add_group("b", num_blocks=32, block_size=16)
+    out, _ = run(sched, FakeExecutor(32, 16), group="b")
+    assert out == {r.request_id: expected(r) for r in reqs}
