@@ -1,0 +1,145 @@
+"""``pagedllm`` command line: ``serve``, ``service NAME``, ``prepare-model``.
+
+Every engine/service setting of :class:`shared.config.Settings` is a flag
+(``--max-model-len``, ``--block-size``, ...); unset flags fall back to ``PAGEDLLM_*``
+environment variables, then to defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import types
+import typing
+from typing import Any, get_args, get_origin
+
+from pydantic import ValidationError
+
+from shared.config import Settings
+
+SKIP_FLAGS = {"model"}  # positional
+
+
+def _flag_type(annotation: Any) -> tuple[Any, list | None]:
+    origin = get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return _flag_type(args[0])
+    if origin is typing.Literal:
+        return str, list(get_args(annotation))
+    if annotation in (int, float, str):
+        return annotation, None
+    return str, None
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per Settings field (bools take true/false)."""
+    for name, field in Settings.model_fields.items():
+        if name in SKIP_FLAGS:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            parser.add_argument(flag, dest=name, type=lambda s: s.lower() in ("1", "true", "yes", "on"),
+                                nargs="?", const=True, default=None, help=field.description)
+            continue
+        typ, choices = _flag_type(field.annotation)
+        parser.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=field.description)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    values = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        raise SystemExit(f"pagedllm: invalid settings:\n{exc}") from None
+
+
+def cmd_prepare_model(args: argparse.Namespace) -> None:
+    from shared.model_source import load_model_info
+
+    info = load_model_info(settings_from_args(args))
+    print(f"model {info.name} ready at {info.path}")
+
+
+def cmd_service(args: argparse.Namespace) -> None:
+    from pagedllm.launcher import run_one_service
+
+    run_one_service(args.name, settings_from_args(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import urllib.request
+
+    from pagedllm.launcher import ServiceProcesses, pinned_settings
+    from shared.logging import configure_logging
+    from shared.model_source import ModelNotFoundError, load_model_info
+    from shared.nats_server import EmbeddedNats
+
+    settings = settings_from_args(args)
+    configure_logging(settings.log_level, service="serve")
+    try:
+        info = load_model_info(settings)
+    except (ModelNotFoundError, ValueError) as exc:
+        raise SystemExit(f"pagedllm: {exc}") from None
+    nats_server = None
+    url = settings.nats_url
+    if not url:
+        nats_server = EmbeddedNats().start()
+        url = nats_server.url
+    procs = ServiceProcesses(pinned_settings(settings, info, url))
+    procs.start()
+    health = f"http://{settings.host}:{settings.port}/health"
+    ready = False
+    try:
+        while True:
+            dead = procs.poll()
+            if dead is not None:
+                raise SystemExit(f"pagedllm: service {dead} exited; stopping")
+            if not ready:
+                try:
+                    with urllib.request.urlopen(health, timeout=1) as resp:
+                        ready = resp.status == 200
+                except OSError:
+                    pass
+                if ready:
+                    print(f"pagedllm: serving {info.name} on http://{settings.host}:{settings.port}/v1 "
+                          f"(NATS {url})", flush=True)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        procs.stop()
+        if nats_server is not None:
+            nats_server.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API with every service")
+    serve.add_argument("model", nargs="?", default=None, help="Hugging Face model directory (default: SmolLM2)")
+    add_settings_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    service = sub.add_parser("service", help="run one service against a NATS server")
+    service.add_argument("name", choices=["scheduler", "tokenizer", "detokenizer", "executor", "gateway"])
+    service.add_argument("--model", default=None)
+    add_settings_flags(service)
+    service.set_defaults(func=cmd_service)
+
+    prep = sub.add_parser("prepare-model", help="convert the default model once (or check a directory)")
+    prep.add_argument("model", nargs="?", default=None)
+    add_settings_flags(prep)
+    prep.set_defaults(func=cmd_prepare_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

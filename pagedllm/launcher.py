@@ -1,0 +1,147 @@
+"""Starting services: by name in this process (``pagedllm service NAME``, the offline
+``LLM``) or as child processes (``pagedllm serve``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from shared.bus import Bus
+from shared.config import Settings
+from shared.model_source import ModelInfo, load_model_info
+
+SERVICE_NAMES = ("scheduler", "tokenizer", "detokenizer", "executor", "gateway")
+
+
+def build_service(name: str, settings: Settings, model_info: ModelInfo, bus: Bus | None = None):
+    """The service object called ``name`` (imports only what that service needs).
+
+    Raises:
+        ValueError: unknown service name.
+    """
+    if name == "scheduler":
+        from services.scheduler.service import SchedulerService as cls
+    elif name == "tokenizer":
+        from services.tokenizer.service import TokenizerService as cls
+    elif name == "detokenizer":
+        from services.detokenizer.service import DetokenizerService as cls
+    elif name == "executor":
+        from services.executor.service import ExecutorService as cls
+    elif name == "gateway":
+        from gateway.service import GatewayService as cls
+    else:
+        raise ValueError(f"unknown service {name!r}; choose from {', '.join(SERVICE_NAMES)}")
+    return cls(settings, model_info, bus)
+
+
+def pinned_settings(settings: Settings, model_info: ModelInfo, nats_url: str) -> Settings:
+    """Settings with the model directory, name and context length resolved, so every
+    process agrees on them."""
+    return settings.model_copy(
+        update=dict(
+            model=str(model_info.path),
+            served_model_name=model_info.name,
+            max_model_len=model_info.max_model_len,
+            nats_url=nats_url,
+        )
+    )
+
+
+class ServiceProcesses:
+    """Each service in its own child process (``python -m pagedllm.cli service NAME``)."""
+
+    def __init__(self, settings: Settings, names: tuple[str, ...] = SERVICE_NAMES) -> None:
+        self.settings = settings
+        self.names = names
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+        env.update(self.settings.to_env())
+        for name in self.names:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "pagedllm.cli", "service", name], env=env, start_new_session=True
+            )
+
+    def poll(self) -> str | None:
+        """The name of a service that exited, if any."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                return name
+        return None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class InProcessServices:
+    """Services as tasks of one event loop on a background thread (the offline ``LLM``).
+
+    They talk over the same NATS subjects as separate processes would.
+    """
+
+    def __init__(self, settings: Settings, model_info: ModelInfo, names: tuple[str, ...]) -> None:
+        self.settings = settings
+        self.model_info = model_info
+        self.names = names
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pagedllm-services", daemon=True)
+        self.services: list[Any] = []
+
+    def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        """Run ``coro`` on the services' loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> None:
+        self._thread.start()
+
+        async def _start() -> None:
+            for name in self.names:
+                service = build_service(name, self.settings, self.model_info)
+                await service.start()
+                self.services.append(service)
+
+        self.run(_start())
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def _stop() -> None:
+            for service in reversed(self.services):
+                try:
+                    await service.stop()
+                except Exception:
+                    pass
+
+        try:
+            self.run(_stop(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+
+def run_one_service(name: str, settings: Settings) -> None:
+    """Run one service in this process until SIGTERM (``pagedllm service NAME``)."""
+    from shared.logging import configure_logging
+    from shared.service import run_service
+
+    configure_logging(settings.log_level, service=name)
+    if not settings.nats_url:
+        raise SystemExit("pagedllm service needs --nats-url (or PAGEDLLM_NATS_URL)")
+    model_info = load_model_info(settings)
+    asyncio.run(run_service(build_service(name, settings, model_info)))

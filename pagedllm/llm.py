@@ -1,0 +1,226 @@
+"""The offline API: ``LLM(...).generate(prompts, sampling_params)``.
+
+It runs the same services as ``pagedllm serve`` (tokenizer, scheduler, executor,
+detokenizer) on an embedded NATS server, in one background event loop of this process, and
+talks to them through the gateway's ``EngineClient`` over the same subjects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.client import EngineClient
+from tqdm.auto import tqdm
+
+from pagedllm.launcher import InProcessServices, pinned_settings
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from shared.bus import Bus
+from shared.config import Settings
+from shared.logging import configure_logging
+from shared.messages import RequestDelta, SamplingParams, SchedulerStats, StatsQuery
+from shared.model_source import load_model_info
+from shared.nats_server import EmbeddedNats
+from shared.subjects import Subjects
+
+ENGINE_SERVICES = ("scheduler", "tokenizer", "detokenizer", "executor")
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An offline engine.
+
+    Args:
+        model: a local Hugging Face model directory; ``None`` = the bundled SmolLM2.
+        dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
+        **kwargs: any engine setting of :class:`shared.config.Settings` by its vLLM name
+            (``max_model_len``, ``block_size``, ``num_gpu_blocks_override``, ...).
+
+    Raises:
+        ValueError: an invalid setting (the message names it) or a model that is not available.
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs: Any) -> None:
+        settings = Settings(model=model, dtype=dtype, **kwargs)
+        configure_logging(kwargs.get("log_level", "WARNING") if "log_level" in kwargs else "WARNING")
+        self.model_info = load_model_info(settings)
+        self._nats: EmbeddedNats | None = None
+        url = settings.nats_url
+        if not url:
+            self._nats = EmbeddedNats().start()
+            url = self._nats.url
+        self.settings = pinned_settings(settings, self.model_info, url)
+        self.subjects = Subjects(self.model_info.name)
+        self._services = InProcessServices(self.settings, self.model_info, ENGINE_SERVICES)
+        self._closed = False
+        try:
+            self._services.start()
+            self._bus, self._client = self._services.run(self._connect_client())
+            self._wait_for_executor()
+        except BaseException:
+            self.close()
+            raise
+        atexit.register(self.close)
+
+    async def _connect_client(self) -> tuple[Bus, EngineClient]:
+        bus = await Bus.connect(self.settings.nats_url, name="llm")
+        client = EngineClient(bus, self.model_info.name)
+        await client.start()
+        return bus, client
+
+    def _wait_for_executor(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = self.stats()
+            if stats.groups:
+                return
+            time.sleep(0.05)
+        raise TimeoutError("no executor group registered with the scheduler")
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's statistics (running, waiting, free blocks per group)."""
+        return self._services.run(self._bus.request(self.subjects.stats_get, StatsQuery(), SchedulerStats, 10))
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt; results come back in input order.
+
+        Args:
+            prompts: a string, a list of token ids, a ``{"prompt": ...}`` /
+                ``{"prompt_token_ids": [...]}`` dict, or a list of these.
+            sampling_params: one for all prompts, or one per prompt (default: vLLM's).
+            priority: one value per prompt (lower first) for ``scheduling_policy="priority"``.
+
+        Raises:
+            ValueError: a prompt is rejected (empty, too long for ``max_model_len``).
+        """
+        items = self._normalize_prompts(prompts)
+        return self._run([{"prompt": p} for p in items], sampling_params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations (chat template applied)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        items = [{"messages": list(c), "add_generation_prompt": add_generation_prompt} for c in conversations]
+        return self._run(items, sampling_params, use_tqdm, None)
+
+    @staticmethod
+    def _normalize_prompts(prompts: Any) -> list[str | list[int]]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        elif isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        out: list[str | list[int]] = []
+        for p in prompts:
+            if isinstance(p, dict):
+                p = p.get("prompt_token_ids", p.get("prompt"))
+            if not isinstance(p, str | list):
+                raise ValueError(f"prompts: expected a string or a list of token ids, got {type(p).__name__}")
+            out.append(p)
+        return out
+
+    def _run(self, items: list[dict], sampling_params: Any, use_tqdm: bool, priority: Any) -> list[RequestOutput]:
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(items) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params) != len(items):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(items)} prompts")
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"priority: got {len(priority)} values for {len(items)} prompts")
+        bar = tqdm(total=len(items), desc="Generating", disable=not use_tqdm or len(items) < 2)
+        try:
+            return self._services.run(self._generate_all(items, params, priority, bar))
+        finally:
+            bar.close()
+
+    async def _generate_all(self, items, params, priority, bar) -> list[RequestOutput]:
+        ids = [f"llm-{uuid.uuid4().hex}" for _ in items]
+        outputs: list[RequestOutput] = []
+        try:
+            for i, (rid, item, sp) in enumerate(zip(ids, items, params, strict=True)):
+                reply = await self._client.submit(
+                    rid, sampling_params=sp, priority=priority[i] if priority else 0, **item
+                )
+                if reply.error is not None:
+                    raise ValueError(reply.error.message)
+                prompt = item.get("prompt")
+                outputs.append(
+                    RequestOutput(
+                        request_id=rid,
+                        prompt=prompt if isinstance(prompt, str) else None,
+                        prompt_token_ids=list(reply.prompt_token_ids),
+                        outputs=[CompletionOutput(index=0, text="", token_ids=[])],
+                    )
+                )
+
+            async def collect(out: RequestOutput) -> None:
+                comp = out.outputs[0]
+                async for delta in self._client.stream(out.request_id):
+                    self._apply(out, comp, delta)
+                bar.update(1)
+
+            await asyncio.gather(*(collect(o) for o in outputs))
+        except BaseException:
+            await self._client.abort(ids)
+            raise
+        return outputs
+
+    @staticmethod
+    def _apply(out: RequestOutput, comp: CompletionOutput, delta: RequestDelta) -> None:
+        if delta.error is not None:
+            raise ValueError(delta.error.message)
+        comp.text += delta.text
+        comp.token_ids.extend(delta.token_ids)
+        out.num_cached_tokens = delta.num_cached_tokens
+        if delta.finished:
+            out.finished = True
+            comp.finish_reason = delta.finish_reason
+            comp.stop_reason = delta.stop_reason
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @staticmethod
+    def _shutdown(services: InProcessServices, nats_server: EmbeddedNats | None) -> None:
+        services.stop()
+        if nats_server is not None:
+            nats_server.stop()
+
+    def close(self) -> None:
+        """Stop the services and the embedded NATS server (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        bus = getattr(self, "_bus", None)
+        if bus is not None:
+            try:
+                self._services.run(bus.close(), timeout=10)
+            except Exception:
+                pass
+        LLM._shutdown(self._services, self._nats)
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""pagedllm services: tokenizer, scheduler, executor, detokenizer."""

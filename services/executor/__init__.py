@@ -1,0 +1,1 @@
+"""The executor: model weights, the paged KV cache, kernels and sampling."""

@@ -1,0 +1,212 @@
+"""ModelRunner: turns a ``StepPlan`` into flat tensors, runs the model, samples.
+
+Per step it builds (vLLM V1 flat layout, decodes first):
+    input_ids[T] int64, positions[T] int64, slot_mapping[T] int64,
+    block_tables[B, max_blocks] int32, seq_lens[B] int32, query_start_loc[B+1] int32
+and samples one token for each request whose computed tokens reach its known tokens.
+The runner keeps each request's tokens and block table between steps, so a plan carries
+only what changed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from services.executor.attention import AttentionMetadata, get_attention_backend
+from services.executor.models import get_model_class
+from services.executor.sampler import Sampler
+from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings
+from shared.logging import get_logger
+from shared.messages import SamplingParams, StepPlan
+from shared.model_source import ModelInfo
+
+log = get_logger("executor")
+
+
+@dataclass
+class CachedRequestState:
+    """What the executor remembers of a running request."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+
+
+def resolve_dtype(setting: str, model_path: Path) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (``torch_dtype``/``dtype`` in config.json)."""
+    if setting != "auto":
+        return getattr(torch, setting)
+    config = json.loads((model_path / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+class ModelRunner:
+    """Owns the model weights, the paged KV cache tensors and the per-request state."""
+
+    def __init__(self, settings: Settings, model_info: ModelInfo) -> None:
+        self.settings = settings
+        self.model_info = model_info
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, model_info.path)
+        self.block_size = settings.block_size
+        self.hf_config = AutoConfig.from_pretrained(model_info.path)
+        model_cls = get_model_class(self.hf_config)
+        t0 = time.perf_counter()
+        with torch.device(self.device):
+            self.model = model_cls(self.hf_config, dtype=self.dtype, device=self.device)
+        self.model.load_weights(model_info.path)
+        self.model.eval()
+        backend = settings.attention_backend
+        if backend == "auto":
+            backend = "torch"
+        self.attn_backend = get_attention_backend(backend, self.device)
+        self.model.attn_backend = self.attn_backend
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.sampler = Sampler(settings.seed, self.device)
+        self.requests: dict[str, CachedRequestState] = {}
+        log.info(
+            "model_loaded",
+            model=str(model_info.path),
+            dtype=str(self.dtype),
+            device=str(self.device),
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            load_s=round(time.perf_counter() - t0, 2),
+        )
+
+    # ------------------------------------------------------------------ KV cache
+
+    def _num_blocks(self) -> int:
+        from services.executor.models.llama import kv_cache_bytes_per_block
+
+        if self.settings.num_gpu_blocks_override is not None:
+            return self.settings.num_gpu_blocks_override
+        per_block = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype)
+        budget = self.settings.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.8)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one block ({per_block} bytes)")
+        return num_blocks
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        from services.executor.models.llama import kv_cache_shape
+
+        shape = kv_cache_shape(self.hf_config, num_blocks, self.block_size)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.hf_config.num_hidden_layers)
+        ]
+
+    # ------------------------------------------------------------------ step
+
+    def _update_states(self, plan: StepPlan) -> None:
+        for rid in plan.finished_request_ids:
+            self.requests.pop(rid, None)
+        vocab = self.model_info.vocab_size
+        for new in plan.new_requests:
+            self.requests[new.request_id] = CachedRequestState(
+                request_id=new.request_id,
+                token_ids=list(new.prompt_token_ids),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling_params=new.sampling_params,
+                generator=self.sampler.new_request_generator(
+                    new.sampling_params.seed, new.num_output_tokens, vocab
+                ),
+            )
+        for cached in plan.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        """Run one step. Returns the sampled token id of each request that got one.
+
+        Raises:
+            KeyError: the plan names a request this runner never received.
+        """
+        self._update_states(plan)
+        # decodes first, then prefills (the order attention backends expect)
+        order = sorted(plan.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
+        if not order:
+            return {}
+        states = [self.requests[rid] for rid, _ in order]
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        sample_states: list[CachedRequestState] = []
+        for state, (_, n) in zip(states, order, strict=True):
+            start = state.num_computed_tokens
+            input_ids.extend(state.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            if start + n == len(state.token_ids):
+                logits_rows.append(len(input_ids) - 1)
+                sample_states.append(state)
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_tables = torch.zeros((len(states), max_blocks), dtype=torch.int32)
+        for i, s in enumerate(states):
+            block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        pos_t = torch.tensor(positions, dtype=torch.int64)  # [T]
+        row_of_token = torch.repeat_interleave(torch.arange(len(states)), torch.tensor(query_lens))  # [T]
+        slot_mapping = block_tables[row_of_token, pos_t // bs].long() * bs + pos_t % bs  # [T]
+        qsl = torch.zeros(len(states) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            query_start_loc=qsl.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            query_lens=query_lens,
+            seq_lens_list=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev), pos_t.to(dev), self.kv_caches, meta
+        )  # [T, hidden]
+        for state, (_, n) in zip(states, order, strict=True):
+            state.num_computed_tokens += n
+        if not sample_states:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])  # [N, V] f32
+        tokens = self.sampler.sample(
+            logits, [s.sampling_params for s in sample_states], [s.generator for s in sample_states]
+        )
+        out: dict[str, int] = {}
+        for state, tok in zip(sample_states, tokens, strict=True):
+            state.token_ids.append(tok)
+            out[state.request_id] = tok
+        return out

@@ -1,0 +1,85 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+
+Sampling draws ``q ~ Exponential(1)`` per vocabulary entry and takes
+``argmax(probs / q)``, which samples exactly from ``probs`` (the exponential-race form of
+the Gumbel-max trick, as vLLM's sampler does) and needs no CPU sync. A request with a
+``seed`` draws its noise from its own ``torch.Generator``, so its samples do not depend on
+what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.messages import SamplingParams
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [N, V] float32
+    top_k: torch.Tensor,  # [N] int64, 0 = disabled
+    top_p: torch.Tensor,  # [N] float32, 1.0 = disabled
+) -> torch.Tensor:  # [N, V] float32, filtered entries set to -inf
+    """Mask all but the top-k tokens, then the smallest set whose probability reaches top-p."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(1)  # [N, 1]
+    remove = ranks >= k
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    cum_before = probs.cumsum(dim=-1) - probs  # probability mass strictly before each token
+    remove = cum_before >= top_p.unsqueeze(1)
+    remove[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+
+
+class Sampler:
+    """Samples one token per row of a logits matrix.
+
+    Args:
+        seed: seeds the generator of requests without their own ``seed``.
+    """
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def new_request_generator(self, seed: int | None, num_draws_done: int, vocab_size: int) -> torch.Generator | None:
+        """A per-request generator for ``seed``, advanced past ``num_draws_done`` samples (a
+        request recomputed after preemption continues its random stream)."""
+        if seed is None:
+            return None
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for _ in range(num_draws_done):
+            torch.empty(vocab_size, device=self.device).exponential_(generator=gen)
+        return gen
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [N, V] float32
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> list[int]:
+        """One token id per row."""
+        greedy = logits.argmax(dim=-1)  # [N]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:
+            return greedy.tolist()
+        rows = torch.tensor(random_rows, device=logits.device)
+        sub = logits[rows]  # [R, V]
+        temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+        sub = sub / temps.unsqueeze(1)
+        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else 0 for i in random_rows])
+        top_p = torch.tensor([params[i].top_p for i in random_rows], dtype=torch.float32)
+        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+            sub = apply_top_k_top_p(sub, top_k.to(logits.device), top_p.to(logits.device))
+        probs = sub.softmax(dim=-1)
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for j, i in enumerate(random_rows):
+            if generators[i] is not None:  # seeded: its own stream, whatever the batch
+                q[j].exponential_(generator=generators[i])
+        sampled = (probs / q).argmax(dim=-1)
+        out = greedy.clone()
+        out[rows] = sampled
+        return out.tolist()

@@ -1,0 +1,104 @@
+"""The executor service: one executor group (tensor-parallel size 1) over NATS.
+
+It loads the model, allocates the paged KV cache, registers with the scheduler (retrying
+until the scheduler answers), heartbeats, and runs each ``StepPlan`` it receives in order,
+answering with a ``StepResult``. It never allocates blocks: it writes and reads exactly the
+blocks the plan names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats.errors
+import structlog
+
+from services.executor.model_runner import ModelRunner
+from shared.bus import Bus
+from shared.config import Settings
+from shared.messages import Heartbeat, RegisterAck, RegisterGroup, ServiceError, StepPlan, StepResult
+from shared.model_source import ModelInfo
+from shared.subjects import Subjects
+
+log = structlog.get_logger("executor")
+
+
+class ExecutorService:
+    """Runs the model for one executor group (``settings.group_id``)."""
+
+    name = "executor"
+
+    def __init__(self, settings: Settings, model_info: ModelInfo, bus: Bus | None = None) -> None:
+        self.settings = settings
+        self.model_info = model_info
+        self.subjects = Subjects(model_info.name)
+        self.group_id = settings.group_id
+        self.bus = bus
+        self._own_bus = bus is None
+        self.runner: ModelRunner | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.registered = asyncio.Event()
+
+    async def start(self) -> None:
+        self.runner = await asyncio.to_thread(ModelRunner, self.settings, self.model_info)
+        if self.bus is None:
+            self.bus = await Bus.connect(self.settings.nats_url, name=f"executor-{self.group_id}")
+        await self.bus.subscribe(self.subjects.step(self.group_id), StepPlan, self._on_step)
+        await self.bus.flush()
+        self._tasks = [asyncio.create_task(self._register_and_heartbeat())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._own_bus and self.bus is not None:
+            await self.bus.close()
+
+    async def _register(self) -> None:
+        msg = RegisterGroup(
+            group_id=self.group_id,
+            model=self.model_info.name,
+            num_blocks=self.runner.num_blocks,
+            block_size=self.runner.block_size,
+            tensor_parallel_size=1,
+            max_model_len=self.model_info.max_model_len,
+        )
+        while True:
+            try:
+                ack = await self.bus.request(self.subjects.register, msg, RegisterAck, timeout=2.0)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                await asyncio.sleep(0.2)
+                continue
+            if not ack.accepted:
+                raise RuntimeError(f"scheduler refused group {self.group_id}: {ack.error}")
+            log.info("group_registered", group_id=self.group_id, num_blocks=msg.num_blocks)
+            self.registered.set()
+            return
+
+    async def _register_and_heartbeat(self) -> None:
+        await self._register()
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await self.bus.publish(self.subjects.heartbeat, Heartbeat(group_id=self.group_id, time=time.time()))
+
+    async def _on_step(self, plan: StepPlan) -> None:
+        t0 = time.perf_counter()
+        try:
+            sampled = await asyncio.to_thread(self.runner.execute, plan)
+            result = StepResult(step_id=plan.step_id, group_id=self.group_id, sampled_token_ids=sampled)
+        except Exception as exc:  # the scheduler drops the group and requeues its requests
+            log.exception("step_failed", step_id=plan.step_id)
+            result = StepResult(
+                step_id=plan.step_id,
+                group_id=self.group_id,
+                error=ServiceError(message=f"executor step failed: {exc}", type="internal_error", status=500),
+            )
+        result.execute_time_s = time.perf_counter() - t0
+        await self.bus.publish(self.subjects.result, result)
+        if result.error is not None:
+            # The scheduler drops this group and recomputes its requests elsewhere; start
+            # clean and join again.
+            self.runner.requests.clear()
+            self.registered.clear()
+            self._tasks.append(asyncio.create_task(self._register()))
