@@ -85,7 +85,7 @@ def resolve_model_path(model: str | None, cache_dir: Path) -> Path:
         ModelNotFoundError: ``model`` is not a local directory with a ``config.json``
             (Hub ids cannot be downloaded: this engine runs offline).
     """
-    if model in DEFAULT_MODEL_ALIASES and not Path(model or "").is_dir():
+    if model is None or (model in DEFAULT_MODEL_ALIASES and not Path(model).is_dir()):
         return convert_default_model(cache_dir)
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").exists():

@@ -1,0 +1,91 @@
+"""Offline generation throughput: pagedllm ``LLM.generate`` against Hugging Face
+``generate`` on the same prompts, in the same run.
+
+    .venv/bin/python benchmarks/throughput.py [--num-prompts 64] [--output-len 64] [--dtype bfloat16]
+
+Prints generated tokens/s for both (greedy, ``ignore_eos``: every request makes exactly
+``--output-len`` tokens), plus the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while engineers measure paged attention kernels "
+    "on small machines and large clusters of accelerators every single day"
+).split()
+
+
+def make_prompts(n: int, min_words: int, max_words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) for _ in range(n)]
+
+
+def bench_pagedllm(args, prompts: list[str]) -> tuple[float, int]:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1))
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    llm.close()
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def bench_hf(args, prompts: list[str]) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.config import Settings
+    from shared.model_source import load_model_info
+
+    path = load_model_info(Settings(model=args.model)).path
+    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    total, elapsed = 0, 0.0
+    for i in range(0, len(prompts), args.hf_batch_size):
+        batch = tok(prompts[i : i + args.hf_batch_size], return_tensors="pt", padding=True)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                **batch, max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
+                pad_token_id=tok.pad_token_id or tok.eos_token_id,
+            )
+        elapsed += time.perf_counter() - t0
+        total += (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
+    return elapsed, total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--min-words", type=int, default=20)
+    p.add_argument("--max-words", type=int, default=60)
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    prompts = make_prompts(args.num_prompts, args.min_words, args.max_words, args.seed)
+    print(f"# {args.num_prompts} prompts x {args.output_len} generated tokens, dtype={args.dtype}, "
+          f"torch threads={torch.get_num_threads()}")
+    t, n = bench_pagedllm(args, prompts)
+    print(f"pagedllm  LLM.generate: {n} tokens in {t:.2f} s = {n / t:.1f} generated tokens/s")
+    if not args.skip_hf:
+        th, nh = bench_hf(args, prompts)
+        print(f"HF        generate    : {nh} tokens in {th:.2f} s = {nh / th:.1f} generated tokens/s "
+              f"(batch {args.hf_batch_size})")
+        print(f"ratio pagedllm / HF   : {(n / t) / (nh / th):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
