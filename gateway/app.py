@@ -1,0 +1,642 @@
+"""The OpenAI-compatible API: ``create_app(settings, model_info, client) -> FastAPI``.
+
+HTTP endpoints (shapes of the OpenAI API reference and of vLLM's OpenAI server):
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: JSON, or Server-Sent Events
+  with ``"stream": true`` (``data: {chunk}`` lines, an optional usage chunk with
+  ``stream_options.include_usage``, then ``data: [DONE]``).
+- ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health`` (200 while NATS is up).
+
+Every error body is OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``.
+Invalid bodies are 400 (never FastAPI's 422), an unknown model is 404, an engine
+failure keeps its status (500 when unknown). A client that disconnects before its
+request finished has the request aborted.
+
+WebSocket protocol (``/v1/stream``)
+-----------------------------------
+Several requests can run on one connection, concurrently. Each client message is one
+JSON text frame::
+
+    {"type": "completion" | "chat", "id": <any JSON value, optional>, "request": {...}}
+
+``request`` is the body of ``POST /v1/completions`` (``"completion"``) or of
+``POST /v1/chat/completions`` (``"chat"``); its ``stream`` field is ignored (results are
+always streamed) and ``stream_options.include_usage`` adds the usage chunk. ``id`` is
+the client's tag for the request; every server message about the request carries it
+(``null`` when none was given). The server answers with JSON text frames:
+
+- ``{"type": "chunk", "id": <tag>, "chunk": {...}}``: one streaming chunk, exactly the
+  object an SSE ``data:`` line carries (``text_completion`` or ``chat.completion.chunk``);
+- ``{"type": "done", "id": <tag>, "response": {...}}``: the request finished; ``response``
+  is the full non-streaming response object (``text_completion`` / ``chat.completion``);
+- ``{"type": "error", "id": <tag>, "error": {"message", "type", "param", "code"}}``:
+  the request failed (invalid, unknown model, engine error); no ``done`` follows.
+  A malformed client message gets an error with the tag it had (``null`` if unreadable).
+
+Errors never close the connection. When the client disconnects, its unfinished
+requests are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+import nats.errors
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from gateway.client import EngineClient, new_request_id
+from gateway.protocol import (
+    KNOWN_PARAMS,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from shared.config import Settings
+from shared.logging import get_logger
+from shared.messages import RequestDelta, ServiceError
+from shared.model_source import ModelInfo
+
+log = get_logger(__name__)
+T = TypeVar("T")
+AnyRequest = CompletionRequest | ChatCompletionRequest
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# ---------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-shaped body and an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(
+            message=message,
+            type=type or ("invalid_request_error" if status < 500 else "server_error"),
+            param=param,
+            code=code,
+        )
+
+    @classmethod
+    def from_service_error(cls, error: ServiceError) -> APIError:
+        return cls(error.status, error.message, type=error.type, param=error.param, code=error.code)
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(error=self.info).model_dump()
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """A 400 from pydantic/FastAPI validation errors; ``param`` names the first bad field."""
+    parts: list[str] = []
+    param: str | None = None
+    for err in errors:
+        loc = list(err.get("loc", ()))
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error")
+            parts.append(f"Invalid JSON body: {detail}" if detail else "Invalid JSON body")
+            continue
+        named = [x for x in loc if isinstance(x, str)]
+        if param is None:
+            if named:
+                param = named[0]
+            elif (m := re.match(r"[A-Za-z_]+", msg)) and m.group(0) in KNOWN_PARAMS:
+                param = m.group(0)
+        where = ".".join(str(x) for x in loc)
+        if where and not (named and msg.startswith(named[0])):
+            msg = f"{where}: {msg}"
+        elif not where and err.get("type") != "value_error":
+            msg = f"body: {msg}"
+        if msg not in parts:
+            parts.append(msg)
+    return APIError(400, "; ".join(parts[:4]) or "invalid request", param=param)
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+# ---------------------------------------------------------------- one request's output
+
+
+class _Generation:
+    """One request in flight: folds its ``RequestDelta``s into OpenAI chunks and the response."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool, num_prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.pieces: list[str] = []
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self._counted = 0
+
+    def update(self, delta: RequestDelta) -> None:
+        """Fold in one delta.
+
+        Raises:
+            APIError: the engine reported an error for this request.
+        """
+        self.finished = self.finished or delta.finished
+        if delta.error is not None:
+            raise APIError.from_service_error(delta.error)
+        if delta.finish_reason == "error":
+            raise APIError(500, "the engine failed while generating this request")
+        self.pieces.append(delta.text)
+        self._counted += len(delta.token_ids)
+        self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
+        self.num_output_tokens = max(delta.num_output_tokens, self._counted)
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason or "stop"
+            self.stop_reason = delta.stop_reason
+
+    def usage(self) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_output_tokens,
+            total_tokens=self.num_prompt_tokens + self.num_output_tokens,
+            prompt_tokens_details=(
+                PromptTokensDetails(cached_tokens=self.num_cached_tokens) if self.num_cached_tokens else None
+            ),
+        )
+
+    def dump(self, chunk: BaseModel) -> dict[str, Any]:
+        """A chunk as JSON-able dict (``usage`` only with ``include_usage``, as OpenAI does)."""
+        return chunk.model_dump(mode="json", exclude=None if self.include_usage else {"usage"})
+
+    def dump_json(self, chunk: BaseModel) -> str:
+        return chunk.model_dump_json(exclude=None if self.include_usage else {"usage"})
+
+    def start_chunks(self) -> list[BaseModel]:
+        return []
+
+    def delta_chunks(self, delta: RequestDelta) -> list[BaseModel]:
+        raise NotImplementedError
+
+    def usage_chunk(self) -> BaseModel:
+        raise NotImplementedError
+
+    def response(self) -> BaseModel:
+        raise NotImplementedError
+
+
+class _CompletionGeneration(_Generation):
+    def _chunk(self, choices: list[CompletionChoice]) -> CompletionStreamResponse:
+        return CompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices
+        )
+
+    def delta_chunks(self, delta: RequestDelta) -> list[BaseModel]:
+        if not delta.text and not delta.finished:
+            return []
+        choice = CompletionChoice(
+            text=delta.text,
+            finish_reason=self.finish_reason if delta.finished else None,
+            stop_reason=self.stop_reason if delta.finished else None,
+        )
+        return [self._chunk([choice])]
+
+    def usage_chunk(self) -> BaseModel:
+        chunk = self._chunk([])
+        chunk.usage = self.usage()
+        return chunk
+
+    def response(self) -> BaseModel:
+        choice = CompletionChoice(
+            text="".join(self.pieces), finish_reason=self.finish_reason, stop_reason=self.stop_reason
+        )
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
+        )
+
+
+class _ChatGeneration(_Generation):
+    def _chunk(self, choices: list[ChatStreamChoice]) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices
+        )
+
+    def start_chunks(self) -> list[BaseModel]:
+        return [self._chunk([ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))])]
+
+    def delta_chunks(self, delta: RequestDelta) -> list[BaseModel]:
+        if not delta.text and not delta.finished:
+            return []
+        choice = ChatStreamChoice(
+            delta=DeltaMessage(content=delta.text or None),
+            finish_reason=self.finish_reason if delta.finished else None,
+            stop_reason=self.stop_reason if delta.finished else None,
+        )
+        return [self._chunk([choice])]
+
+    def usage_chunk(self) -> BaseModel:
+        chunk = self._chunk([])
+        chunk.usage = self.usage()
+        return chunk
+
+    def response(self) -> BaseModel:
+        choice = ChatChoice(
+            message=AssistantMessage(content="".join(self.pieces)),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
+        )
+
+
+# ---------------------------------------------------------------- serving
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that calls ``on_close`` however the response ends."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _WebSocketClosed(Exception):
+    pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return when the HTTP client disconnects (the body has already been read)."""
+    try:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+            await asyncio.sleep(0.1)  # a server that repeats body messages: do not spin
+    except Exception:  # cannot tell: never report a disconnect
+        await asyncio.Future()
+
+
+class OpenAIServing:
+    """The request logic behind the endpoints, shared by HTTP, SSE and WebSocket."""
+
+    def __init__(self, settings: Settings, model_info: ModelInfo, client: EngineClient) -> None:
+        self.settings = settings
+        self.model_info = model_info
+        self.client = client
+        self.model_names = {model_info.name, "HuggingFaceTB/" + model_info.name}
+        self._background: set[asyncio.Task[None]] = set()
+
+    def check_model(self, name: str) -> None:
+        """Raises: APIError(404) for a model this gateway does not serve."""
+        if name not in self.model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(
+            id=self.model_info.name,
+            root=str(self.model_info.path),
+            max_model_len=self.model_info.max_model_len,
+        )
+
+    def abort_soon(self, request_ids: list[str]) -> None:
+        """Abort without awaiting (safe inside a cancelled task or a ``finally``)."""
+        task = asyncio.get_running_loop().create_task(self._abort(request_ids))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def wait_background(self) -> None:
+        """Wait for the aborts still being published."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        log.info("requests_aborted", request_ids=request_ids)
+        try:
+            await self.client.abort(request_ids)
+        except Exception:
+            log.exception("abort_failed", request_ids=request_ids)
+
+    async def begin(self, body: AnyRequest) -> _Generation:
+        """Validate ``body`` and submit it.
+
+        Raises:
+            APIError: unknown model (404), invalid parameters or a refused prompt (400),
+                no tokenizer (503) or no answer from it (504).
+        """
+        self.check_model(body.model)
+        try:
+            params = body.sampling_params()
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+        chat = isinstance(body, ChatCompletionRequest)
+        request_id = new_request_id("chatcmpl" if chat else "cmpl")
+        try:
+            if isinstance(body, ChatCompletionRequest):
+                reply = await self.client.submit(
+                    request_id,
+                    messages=body.messages_input(),
+                    sampling_params=params,
+                    priority=body.priority,
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+            else:
+                reply = await self.client.submit(
+                    request_id, prompt=body.prompt_input(), sampling_params=params, priority=body.priority
+                )
+        except nats.errors.NoRespondersError:
+            raise APIError(
+                503, f"no tokenizer is serving the model `{self.model_info.name}`", code="service_unavailable"
+            ) from None
+        except nats.errors.TimeoutError:
+            self.abort_soon([request_id])
+            raise APIError(504, "the tokenizer did not answer in time", code="timeout") from None
+        except BaseException:  # cancelled (client gone) or connection lost: it may have been accepted
+            self.abort_soon([request_id])
+            raise
+        if reply.error is not None:
+            raise APIError.from_service_error(reply.error)
+        cls = _ChatGeneration if chat else _CompletionGeneration
+        log.debug("request_submitted", request_id=request_id, num_prompt_tokens=len(reply.prompt_token_ids))
+        return cls(request_id, self.model_info.name, body.include_usage, len(reply.prompt_token_ids))
+
+    def finish(self, gen: _Generation) -> None:
+        """The client is done with ``gen``: abort it if the engine is not."""
+        if not gen.finished:
+            self.abort_soon([gen.request_id])
+
+    async def events(self, gen: _Generation) -> AsyncIterator[BaseModel]:
+        """The request's streaming chunks, then its usage chunk if asked for.
+
+        Raises:
+            APIError: the engine reported an error mid-stream.
+        """
+        for chunk in gen.start_chunks():
+            yield chunk
+        async with aclosing(self.client.stream(gen.request_id)) as deltas:
+            async for delta in deltas:
+                gen.update(delta)
+                for chunk in gen.delta_chunks(delta):
+                    yield chunk
+        if gen.include_usage:
+            yield gen.usage_chunk()
+
+    async def collect(self, gen: _Generation) -> BaseModel:
+        """Wait for the request to finish; its full response."""
+        async with aclosing(self.client.stream(gen.request_id)) as deltas:
+            async for delta in deltas:
+                gen.update(delta)
+        return gen.response()
+
+    async def sse(self, gen: _Generation) -> AsyncIterator[str]:
+        """Server-Sent Events: ``data: {chunk}`` lines, an error event if any, ``data: [DONE]``."""
+        try:
+            async for chunk in self.events(gen):
+                yield f"data: {gen.dump_json(chunk)}\n\n"
+        except APIError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        except Exception:
+            log.exception("stream_failed", request_id=gen.request_id)
+            yield f"data: {json.dumps(APIError(500, 'internal error while streaming').body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def handle_http(self, body: AnyRequest, request: Request) -> Response:
+        """One HTTP request: JSON, or SSE when ``body.stream``; aborted if the client leaves."""
+        gen = await self.begin(body)
+        headers = {"X-Request-Id": gen.request_id}
+        if body.stream:
+            return _AbortingStreamingResponse(
+                self.sse(gen),
+                on_close=lambda: self.finish(gen),
+                media_type="text/event-stream",
+                headers={**SSE_HEADERS, **headers},
+            )
+        try:
+            response = await _unless_disconnected(request, self.collect(gen))
+        finally:
+            self.finish(gen)
+        if response is None:
+            log.info("client_disconnected", request_id=gen.request_id)
+            return Response(status_code=499)
+        return JSONResponse(response.model_dump(mode="json"), headers=headers)
+
+    async def handle_websocket(self, ws: WebSocket) -> None:
+        """Serve one WebSocket connection (protocol in this module's docstring)."""
+        await ws.accept()
+        lock = asyncio.Lock()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def send(message: dict[str, Any]) -> None:
+            try:
+                async with lock:
+                    await ws.send_text(json.dumps(message, ensure_ascii=False))
+            except Exception as exc:
+                raise _WebSocketClosed() from exc
+
+        try:
+            while True:
+                message = await ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                data = message.get("text")
+                if data is None:
+                    data = (message.get("bytes") or b"").decode("utf-8", errors="replace")
+                try:
+                    tag, body = _parse_ws_message(data)
+                except _BadMessage as bad:
+                    await send({"type": "error", "id": bad.tag, "error": bad.error.info.model_dump()})
+                    continue
+                task = asyncio.create_task(self._ws_request(tag, body, send))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        except _WebSocketClosed:
+            pass
+        finally:
+            for task in list(tasks):
+                task.cancel()  # each task aborts its own unfinished request
+
+    async def _ws_request(
+        self, tag: Any, body: AnyRequest | APIError, send: Callable[[dict[str, Any]], Awaitable[None]]
+    ) -> None:
+        gen: _Generation | None = None
+        try:
+            if isinstance(body, APIError):
+                raise body
+            gen = await self.begin(body)
+            async for chunk in self.events(gen):
+                await send({"type": "chunk", "id": tag, "chunk": gen.dump(chunk)})
+            await send({"type": "done", "id": tag, "response": gen.response().model_dump(mode="json")})
+        except _WebSocketClosed:
+            pass
+        except APIError as exc:
+            await _send_quietly(send, {"type": "error", "id": tag, "error": exc.info.model_dump()})
+        except Exception:
+            log.exception("websocket_request_failed", request_id=gen.request_id if gen else None)
+            error = APIError(500, "internal error").info.model_dump()
+            await _send_quietly(send, {"type": "error", "id": tag, "error": error})
+        finally:
+            if gen is not None:
+                self.finish(gen)
+
+
+class _BadMessage(Exception):
+    def __init__(self, tag: Any, error: APIError) -> None:
+        super().__init__(error.info.message)
+        self.tag = tag
+        self.error = error
+
+
+def _parse_ws_message(data: str) -> tuple[Any, AnyRequest | APIError]:
+    """(tag, validated request or its validation error) of one client message.
+
+    Raises:
+        _BadMessage: the envelope itself is unreadable.
+    """
+    try:
+        envelope = json.loads(data)
+    except ValueError as exc:
+        raise _BadMessage(None, APIError(400, f"Invalid JSON message: {exc}")) from None
+    if not isinstance(envelope, dict):
+        raise _BadMessage(None, APIError(400, "a message must be a JSON object"))
+    tag = envelope.get("id")
+    kind = envelope.get("type")
+    models: dict[Any, type[AnyRequest]] = {"completion": CompletionRequest, "chat": ChatCompletionRequest}
+    if kind not in models:
+        raise _BadMessage(tag, APIError(400, "type must be 'completion' or 'chat'", param="type"))
+    request = envelope.get("request")
+    if not isinstance(request, dict):
+        raise _BadMessage(tag, APIError(400, "request must be a JSON object", param="request"))
+    try:
+        return tag, models[kind].model_validate(request)
+    except ValidationError as exc:
+        return tag, validation_error(exc.errors())
+
+
+async def _send_quietly(send: Callable[[dict[str, Any]], Awaitable[None]], message: dict[str, Any]) -> None:
+    try:
+        await send(message)
+    except _WebSocketClosed:
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """``await work``, or None (work cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    return None
+
+
+# ---------------------------------------------------------------- the app
+
+
+def create_app(settings: Settings, model_info: ModelInfo, client: EngineClient) -> FastAPI:
+    """The FastAPI app of one gateway, serving ``model_info.name`` through ``client``."""
+    app = FastAPI(title="pagedllm", description="OpenAI-compatible API of pagedllm", version="0.1.0")
+    serving = OpenAIServing(settings, model_info, client)
+    app.state.serving = serving
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(validation_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(
+            exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None
+        )
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.error("request_failed", path=request.url.path, error=repr(exc))
+        return _error_response(APIError(500, "internal server error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the NATS connection is up, else 503."""
+        if not client.connected:
+            raise APIError(503, "the NATS connection is down", code="service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        """The one served model."""
+        return ModelList(data=[serving.model_card()])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard)
+    async def retrieve_model(model: str) -> ModelCard:
+        """The served model by name (404 for any other)."""
+        serving.check_model(model)
+        return serving.model_card()
+
+    @app.post("/v1/completions", response_model=None)
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI ``POST /v1/completions`` (JSON, or SSE with ``stream``)."""
+        return await serving.handle_http(body, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI ``POST /v1/chat/completions`` (JSON, or SSE with ``stream``)."""
+        return await serving.handle_http(body, request)
+
+    @app.websocket("/v1/stream")
+    async def stream(ws: WebSocket) -> None:
+        """Several streaming requests over one connection (see the module docstring)."""
+        await serving.handle_websocket(ws)
+
+    return app

@@ -1,0 +1,186 @@
+"""``EngineClient``: submit requests to the services over NATS and receive their outputs.
+
+Used by the HTTP gateway and by the offline ``LLM`` API, so it knows nothing of HTTP.
+One client is one gateway id: the detokenizer publishes one ``GatewayStep`` per step to
+``pagedllm.gw.<gateway_id>``, and the client routes each ``RequestDelta`` in it to the
+queue of its request::
+
+    client = EngineClient(bus, model_info.name)
+    await client.start()
+    reply = await client.submit("cmpl-1", prompt="Hello", sampling_params=SamplingParams())
+    if reply.error is None:
+        async for delta in client.stream("cmpl-1"):
+            print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from nats.aio.subscription import Subscription
+
+from shared import subjects
+from shared.bus import Bus
+from shared.logging import get_logger
+from shared.messages import (
+    AbortRequests,
+    FinishReason,
+    GatewayStep,
+    RequestDelta,
+    SamplingParams,
+    TokenizeReply,
+    TokenizeRequest,
+)
+from shared.subjects import Subjects
+
+log = get_logger(__name__)
+
+
+def new_request_id(kind: str) -> str:
+    """A fresh request id: ``cmpl-<uuid hex>`` for ``kind="cmpl"``, ``chatcmpl-<uuid hex>`` for chat."""
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+class EngineClient:
+    """Talks to the tokenizer (requests), the detokenizer (outputs) and the scheduler (aborts).
+
+    Args:
+        bus: a connected bus; the client does not close it.
+        model: the served model name (selects the subjects).
+        gateway_id: this client's id in ``pagedllm.gw.<gateway_id>``; default a new uuid hex.
+        tokenize_timeout_s: how long ``submit`` waits for the tokenizer's reply.
+    """
+
+    def __init__(
+        self, bus: Bus, model: str, *, gateway_id: str | None = None, tokenize_timeout_s: float = 30.0
+    ) -> None:
+        self.bus = bus
+        self.model = model
+        self.subjects = Subjects(model)
+        self.gateway_id = gateway_id or uuid.uuid4().hex
+        self.tokenize_timeout_s = tokenize_timeout_s
+        self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        """Subscribe to this gateway's subject (flushed, so no output can be missed)."""
+        self._sub = await self.bus.subscribe(subjects.gateway(self.gateway_id), GatewayStep, self._on_step)
+        await self.bus.flush()
+
+    async def stop(self) -> None:
+        """Abort every request still in flight (their streams end) and unsubscribe."""
+        pending = list(self._queues)
+        if pending:
+            try:
+                await self.abort(pending)
+            except Exception:  # the connection is gone: the streams still end
+                log.warning("abort_on_stop_failed", num_requests=len(pending))
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # already closed or draining
+                pass
+            self._sub = None
+
+    @property
+    def connected(self) -> bool:
+        """Whether the NATS connection is up."""
+        return self.bus.nc.is_connected
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted whose stream has not ended."""
+        return len(self._queues)
+
+    async def _on_step(self, step: GatewayStep) -> None:
+        for delta in step.outputs:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:  # unknown ids: finished, aborted or someone else's
+                queue.put_nowait(delta)
+
+    async def submit(
+        self,
+        request_id: str,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        add_generation_prompt: bool = True,
+    ) -> TokenizeReply:
+        """Send a request to the tokenizer; its outputs then arrive for ``stream(request_id)``.
+
+        The output queue is registered before the request is sent, so no output is lost.
+
+        Returns:
+            The tokenizer's reply. When ``reply.error`` is set the request was refused and
+            its queue is dropped (the caller maps the error to an HTTP status).
+
+        Raises:
+            nats.errors.TimeoutError: no tokenizer replied within ``tokenize_timeout_s``.
+            nats.errors.NoRespondersError: no tokenizer serves this model.
+            ValueError: ``request_id`` is already in flight.
+        """
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        message = TokenizeRequest(
+            request_id=request_id,
+            gateway_id=self.gateway_id,
+            prompt=prompt,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            sampling_params=sampling_params,
+            priority=priority,
+            arrival_time=time.time(),
+        )
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self._queues[request_id] = queue
+        try:
+            reply = await self.bus.request(
+                self.subjects.tokenize, message, TokenizeReply, timeout=self.tokenize_timeout_s
+            )
+        except BaseException:
+            self._drop(request_id, queue)
+            raise
+        if reply.error is not None:
+            self._drop(request_id, queue)
+        return reply
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
+        """Yield the request's outputs until one is ``finished``, then drop its queue.
+
+        A request aborted through this client ends with a ``finish_reason="abort"`` delta.
+        Closing the iterator early drops the queue but does not abort the request: call
+        ``abort`` for that.
+
+        Raises:
+            KeyError: ``request_id`` was not submitted, or has already ended.
+        """
+        queue = self._queues.get(request_id)
+        if queue is None:
+            raise KeyError(f"request {request_id!r} is not in flight")
+        try:
+            while True:
+                delta = await queue.get()
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            self._drop(request_id, queue)
+
+    async def abort(self, request_ids: list[str], reason: FinishReason = "abort") -> None:
+        """Tell the scheduler to stop these requests; their streams end with an abort delta."""
+        for request_id in request_ids:
+            queue = self._queues.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(RequestDelta(request_id=request_id, finished=True, finish_reason="abort"))
+        if request_ids:
+            await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=request_ids, reason=reason))
+
+    def _drop(self, request_id: str, queue: asyncio.Queue[RequestDelta]) -> None:
+        if self._queues.get(request_id) is queue:
+            del self._queues[request_id]

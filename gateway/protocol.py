@@ -1,0 +1,398 @@
+"""OpenAI-compatible request and response shapes: the subset pagedllm serves.
+
+Field names and defaults follow the OpenAI API reference and vLLM's OpenAI server
+(``top_k``, ``priority``, ``stop_token_ids``, ``ignore_eos`` ... are vLLM extensions).
+Unknown request fields are ignored, as vLLM does. A field that is known but whose value
+this engine cannot honour (``echo=true``, ``logprobs``, penalties ...) fails validation
+with a message that starts with the field's name, so the error's ``param`` names it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from shared.messages import SamplingParams
+
+# ---------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    """The inner object of an OpenAI error body."""
+
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """An OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------- requests
+
+
+#: (field, accepts(value), what is supported) for known fields with unsupported values
+Unsupported = tuple[tuple[str, Callable[[Any], bool], str], ...]
+
+
+class OpenAIRequest(BaseModel):
+    """Base of request bodies: unknown fields are ignored (as in vLLM)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    unsupported_values: ClassVar[Unsupported] = ()
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> OpenAIRequest:
+        for name, accepts, supported in self.unsupported_values:
+            value = getattr(self, name)
+            if not accepts(value):
+                raise ValueError(f"{name}={json.dumps(value, default=str)} is not supported; {supported}")
+        return self
+
+
+def _is_none(v: Any) -> bool:
+    return v is None
+
+
+def _is_false(v: Any) -> bool:
+    return not v
+
+
+def _zero_or_none(v: Any) -> bool:
+    return v is None or v == 0
+
+
+def _one_or_none(v: Any) -> bool:
+    return v is None or v == 1
+
+
+_COMMON_UNSUPPORTED: Unsupported = (
+    ("presence_penalty", _zero_or_none, "only 0 is supported"),
+    ("frequency_penalty", _zero_or_none, "only 0 is supported"),
+    ("repetition_penalty", _one_or_none, "only 1 is supported"),
+    ("min_p", _zero_or_none, "only 0 is supported"),
+    ("min_tokens", _zero_or_none, "only 0 is supported"),
+    ("logit_bias", _is_false, "only an empty logit_bias is accepted"),
+)
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final chunk with the usage."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _SamplingFields(OpenAIRequest):
+    """The fields both endpoints share (OpenAI names plus vLLM extensions)."""
+
+    model: str
+    temperature: float | None = None  # None = 1.0
+    top_p: float | None = None  # None = 1.0
+    top_k: int | None = None  # vLLM extension; None, 0 or -1 = disabled
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    skip_special_tokens: bool = True  # vLLM extension
+    include_stop_str_in_output: bool = False  # vLLM extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0  # vLLM extension: lower is served earlier
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: one prompt (a string, a list of one string, or token ids)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    unsupported_values: ClassVar[Unsupported] = (
+        *_COMMON_UNSUPPORTED,
+        ("echo", _is_false, "only echo=false is supported"),
+        ("logprobs", _is_none, "only logprobs=null is supported"),
+        ("best_of", _one_or_none, "only best_of=1 is supported"),
+        ("suffix", _is_none, "suffix is not supported"),
+    )
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        ok = isinstance(v, str) or (
+            isinstance(v, list)
+            and (
+                all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+                or all(isinstance(x, str) for x in v)
+                or all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in v)
+            )
+        )
+        if not ok:
+            raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if not isinstance(v[0], int) and len(v) > 1:
+                raise ValueError("a batch of several prompts is not supported; send one prompt per request")
+        return v
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt, as text or token ids."""
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            return p[0]
+        return p
+
+    def sampling_params(self) -> SamplingParams:
+        """The request as ``SamplingParams``.
+
+        Raises:
+            pydantic.ValidationError: a value is out of range (the message names it).
+        """
+        return self._sampling_params(self.max_tokens)
+
+
+class ChatMessage(BaseModel):
+    """One chat message. Content is a string or a list of ``text`` parts (joined by newlines)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type")
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages: content part type {kind!r} is not supported; only 'text'")
+        return v
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as the chat template expects it (content as one string)."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "\n".join(part["text"] for part in self.content)
+        return out
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI; None = up to the context length
+    max_completion_tokens: int | None = None  # wins over max_tokens
+    add_generation_prompt: bool = True  # vLLM extension
+    continue_final_message: bool = False
+    echo: bool = False
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template: str | None = None
+
+    unsupported_values: ClassVar[Unsupported] = (
+        *_COMMON_UNSUPPORTED,
+        ("logprobs", _is_false, "only logprobs=false is supported"),
+        ("top_logprobs", _zero_or_none, "top_logprobs is not supported"),
+        ("echo", _is_false, "only echo=false is supported"),
+        ("continue_final_message", _is_false, "only continue_final_message=false is supported"),
+        ("chat_template", _is_none, "the model's own chat template is always used"),
+        ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
+    )
+
+    @model_validator(mode="after")
+    def _no_tools(self) -> ChatCompletionRequest:
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tools are not supported (tool_choice='none' is accepted)")
+        return self
+
+    def messages_input(self) -> list[dict[str, Any]]:
+        """The messages for the tokenizer's chat template."""
+        return [m.to_template_dict() for m in self.messages]
+
+    def sampling_params(self) -> SamplingParams:
+        """The request as ``SamplingParams`` (``max_completion_tokens`` wins over ``max_tokens``).
+
+        Raises:
+            pydantic.ValidationError: a value is out of range (the message names it).
+        """
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(limit)
+
+
+#: Every request field name (for naming the ``param`` of an error from its message).
+KNOWN_PARAMS: frozenset[str] = frozenset(
+    {*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields, *SamplingParams.model_fields}
+)
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    """Token counts of one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
+
+
+class CompletionResponse(BaseModel):
+    """A non-streaming ``text_completion``."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    """One SSE chunk of a streaming completion (``usage`` only with ``include_usage``)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A non-streaming ``chat.completion``."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """The ``delta`` of a chat chunk; unset (None) keys are left out."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """One SSE chunk of a streaming chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int
+    permission: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,187 @@
+"""``GatewayService``: the OpenAI-compatible HTTP/WebSocket server as a pagedllm service.
+
+It runs uvicorn in-process (a task on the running event loop) on ``settings.host`` and
+``settings.port`` (``port=0`` picks a free port; see ``GatewayService.port``), with one
+``EngineClient`` on the NATS bus. Signals are left to ``shared.service.run_service``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Generator
+from types import TracebackType
+
+import uvicorn
+
+from gateway.app import OpenAIServing, create_app
+from gateway.client import EngineClient
+from shared.bus import Bus
+from shared.config import Settings
+from shared.logging import get_logger
+from shared.model_source import ModelInfo
+
+log = get_logger(__name__)
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: the service's owner handles SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class GatewayService:
+    """The gateway: FastAPI app + uvicorn + ``EngineClient``.
+
+    Args:
+        settings: ``host``, ``port``, ``nats_url`` (used when ``bus`` is None), ``log_level``.
+        model_info: the served model (its name selects the NATS subjects).
+        bus: a connected bus to use (not closed by ``stop``); None = connect to ``settings.nats_url``.
+        drain_timeout_s: on ``stop``, how long in-flight HTTP requests may take to finish.
+    """
+
+    name = "gateway"
+
+    def __init__(
+        self,
+        settings: Settings,
+        model_info: ModelInfo,
+        bus: Bus | None = None,
+        *,
+        drain_timeout_s: float = 5.0,
+    ) -> None:
+        self.settings = settings
+        self.model_info = model_info
+        self.drain_timeout_s = drain_timeout_s
+        self.bus = bus
+        self._owns_bus = bus is None
+        self.client: EngineClient | None = None
+        self._server: _UvicornServer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._serving: OpenAIServing | None = None
+
+    async def start(self) -> None:
+        """Connect, subscribe, and listen; returns once the socket accepts connections.
+
+        Raises:
+            ValueError: no bus was given and ``settings.nats_url`` is None.
+            OSError: the address is in use or cannot be bound.
+        """
+        if self.bus is None and not self.settings.nats_url:
+            raise ValueError("GatewayService needs settings.nats_url (or a connected bus)")
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # releases the client and the bus it opened
+            raise
+        log.info(
+            "gateway_started", url=self.url, model=self.model_info.name, gateway_id=self.client.gateway_id
+        )
+
+    async def _start(self) -> None:
+        if self.bus is None:
+            assert self.settings.nats_url
+            self.bus = await Bus.connect(self.settings.nats_url, name=self.name)
+        self.client = EngineClient(self.bus, self.model_info.name)
+        await self.client.start()
+        app = create_app(self.settings, self.model_info, self.client)
+        self._serving = app.state.serving
+        config = uvicorn.Config(
+            app,
+            host=self.settings.host,
+            port=self.settings.port,
+            log_config=None,
+            log_level=self.settings.log_level.lower(),
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=self.drain_timeout_s,
+        )
+        self._server = _UvicornServer(config)
+        self._task = asyncio.create_task(self._serve(), name="gateway-uvicorn")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the bind error
+                raise OSError(f"gateway stopped while starting on {self.settings.host}:{self.settings.port}")
+            await asyncio.sleep(0.01)
+
+    async def _serve(self) -> None:
+        assert self._server is not None
+        try:
+            await self._server.serve()
+        except SystemExit:  # uvicorn exits the process when it cannot bind
+            raise OSError(
+                f"gateway cannot listen on {self.settings.host}:{self.settings.port} (address in use?)"
+            ) from None
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (the real one when ``settings.port`` is 0)."""
+        if self._server is not None and self._server.started:
+            for server in self._server.servers:
+                for sock in server.sockets:
+                    if sock.family in (socket.AF_INET, socket.AF_INET6):
+                        return int(sock.getsockname()[1])
+        return self.settings.port
+
+    @property
+    def url(self) -> str:
+        """The base URL, e.g. ``http://127.0.0.1:8000`` (the OpenAI base URL adds ``/v1``)."""
+        host = self.settings.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def ready(self) -> bool:
+        """True while the server listens and the NATS connection is up."""
+        return bool(
+            self._server is not None
+            and self._server.started
+            and self._task is not None
+            and not self._task.done()
+            and self.client is not None
+            and self.client.connected
+        )
+
+    async def stop(self) -> None:
+        """Stop listening, let in-flight requests finish (up to ``drain_timeout_s``), abort
+        the rest, and close the bus if this service opened it."""
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), self.drain_timeout_s + 5.0)
+            except (TimeoutError, OSError):
+                pass
+            except Exception:
+                log.exception("gateway_server_failed")
+            if not self._task.done():
+                self._server.force_exit = True
+                self._task.cancel()
+                await asyncio.wait({self._task})
+        await self._cleanup_client()
+        if self._owns_bus and self.bus is not None:
+            await self.bus.close()
+            self.bus = None
+        self._server = None
+        self._task = None
+        self._serving = None
+        self.client = None
+        log.info("gateway_stopped")
+
+    async def _cleanup_client(self) -> None:
+        if self._serving is not None:
+            await asyncio.sleep(0)  # let responses closed by the shutdown spawn their aborts
+            await self._serving.wait_background()
+        if self.client is not None:
+            await self.client.stop()
+
+    async def __aenter__(self) -> GatewayService:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

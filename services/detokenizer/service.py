@@ -1,0 +1,200 @@
+"""The detokenizer service: one shard of the requests' incremental detokenization state.
+
+recv ``DetokStep`` (one per scheduler step for this shard) -> register new requests, feed
+each update's tokens to its ``IncrementalDetokenizer`` -> send one ``GatewayStep`` per
+gateway (a ``RequestDelta`` per updated request) and, when stop strings matched, one
+``AbortRequests(reason="stop")`` so the scheduler frees those requests' blocks.
+A finished request's state is dropped at once; later updates for it are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from services.detokenizer.incremental import IncrementalDetokenizer
+from shared import subjects as subj
+from shared.bus import Bus
+from shared.config import Settings
+from shared.logging import configure_logging, get_logger
+from shared.messages import (
+    AbortRequests,
+    DetokNewRequest,
+    DetokStep,
+    GatewayStep,
+    RequestDelta,
+    ServiceError,
+    TokenUpdate,
+)
+from shared.model_source import ModelInfo, load_model_info
+from shared.service import run_service
+
+log = get_logger("detokenizer")
+
+
+@dataclass
+class DetokRequest:
+    """The state of one live request in this shard."""
+
+    request_id: str
+    gateway_id: str
+    num_prompt_tokens: int
+    detok: IncrementalDetokenizer
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StepOutputs:
+    """What one ``DetokStep`` produced: deltas per gateway, requests to abort (stop string)."""
+
+    by_gateway: dict[str, list[RequestDelta]]
+    aborted: list[str]
+
+
+class DetokenizerService:
+    """Serves ``Subjects(model).detok(settings.detokenizer_shard)``.
+
+    Args:
+        settings: engine settings (``detokenizer_shard``; ``nats_url`` when ``bus`` is None).
+        model_info: the served model; its ``path`` holds the Hugging Face tokenizer.
+        bus: a connected bus to share; None = connect in ``start()`` and close in ``stop()``.
+        tokenizer: an already loaded tokenizer (tests); None = ``AutoTokenizer.from_pretrained``.
+    """
+
+    name = "detokenizer"
+
+    def __init__(
+        self, settings: Settings, model_info: ModelInfo, bus: Bus | None = None, tokenizer: Any = None
+    ) -> None:
+        self.settings = settings
+        self.model_info = model_info
+        self.subjects = subj.Subjects(model_info.name)
+        self.bus = bus
+        self.tokenizer = tokenizer
+        self.requests: dict[str, DetokRequest] = {}
+        self._own_bus = bus is None
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        """Load the tokenizer, connect (if needed) and serve this shard's subject.
+
+        Raises:
+            ValueError: no bus was given and ``settings.nats_url`` is None.
+        """
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.model_info.path))
+        if self.bus is None:
+            if not self.settings.nats_url:
+                raise ValueError("DetokenizerService needs settings.nats_url (or a connected bus)")
+            self.bus = await Bus.connect(self.settings.nats_url, name=f"detokenizer-{self.settings.detokenizer_shard}")
+        subject = self.subjects.detok(self.settings.detokenizer_shard)
+        self._sub = await self.bus.subscribe(subject, DetokStep, self.handle)
+        await self.bus.flush()
+        log.info("detokenizer_started", model=self.model_info.name, subject=subject)
+
+    async def stop(self) -> None:
+        """Drain the subscription and close an owned connection."""
+        if self._sub is not None:
+            try:
+                await self._sub.drain()
+            except Exception:  # connection already closed
+                pass
+            self._sub = None
+        if self._own_bus and self.bus is not None:
+            await self.bus.close()
+            self.bus = None
+
+    async def handle(self, step: DetokStep) -> None:
+        """Process one step and publish its outputs (abort first, then one message per gateway)."""
+        out = self.process(step)
+        assert self.bus is not None
+        if out.aborted:
+            await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=out.aborted, reason="stop"))
+        for gateway_id, deltas in out.by_gateway.items():
+            await self.bus.publish(subj.gateway(gateway_id), GatewayStep(outputs=deltas))
+
+    # ------------------------------------------------------------------ no I/O below
+
+    def process(self, step: DetokStep) -> StepOutputs:
+        """Apply one ``DetokStep`` to the shard's state (no I/O)."""
+        for new in step.new_requests:
+            self._register(new)
+        by_gateway: dict[str, list[RequestDelta]] = defaultdict(list)
+        aborted: list[str] = []
+        for update in step.updates:
+            req = self.requests.get(update.request_id)
+            if req is None:
+                log.debug("update_ignored", request_id=update.request_id, reason="unknown or finished")
+                continue
+            delta = self._apply(req, update)
+            by_gateway[req.gateway_id].append(delta)
+            if delta.finished:
+                del self.requests[req.request_id]
+                if update.finish_reason is None:  # we ended it (stop string): the scheduler must too
+                    aborted.append(req.request_id)
+                log.info("request_detokenized", request_id=req.request_id, finish_reason=delta.finish_reason,
+                         stop_reason=delta.stop_reason, num_output_tokens=delta.num_output_tokens)
+        return StepOutputs(by_gateway=dict(by_gateway), aborted=aborted)
+
+    def _register(self, new: DetokNewRequest) -> None:
+        if new.request_id in self.requests:
+            log.warning("duplicate_new_request", request_id=new.request_id)
+            return
+        self.requests[new.request_id] = DetokRequest(
+            request_id=new.request_id,
+            gateway_id=new.gateway_id,
+            num_prompt_tokens=new.num_prompt_tokens,
+            detok=IncrementalDetokenizer(
+                self.tokenizer,
+                new.prompt_tail_ids,
+                skip_special_tokens=new.skip_special_tokens,
+                stop=new.stop,
+                include_stop_str_in_output=new.include_stop_str_in_output,
+            ),
+        )
+
+    def _apply(self, req: DetokRequest, update: TokenUpdate) -> RequestDelta:
+        det = req.detok
+        before = det.num_consumed_tokens
+        text = det.add_tokens(update.new_token_ids, stop_terminated=update.finish_reason == "stop")
+        consumed = det.num_consumed_tokens - before
+        req.num_output_tokens += consumed
+        req.num_cached_tokens = max(req.num_cached_tokens, update.num_cached_tokens)
+        finish_reason = stop_reason = error = None
+        if det.stop_matched is None and update.finish_reason is not None:
+            text += det.finish()
+        if det.stop_matched is not None:
+            finish_reason, stop_reason = "stop", det.stop_matched
+        elif update.finish_reason is not None:
+            finish_reason, stop_reason = update.finish_reason, update.stop_reason
+            if finish_reason == "error":
+                error = ServiceError(message="the engine failed while generating this request",
+                                     type="internal_server_error", status=500)
+        return RequestDelta(
+            request_id=req.request_id,
+            text=text,
+            token_ids=list(update.new_token_ids[:consumed]),
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            error=error,
+        )
+
+
+def main() -> None:
+    """Run one detokenizer shard as a process (settings from ``PAGEDLLM_*``)."""
+    settings = Settings()
+    configure_logging(settings.log_level, service=f"detokenizer-{settings.detokenizer_shard}")
+    asyncio.run(run_service(DetokenizerService(settings, load_model_info(settings))))
+
+
+if __name__ == "__main__":
+    main()

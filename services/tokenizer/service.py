@@ -1,0 +1,272 @@
+"""The tokenizer service: prompt or chat messages -> token ids, validated, submitted.
+
+recv ``TokenizeRequest`` (request/reply, queue group ``TOKENIZER_QUEUE``, so replicas share
+the load) -> tokenize (chat template for ``messages``) -> validate against
+``max_model_len`` -> publish ``SubmitRequest`` to the scheduler FIRST -> reply
+``TokenizeReply`` (the token ids, or a ``ServiceError`` the gateway returns as HTTP 400).
+Because the submit goes out before the reply on the same connection, a gateway that got
+the reply never races the scheduler's first output for that request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from shared.bus import Bus
+from shared.config import Settings
+from shared.logging import configure_logging, get_logger
+from shared.messages import ServiceError, SubmitRequest, TokenizeReply, TokenizeRequest
+from shared.model_source import ModelInfo, load_model_info
+from shared.service import run_service
+from shared.subjects import TOKENIZER_QUEUE, Subjects
+
+log = get_logger("tokenizer")
+
+
+class TokenizeError(Exception):
+    """A request the tokenizer refuses; ``error`` is the typed error sent back (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.error = ServiceError(message=message, type="invalid_request_error", param=param, code=code)
+
+
+class TokenizerService:
+    """Tokenizes and validates requests, then submits them to the scheduler.
+
+    Args:
+        settings: engine settings (``nats_url`` is used when ``bus`` is None).
+        model_info: the served model; its ``path`` holds the Hugging Face tokenizer.
+        bus: a connected bus to share; None = connect to ``settings.nats_url`` in ``start()``
+            (and close it in ``stop()``).
+        tokenizer: an already loaded tokenizer (tests); None = ``AutoTokenizer.from_pretrained``.
+
+    Tokenization runs on one worker thread (HF tokenizers must not be called from two
+    threads at once), so a long prompt never blocks the event loop.
+    """
+
+    name = "tokenizer"
+
+    def __init__(
+        self, settings: Settings, model_info: ModelInfo, bus: Bus | None = None, tokenizer: Any = None
+    ) -> None:
+        self.settings = settings
+        self.model_info = model_info
+        self.subjects = Subjects(model_info.name)
+        self.bus = bus
+        self.tokenizer = tokenizer
+        self._own_bus = bus is None
+        self._sub: Any = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    async def start(self) -> None:
+        """Load the tokenizer, connect (if needed) and serve the tokenize subject.
+
+        Raises:
+            ValueError: no bus was given and ``settings.nats_url`` is None.
+        """
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.model_info.path))
+        if self.bus is None:
+            if not self.settings.nats_url:
+                raise ValueError("TokenizerService needs settings.nats_url (or a connected bus)")
+            self.bus = await Bus.connect(self.settings.nats_url, name="tokenizer")
+        self._sub = await self.bus.subscribe(
+            self.subjects.tokenize, TokenizeRequest, self.handle, queue=TOKENIZER_QUEUE
+        )
+        await self.bus.flush()
+        log.info("tokenizer_started", model=self.model_info.name, subject=self.subjects.tokenize)
+
+    async def stop(self) -> None:
+        """Drain the subscription, close an owned connection, stop the worker thread."""
+        if self._sub is not None:
+            try:
+                await self._sub.drain()
+            except Exception:  # connection already closed
+                pass
+            self._sub = None
+        if self._own_bus and self.bus is not None:
+            await self.bus.close()
+            self.bus = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def handle(self, request: TokenizeRequest) -> TokenizeReply:
+        """Answer one ``TokenizeRequest``; on success publish its ``SubmitRequest`` first."""
+        t0 = time.perf_counter()
+        kind = "chat" if request.messages is not None else "completion"
+        try:
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._executor, self.tokenize, request)
+        except TokenizeError as e:
+            log.info("tokenize_rejected", request_id=request.request_id, kind=kind,
+                     param=e.error.param, reason=e.error.message)
+            return TokenizeReply(request_id=request.request_id, error=e.error)
+        except Exception as e:  # a bug or a broken tokenizer: answer rather than let the gateway hang
+            log.exception("tokenize_failed", request_id=request.request_id)
+            error = ServiceError(message=f"tokenization failed: {e}", type="internal_server_error", status=500)
+            return TokenizeReply(request_id=request.request_id, error=error)
+        assert self.bus is not None
+        await self.bus.publish(
+            self.subjects.submit,
+            SubmitRequest(
+                request_id=request.request_id,
+                gateway_id=request.gateway_id,
+                prompt_token_ids=ids,
+                sampling_params=request.sampling_params,
+                priority=request.priority,
+                arrival_time=request.arrival_time or time.time(),
+            ),
+        )
+        log.info("tokenized", request_id=request.request_id, kind=kind, num_prompt_tokens=len(ids),
+                 max_tokens=request.sampling_params.max_tokens, ms=round((time.perf_counter() - t0) * 1e3, 2))
+        return TokenizeReply(request_id=request.request_id, prompt_token_ids=ids)
+
+    # ------------------------------------------------------------------ no I/O below
+
+    def tokenize(self, request: TokenizeRequest) -> list[int]:
+        """The request's prompt token ids, checked against ``max_model_len``.
+
+        ``messages`` go through the chat template (``add_generation_prompt`` as asked); a
+        string ``prompt`` is tokenized like ``tokenizer(prompt)`` (default special tokens);
+        a ``list[int]`` prompt is used as given.
+
+        Raises:
+            TokenizeError: empty or malformed input, token ids outside ``[0, vocab_size)``,
+                no chat template, or too long for ``max_model_len`` (the error names the
+                parameter: ``prompt``, ``messages`` or ``max_tokens``).
+        """
+        if request.messages is not None and request.prompt is not None:
+            raise TokenizeError("give either prompt or messages, not both", param="messages")
+        if request.messages is not None:
+            param = "messages"
+            ids = self._tokenize_chat(request.messages, request.add_generation_prompt)
+        elif request.prompt is None:
+            raise TokenizeError("the request has neither a prompt nor messages", param="prompt")
+        else:
+            param = "prompt"
+            ids = self._tokenize_prompt(request.prompt)
+        if not ids:
+            raise TokenizeError(f"the {param} is empty: it must hold at least one token", param=param)
+        self._check_length(len(ids), request.sampling_params.max_tokens, param)
+        return ids
+
+    def _tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise TokenizeError("the prompt is empty", param="prompt")
+            return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
+        vocab = self.model_info.vocab_size
+        for i, t in enumerate(prompt):
+            if not 0 <= t < vocab:
+                raise TokenizeError(f"prompt[{i}]: token id {t} is outside the vocabulary [0, {vocab})",
+                                    param="prompt")
+        return list(prompt)
+
+    def _tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        conversation = normalize_messages(messages)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise TokenizeError("this model has no chat template: use the completions API with a prompt",
+                                param="messages")
+        try:
+            out = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except Exception as e:  # jinja2 errors raised by the template (e.g. "roles must alternate")
+            raise TokenizeError(f"the chat template rejected the messages: {e}", param="messages") from e
+        return token_id_list(out)
+
+    def _check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
+        limit = self.model_info.max_model_len
+        where = "messages" if param == "messages" else "prompt"
+        if num_prompt >= limit:
+            raise TokenizeError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt} tokens in the {where}, which leaves no room for the completion. "
+                f"Please reduce the length of the {where}.",
+                param=param, code="context_length_exceeded",
+            )
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise TokenizeError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the {where}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {where} or completion.",
+                param="max_tokens", code="context_length_exceeded",
+            )
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Chat messages checked and reduced to ``{"role": str, "content": str, ...}``.
+
+    ``content`` may be a string or a list of ``{"type": "text", "text": str}`` parts, joined
+    with "\\n" as vLLM does; an assistant message may have ``content`` None (read as "").
+    Other keys (e.g. ``name``) are passed to the chat template unchanged.
+
+    Raises:
+        TokenizeError: the list is empty, or a message is malformed (param ``messages``; the
+            message names the offending index).
+    """
+    if not messages:
+        raise TokenizeError("messages must be a non-empty list", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise TokenizeError(f"messages[{i}] must be an object with role and content", param="messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise TokenizeError(f"messages[{i}].role must be a non-empty string", param="messages")
+        content = m.get("content")
+        if isinstance(content, str):
+            text = content
+        elif content is None and role == "assistant":
+            text = ""
+        elif isinstance(content, list):
+            parts: list[str] = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind != "text":
+                    raise TokenizeError(
+                        f"messages[{i}].content[{j}]: only parts of type 'text' are supported, got {kind!r}",
+                        param="messages",
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise TokenizeError(f"messages[{i}].content[{j}].text must be a string", param="messages")
+                parts.append(part["text"])
+            text = "\n".join(parts)
+        else:
+            raise TokenizeError(
+                f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}",
+                param="messages",
+            )
+        out.append({**m, "role": role, "content": text})
+    return out
+
+
+def token_id_list(out: Any) -> list[int]:
+    """A plain ``list[int]`` from what ``apply_chat_template(tokenize=True)`` returns:
+    a list, a nested list (batch of one) or a dict / ``BatchEncoding`` (transformers 5)."""
+    if isinstance(out, Mapping) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list | tuple):
+        if len(out) != 1:
+            raise ValueError(f"expected one sequence of token ids, got {len(out)}")
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def main() -> None:
+    """Run the tokenizer service as a process (settings from ``PAGEDLLM_*``)."""
+    settings = Settings()
+    configure_logging(settings.log_level, service="tokenizer")
+    asyncio.run(run_service(TokenizerService(settings, load_model_info(settings))))
+
+
+if __name__ == "__main__":
+    main()

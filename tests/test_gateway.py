@@ -1,0 +1,481 @@
+"""The gateway against a real nats-server and a fake backend (tokenizer + detokenizer).
+
+The fake backend answers ``TokenizeRequest`` (one token per prompt word) and then
+publishes ``GatewayStep`` deltas that spell "The capital of France is Paris." (one word
+per token, cut at ``max_tokens``). Prompts containing "slow" produce one delta and then
+wait for an abort; prompts containing "fail" end with an engine error; ``max_tokens``
+above 100 is refused by the fake tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+from websockets.asyncio.client import connect as ws_connect
+
+from gateway.service import GatewayService
+from shared import subjects
+from shared.bus import Bus
+from shared.config import Settings
+from shared.messages import (
+    AbortRequests,
+    GatewayStep,
+    RequestDelta,
+    ServiceError,
+    TokenizeReply,
+    TokenizeRequest,
+)
+from shared.model_source import ModelInfo
+from shared.subjects import TOKENIZER_QUEUE, Subjects
+
+ANSWER = ["The", " capital", " of", " France", " is", " Paris."]
+FULL = "".join(ANSWER)
+PROMPT = "What is the capital of France?"  # 6 words = 6 prompt tokens
+
+
+class FakeBackend:
+    """Tokenizer + detokenizer stand-in that records what the gateway sends."""
+
+    def __init__(self, bus: Bus, model: str) -> None:
+        self.bus = bus
+        self.subjects = Subjects(model)
+        self.requests: dict[str, TokenizeRequest] = {}
+        self.aborted: list[str] = []
+        self._abort_events: dict[str, asyncio.Event] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        await self.bus.subscribe(
+            self.subjects.tokenize, TokenizeRequest, self._on_tokenize, queue=TOKENIZER_QUEUE
+        )
+        await self.bus.subscribe(self.subjects.abort, AbortRequests, self._on_abort)
+        await self.bus.flush()
+
+    async def _on_abort(self, message: AbortRequests) -> None:
+        for request_id in message.request_ids:
+            self.aborted.append(request_id)
+            self._abort_events.setdefault(request_id, asyncio.Event()).set()
+
+    async def wait_aborted(self, request_id: str, timeout: float = 5.0) -> None:
+        await asyncio.wait_for(self._abort_events.setdefault(request_id, asyncio.Event()).wait(), timeout)
+
+    async def _on_tokenize(self, req: TokenizeRequest) -> TokenizeReply:
+        self.requests[req.request_id] = req
+        params = req.sampling_params
+        if params.max_tokens is not None and params.max_tokens > 100:
+            error = ServiceError(
+                message=f"max_tokens={params.max_tokens} is too large: prompt + max_tokens exceeds max_model_len=106",
+                param="max_tokens",
+            )
+            return TokenizeReply(request_id=req.request_id, error=error)
+        if isinstance(req.prompt, list):
+            text, prompt_ids = "", req.prompt
+        else:
+            text = req.prompt if req.prompt is not None else str(req.messages[-1]["content"])
+            prompt_ids = list(range(len(text.split())))
+        task = asyncio.create_task(self._generate(req, text, len(prompt_ids)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return TokenizeReply(request_id=req.request_id, prompt_token_ids=prompt_ids)
+
+    async def _send(self, req: TokenizeRequest, **fields: Any) -> None:
+        delta = RequestDelta(request_id=req.request_id, **fields)
+        await self.bus.publish(subjects.gateway(req.gateway_id), GatewayStep(outputs=[delta]))
+
+    async def _generate(self, req: TokenizeRequest, text: str, num_prompt: int) -> None:
+        await asyncio.sleep(0.01)
+        if "slow" in text:
+            await self._send(
+                req, text="Hello", token_ids=[7], num_prompt_tokens=num_prompt, num_output_tokens=1
+            )
+            await self.wait_aborted(req.request_id, timeout=10)
+            return
+        if "fail" in text:
+            await self._send(
+                req, text="Oops", token_ids=[7], num_prompt_tokens=num_prompt, num_output_tokens=1
+            )
+            error = ServiceError(message="executor group g0 failed", type="internal_error", status=500)
+            await self._send(req, finished=True, finish_reason="error", error=error)
+            return
+        limit = req.sampling_params.max_tokens or len(ANSWER)
+        pieces = ANSWER[:limit]
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            await self._send(
+                req,
+                text=piece,
+                token_ids=[100 + i],
+                finished=last,
+                finish_reason=("stop" if len(pieces) == len(ANSWER) else "length") if last else None,
+                num_prompt_tokens=num_prompt,
+                num_output_tokens=i + 1,
+            )
+            await asyncio.sleep(0.005)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def gw(nats_url: str):
+    model = f"gwtest-{uuid.uuid4().hex[:8]}"
+    bus = await Bus.connect(nats_url, name="fake-backend")
+    backend = FakeBackend(bus, model)
+    await backend.start()
+    info = ModelInfo(
+        path=Path("/models") / model, name=model, max_model_len=106, eos_token_ids=(2,), vocab_size=1000
+    )
+    service = GatewayService(Settings(nats_url=nats_url, host="127.0.0.1", port=0), info)
+    await service.start()
+    base = service.url
+    oai = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=10)
+    async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+        yield SimpleNamespace(model=model, backend=backend, service=service, base=base, oai=oai, http=http)
+    await oai.close()
+    await service.stop()
+    await bus.close()
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+async def test_health_and_models(gw):
+    r = await gw.http.get("/health")
+    assert r.status_code == 200
+    assert gw.service.ready()
+    models = await gw.oai.models.list()
+    assert [m.id for m in models.data] == [gw.model]
+    card = models.data[0]
+    assert card.owned_by == "pagedllm"
+    assert card.model_extra["max_model_len"] == 106
+    assert (await gw.http.get(f"/v1/models/{gw.model}")).json()["id"] == gw.model
+    assert_openai_error(await gw.http.get("/v1/models/other"), 404)
+
+
+async def test_completion(gw):
+    out = await gw.oai.completions.create(model=gw.model, prompt=PROMPT, max_tokens=20, temperature=0)
+    assert out.id.startswith("cmpl-")
+    assert out.object == "text_completion"
+    assert out.model == gw.model
+    assert out.choices[0].text == FULL
+    assert out.choices[0].finish_reason == "stop"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (6, 6, 12)
+    sent = gw.backend.requests[out.id]
+    assert sent.prompt == PROMPT and sent.messages is None
+    assert sent.sampling_params.max_tokens == 20 and sent.sampling_params.temperature == 0.0
+
+
+async def test_completion_defaults_and_forms(gw):
+    out = await gw.oai.completions.create(model=gw.model, prompt=[PROMPT])  # a list of one string
+    assert gw.backend.requests[out.id].sampling_params.max_tokens == 16  # OpenAI's default
+    assert out.choices[0].text == FULL
+    out = await gw.oai.completions.create(model="HuggingFaceTB/" + gw.model, prompt=[5, 6, 7], max_tokens=2)
+    assert gw.backend.requests[out.id].prompt == [5, 6, 7]
+    assert out.choices[0].text == "The capital"
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 2)
+
+
+async def test_completion_stream_equals_non_stream(gw):
+    full = await gw.oai.completions.create(model=gw.model, prompt=PROMPT, max_tokens=20)
+    stream = await gw.oai.completions.create(
+        model=gw.model, prompt=PROMPT, max_tokens=20, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) == len(ANSWER)
+    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text == FULL
+    assert [c.choices[0].finish_reason for c in text_chunks] == [None] * 5 + ["stop"]
+    assert all(c.usage is None for c in text_chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 12
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+
+
+async def test_chat(gw):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    out = await gw.oai.chat.completions.create(model=gw.model, messages=messages)
+    assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == FULL
+    assert out.choices[0].finish_reason == "stop"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (6, 6, 12)
+    sent = gw.backend.requests[out.id]
+    assert sent.messages == messages and sent.add_generation_prompt
+    assert sent.sampling_params.max_tokens is None  # chat default: up to the context length
+
+    stream = await gw.oai.chat.completions.create(
+        model=gw.model, messages=messages, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == FULL
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+async def test_chat_sampling_params_mapping(gw):
+    out = await gw.oai.chat.completions.create(
+        model=gw.model,
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}
+        ],
+        max_completion_tokens=3,
+        max_tokens=50,
+        temperature=0.5,
+        top_p=0.9,
+        seed=7,
+        stop="\n",
+        extra_body={"top_k": 5, "priority": -1, "stop_token_ids": [2], "ignore_eos": True},
+    )
+    assert out.choices[0].message.content == "The capital of"
+    assert out.choices[0].finish_reason == "length"
+    sent = gw.backend.requests[out.id]
+    assert sent.messages == [{"role": "user", "content": "Hi\nthere"}]
+    assert sent.priority == -1
+    p = sent.sampling_params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (3, 0.5, 0.9, 5, 7)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos) == (["\n"], [2], True)
+
+
+async def test_raw_sse(gw):
+    body = {"model": gw.model, "messages": [{"role": "user", "content": PROMPT}], "stream": True}
+    async with gw.http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = (await r.aread()).decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("usage" not in p for p in payloads)  # no include_usage: no usage key
+    assert payloads[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+BAD_BODIES = [
+    ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 500}, "max_tokens"),  # refused by the tokenizer
+    ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_BODIES)
+async def test_invalid_requests_are_400(gw, path, body, param):
+    r = await gw.http.post(path, json={"model": gw.model, **body})
+    error = assert_openai_error(r, 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+async def test_errors_then_normal_request(gw):
+    r = await gw.http.post(
+        "/v1/completions", content=b'{"model": "x", "prompt": ', headers={"content-type": "application/json"}
+    )
+    assert "JSON" in assert_openai_error(r, 400)["message"]
+    r = await gw.http.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+    error = assert_openai_error(r, 404, "model")
+    assert error["code"] == "model_not_found" and error["message"] == "The model `gpt-9` does not exist."
+    r = await gw.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert_openai_error(r, 400, "model")
+    assert_openai_error(await gw.http.get("/v1/nothing"), 404)
+
+    with pytest.raises(openai.BadRequestError) as exc:
+        await gw.oai.completions.create(model=gw.model, prompt=PROMPT, max_tokens=1000)
+    assert exc.value.status_code == 400 and "too large" in exc.value.message
+    with pytest.raises(openai.NotFoundError):
+        await gw.oai.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        await gw.oai.chat.completions.create(model=gw.model, messages=[])
+
+    with pytest.raises(openai.BadRequestError):  # refused before the stream starts: a plain 400
+        await gw.oai.completions.create(model=gw.model, prompt=PROMPT, max_tokens=1000, stream=True)
+
+    out = await gw.oai.completions.create(model=gw.model, prompt=PROMPT)
+    assert out.choices[0].text == FULL
+    assert gw.service.client.num_in_flight == 0
+
+
+async def test_internal_error_is_500_and_server_keeps_serving(gw, monkeypatch):
+    async def broken_submit(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(gw.service.client, "submit", broken_submit)
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT})
+    assert assert_openai_error(r, 500)["type"] == "server_error"
+    monkeypatch.undo()
+    out = await gw.oai.completions.create(model=gw.model, prompt=PROMPT)
+    assert out.choices[0].text == FULL
+
+
+async def test_engine_error_mid_stream(gw):
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": "please fail"})
+    error = assert_openai_error(r, 500)
+    assert error["message"] == "executor group g0 failed" and error["type"] == "internal_error"
+
+    body = {"model": gw.model, "prompt": "please fail", "stream": True}
+    async with gw.http.stream("POST", "/v1/completions", json=body) as r:
+        raw = (await r.aread()).decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert json.loads(events[0].removeprefix("data: "))["choices"][0]["text"] == "Oops"
+    assert json.loads(events[1].removeprefix("data: "))["error"]["message"] == "executor group g0 failed"
+    assert events[-1] == "data: [DONE]"
+
+    stream = await gw.oai.completions.create(model=gw.model, prompt="please fail", stream=True)
+    with pytest.raises(openai.APIError):
+        async for _ in stream:
+            pass
+    out = await gw.oai.completions.create(model=gw.model, prompt=PROMPT)  # still serving
+    assert out.choices[0].text == FULL
+
+
+async def test_streaming_disconnect_aborts(gw):
+    body = {"model": gw.model, "prompt": "a slow one", "stream": True, "max_tokens": 50}
+    async with httpx.AsyncClient(base_url=gw.base, timeout=10) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            request_id = r.headers["x-request-id"]
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    assert json.loads(line[6:])["choices"][0]["text"] == "Hello"
+                    break
+    await gw.backend.wait_aborted(request_id)
+    assert request_id.startswith("cmpl-") and request_id in gw.backend.aborted
+    await asyncio.sleep(0.05)
+    assert request_id not in gw.service.client._queues
+
+
+async def test_non_streaming_disconnect_aborts(gw):
+    before = set(gw.backend.requests)
+    with pytest.raises(httpx.ReadTimeout):
+        async with httpx.AsyncClient(base_url=gw.base, timeout=0.5) as http:
+            await http.post(
+                "/v1/chat/completions",
+                json={"model": gw.model, "messages": [{"role": "user", "content": "slow"}]},
+            )
+    (request_id,) = set(gw.backend.requests) - before
+    await gw.backend.wait_aborted(request_id)
+    assert request_id.startswith("chatcmpl-")
+
+
+async def test_websocket_two_concurrent_requests(gw):
+    async with ws_connect(f"ws://127.0.0.1:{gw.service.port}/v1/stream") as ws:
+        await ws.send(
+            json.dumps({"type": "completion", "id": "a", "request": {"model": gw.model, "prompt": PROMPT}})
+        )
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "chat",
+                    "id": 2,
+                    "request": {
+                        "model": gw.model,
+                        "messages": [{"role": "user", "content": PROMPT}],
+                        "max_tokens": 4,
+                        "stream_options": {"include_usage": True},
+                    },
+                }
+            )
+        )
+        await ws.send(
+            json.dumps({"type": "chat", "id": "bad", "request": {"model": gw.model, "messages": []}})
+        )
+        await ws.send("not json")
+        chunks: dict[Any, list[dict]] = {"a": [], 2: []}
+        done: dict[Any, dict] = {}
+        errors: dict[Any, dict] = {}
+        while len(done) < 2 or len(errors) < 2:
+            msg = json.loads(await asyncio.wait_for(ws.recv(), 5))
+            if msg["type"] == "chunk":
+                chunks[msg["id"]].append(msg["chunk"])
+            elif msg["type"] == "done":
+                done[msg["id"]] = msg["response"]
+            else:
+                assert msg["type"] == "error"
+                errors[msg["id"]] = msg["error"]
+        assert done["a"]["object"] == "text_completion"
+        assert (
+            "".join(c["choices"][0]["text"] for c in chunks["a"]) == done["a"]["choices"][0]["text"] == FULL
+        )
+        assert done[2]["object"] == "chat.completion"
+        assert done[2]["choices"][0]["message"] == {
+            "role": "assistant",
+            "content": "The capital of France",
+            "refusal": None,
+            "tool_calls": [],
+        }
+        assert done[2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[2][0]["choices"][0]["delta"]["role"] == "assistant"
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[2] if c["choices"]) == (
+            "The capital of France"
+        )
+        assert chunks[2][-1]["usage"]["completion_tokens"] == 4 and "usage" not in chunks["a"][-1]
+        assert errors["bad"]["param"] == "messages" and errors["bad"]["type"] == "invalid_request_error"
+        assert set(errors[None]) == {"message", "type", "param", "code"}
+
+        # the connection is still open after errors
+        await ws.send(json.dumps({"type": "completion", "request": {"model": "nope", "prompt": "x"}}))
+        msg = json.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert msg == {
+            "type": "error",
+            "id": None,
+            "error": {
+                "message": "The model `nope` does not exist.",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            },
+        }
+
+
+async def test_websocket_disconnect_aborts(gw):
+    async with ws_connect(f"ws://127.0.0.1:{gw.service.port}/v1/stream") as ws:
+        await ws.send(
+            json.dumps({"type": "completion", "id": 1, "request": {"model": gw.model, "prompt": "slow"}})
+        )
+        msg = json.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert msg["type"] == "chunk" and msg["chunk"]["choices"][0]["text"] == "Hello"
+        request_id = msg["chunk"]["id"]
+    await gw.backend.wait_aborted(request_id)
+
+
+async def test_port_in_use_and_stop_aborts_in_flight(gw, nats_url):
+    info = gw.service.model_info
+    with pytest.raises(OSError):
+        await GatewayService(Settings(nats_url=nats_url, port=gw.service.port), info).start()
+
+    second = GatewayService(Settings(nats_url=nats_url, port=0), info, drain_timeout_s=0.3)
+    await second.start()
+    assert second.port != gw.service.port and second.ready()
+    body = {"model": gw.model, "prompt": "slow", "stream": True}
+    async with httpx.AsyncClient(base_url=second.url, timeout=10) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            request_id = r.headers["x-request-id"]
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break
+            await asyncio.wait_for(second.stop(), 5)  # drains for 0.3 s, then aborts
+    await gw.backend.wait_aborted(request_id)
+    assert not second.ready()
