@@ -5,7 +5,7 @@ HTTP endpoints (shapes of the OpenAI API reference and of vLLM's OpenAI server):
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: JSON, or Server-Sent Events
   with ``"stream": true`` (``data: {chunk}`` lines, an optional usage chunk with
   ``stream_options.include_usage``, then ``data: [DONE]``).
-- ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health`` (200 while NATS is up).
+- ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health`` (200 when the engine is ready).
 
 Every error body is OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``.
 Invalid bodies are 400 (never FastAPI's 422), an unknown model is 404, an engine
@@ -80,6 +80,7 @@ from shared.config import Settings
 from shared.logging import get_logger
 from shared.messages import RequestDelta, ServiceError
 from shared.model_source import ModelInfo
+from shared.service import engine_ready
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -608,9 +609,13 @@ def create_app(settings: Settings, model_info: ModelInfo, client: EngineClient) 
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the NATS connection is up, else 503."""
+        """200 when the engine can serve: NATS is up, every engine service answers a ping
+        and the scheduler has an executor group; else 503."""
         if not client.connected:
             raise APIError(503, "the NATS connection is down", code="service_unavailable")
+        if not await engine_ready(client.bus, model_info.name):
+            raise APIError(503, "the engine is not ready (a service or executor group is missing)",
+                           code="service_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models", response_model=ModelList)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.client import EngineClient
 from tqdm.auto import tqdm
 
+from gateway.client import EngineClient
 from pagedllm.launcher import InProcessServices, pinned_settings
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from shared.bus import Bus
@@ -25,6 +24,7 @@ from shared.logging import configure_logging
 from shared.messages import RequestDelta, SamplingParams, SchedulerStats, StatsQuery
 from shared.model_source import load_model_info
 from shared.nats_server import EmbeddedNats
+from shared.service import wait_engine_ready
 from shared.subjects import Subjects
 
 ENGINE_SERVICES = ("scheduler", "tokenizer", "detokenizer", "executor")
@@ -60,7 +60,7 @@ class LLM:
         try:
             self._services.start()
             self._bus, self._client = self._services.run(self._connect_client())
-            self._wait_for_executor()
+            self._services.run(wait_engine_ready(self._bus, self.model_info.name, timeout=300))
         except BaseException:
             self.close()
             raise
@@ -71,15 +71,6 @@ class LLM:
         client = EngineClient(bus, self.model_info.name)
         await client.start()
         return bus, client
-
-    def _wait_for_executor(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            stats = self.stats()
-            if stats.groups:
-                return
-            time.sleep(0.05)
-        raise TimeoutError("no executor group registered with the scheduler")
 
     def stats(self) -> SchedulerStats:
         """The scheduler's statistics (running, waiting, free blocks per group)."""

@@ -285,3 +285,11 @@ class SchedulerStats(Message):
 
 class StatsQuery(Message):
     pass
+
+
+class Ping(Message):
+    """Liveness probe of a service (request/reply on ``Subjects.ping(service)``)."""
+
+
+class Pong(Message):
+    service: str

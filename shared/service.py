@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from typing import Protocol
+
+import nats.errors
+
+from shared import subjects
+from shared.bus import Bus
+from shared.messages import Ping, Pong, SchedulerStats, StatsQuery
 
 
 class Service(Protocol):
@@ -31,3 +38,42 @@ async def run_service(service: Service) -> None:
         await stop.wait()
     finally:
         await service.stop()
+
+
+ENGINE_SERVICES = ("tokenizer", "scheduler", "executor", "detokenizer")
+
+
+async def answer_pings(bus: Bus, model: str, service: str) -> None:
+    """Answer ``Ping`` on ``ping(model, service)``: call once the service is ready to serve."""
+
+    async def pong(_: Ping) -> Pong:
+        return Pong(service=service)
+
+    await bus.subscribe(subjects.ping(model, service), Ping, pong)
+    await bus.flush()
+
+
+async def engine_ready(bus: Bus, model: str, services: tuple[str, ...] = ENGINE_SERVICES,
+                       timeout: float = 1.0) -> bool:
+    """True when every service answers a ping and the scheduler has an executor group."""
+    try:
+        for service in services:
+            await bus.request(subjects.ping(model, service), Ping(), Pong, timeout=timeout)
+        stats = await bus.request(subjects.Subjects(model).stats_get, StatsQuery(), SchedulerStats, timeout)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+        return False
+    return bool(stats.groups)
+
+
+async def wait_engine_ready(bus: Bus, model: str, timeout: float = 300.0,
+                            services: tuple[str, ...] = ENGINE_SERVICES) -> None:
+    """Wait until :func:`engine_ready`.
+
+    Raises:
+        TimeoutError: not ready within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while not await engine_ready(bus, model, services):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine of {model} is not ready after {timeout} s")
+        await asyncio.sleep(0.1)

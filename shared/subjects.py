@@ -60,6 +60,10 @@ class Subjects:
         return f"{self.base}.stats.get"
 
 
+def ping(model: str, service: str) -> str:  # Ping -> Pong (request/reply)
+    return f"{PREFIX}.{subject_token(model)}.ping.{service}"
+
+
 def gateway(gateway_id: str) -> str:  # GatewayStep
     return f"{PREFIX}.gw.{gateway_id}"
 

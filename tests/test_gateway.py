@@ -29,12 +29,16 @@ from shared.config import Settings
 from shared.messages import (
     AbortRequests,
     GatewayStep,
+    GroupStats,
     RequestDelta,
+    SchedulerStats,
     ServiceError,
+    StatsQuery,
     TokenizeReply,
     TokenizeRequest,
 )
 from shared.model_source import ModelInfo
+from shared.service import ENGINE_SERVICES, answer_pings
 from shared.subjects import TOKENIZER_QUEUE, Subjects
 
 ANSWER = ["The", " capital", " of", " France", " is", " Paris."]
@@ -47,6 +51,7 @@ class FakeBackend:
 
     def __init__(self, bus: Bus, model: str) -> None:
         self.bus = bus
+        self.model = model
         self.subjects = Subjects(model)
         self.requests: dict[str, TokenizeRequest] = {}
         self.aborted: list[str] = []
@@ -58,7 +63,14 @@ class FakeBackend:
             self.subjects.tokenize, TokenizeRequest, self._on_tokenize, queue=TOKENIZER_QUEUE
         )
         await self.bus.subscribe(self.subjects.abort, AbortRequests, self._on_abort)
+        await self.bus.subscribe(self.subjects.stats_get, StatsQuery, self._on_stats)
+        for service in ENGINE_SERVICES:
+            await answer_pings(self.bus, self.model, service)
         await self.bus.flush()
+
+    async def _on_stats(self, _: StatsQuery) -> SchedulerStats:
+        group = GroupStats(group_id="g0", num_blocks=8, num_free_blocks=8, block_size=16, num_running=0)
+        return SchedulerStats(num_running=0, num_waiting=0, groups=[group])
 
     async def _on_abort(self, message: AbortRequests) -> None:
         for request_id in message.request_ids:
@@ -151,6 +163,18 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
     if param is not None:
         assert body["error"]["param"] == param, body
     return body["error"]
+
+
+async def test_health_is_503_until_the_engine_is_ready(nats_url):
+    info = ModelInfo(path=Path("/models/x"), name=f"noengine-{uuid.uuid4().hex[:8]}", max_model_len=106,
+                     eos_token_ids=(2,), vocab_size=1000)
+    service = GatewayService(Settings(nats_url=nats_url, host="127.0.0.1", port=0), info)
+    await service.start()
+    try:
+        async with httpx.AsyncClient(base_url=service.url, timeout=10) as http:
+            assert_openai_error(await http.get("/health"), 503)
+    finally:
+        await service.stop()
 
 
 async def test_health_and_models(gw):

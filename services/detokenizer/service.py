@@ -29,7 +29,7 @@ from shared.messages import (
     TokenUpdate,
 )
 from shared.model_source import ModelInfo, load_model_info
-from shared.service import run_service
+from shared.service import answer_pings, run_service
 
 log = get_logger("detokenizer")
 
@@ -94,7 +94,7 @@ class DetokenizerService:
             self.bus = await Bus.connect(self.settings.nats_url, name=f"detokenizer-{self.settings.detokenizer_shard}")
         subject = self.subjects.detok(self.settings.detokenizer_shard)
         self._sub = await self.bus.subscribe(subject, DetokStep, self.handle)
-        await self.bus.flush()
+        await answer_pings(self.bus, self.model_info.name, self.name)
         log.info("detokenizer_started", model=self.model_info.name, subject=subject)
 
     async def stop(self) -> None:

@@ -22,6 +22,7 @@ from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import Heartbeat, RegisterAck, RegisterGroup, ServiceError, StepPlan, StepResult
 from shared.model_source import ModelInfo
+from shared.service import answer_pings
 from shared.subjects import Subjects
 
 log = structlog.get_logger("executor")
@@ -48,6 +49,7 @@ class ExecutorService:
         self.runner: ModelRunner | None = None
         self._tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()
+        self._pinging = False
 
     async def start(self) -> None:
         self.runner = await asyncio.to_thread(ModelRunner, self.settings, self.model_info)
@@ -82,6 +84,9 @@ class ExecutorService:
             if not ack.accepted:
                 raise RuntimeError(f"scheduler refused group {self.group_id}: {ack.error}")
             log.info("group_registered", group_id=self.group_id, num_blocks=msg.num_blocks)
+            if not self.registered.is_set() and not self._pinging:
+                self._pinging = True
+                await answer_pings(self.bus, self.model_info.name, self.name)
             self.registered.set()
             return
 

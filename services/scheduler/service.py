@@ -36,6 +36,7 @@ from shared.messages import (
     TokenUpdate,
 )
 from shared.model_source import ModelInfo
+from shared.service import answer_pings
 
 log = structlog.get_logger("scheduler")
 PROMPT_TAIL_TOKENS = 6  # prompt context the detokenizer needs for the first output token
@@ -71,7 +72,7 @@ class SchedulerService:
         await b.subscribe(s.heartbeat, Heartbeat, self._on_heartbeat)
         await b.subscribe(s.result, StepResult, self._on_result)
         await b.subscribe(s.stats_get, StatsQuery, self._on_stats_query)
-        await b.flush()
+        await answer_pings(b, self.model_info.name, self.name)
         self._tasks = [asyncio.create_task(self._watchdog()), asyncio.create_task(self._publish_stats())]
         log.info("scheduler_started", model=self.model_info.name)
 

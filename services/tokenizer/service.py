@@ -21,7 +21,7 @@ from shared.config import Settings
 from shared.logging import configure_logging, get_logger
 from shared.messages import ServiceError, SubmitRequest, TokenizeReply, TokenizeRequest
 from shared.model_source import ModelInfo, load_model_info
-from shared.service import run_service
+from shared.service import answer_pings, run_service
 from shared.subjects import TOKENIZER_QUEUE, Subjects
 
 log = get_logger("tokenizer")
@@ -81,6 +81,7 @@ class TokenizerService:
             self.subjects.tokenize, TokenizeRequest, self.handle, queue=TOKENIZER_QUEUE
         )
         await self.bus.flush()
+        await answer_pings(self.bus, self.model_info.name, self.name)
         log.info("tokenizer_started", model=self.model_info.name, subject=self.subjects.tokenize)
 
     async def stop(self) -> None:

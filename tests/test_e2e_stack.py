@@ -1,0 +1,198 @@
+"""End to end over real NATS: the service commands of docker-compose.yml started as plain
+processes against a real nats-server, the default SmolLM2 model, the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import websockets
+import yaml
+
+from shared.bus import Bus
+from shared.config import DEFAULT_MODEL_NAME
+from shared.messages import SchedulerStats, StatsQuery
+from shared.nats_server import free_port
+from shared.subjects import Subjects
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = DEFAULT_MODEL_NAME
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def compose_commands() -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Each pagedllm service of docker-compose.yml: its command and environment."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    out = {}
+    for name, svc in compose["services"].items():
+        if name == "nats":
+            assert "-c" in svc["command"] and "nats.conf" in " ".join(svc["volumes"])
+            continue
+        out[name] = (list(svc["command"]), {k: str(v) for k, v in (svc.get("environment") or {}).items()})
+    return out
+
+
+async def scheduler_stats(nats_url: str) -> SchedulerStats:
+    bus = await Bus.connect(nats_url)
+    try:
+        return await bus.request(Subjects(MODEL).stats_get, StatsQuery(), SchedulerStats, timeout=5)
+    finally:
+        await bus.close()
+
+
+@pytest.fixture(scope="module")
+def stack(nats_url, smollm2_path, tmp_path_factory):
+    services = compose_commands()
+    assert set(services) == {"scheduler", "tokenizer", "detokenizer", "executor", "gateway"}
+    port = free_port()
+    logs = tmp_path_factory.mktemp("stack-logs")
+    procs = []
+    for name, (command, environment) in services.items():
+        assert command[:2] == ["pagedllm", "service"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+        env.update(environment)
+        env.update(
+            PAGEDLLM_NATS_URL=nats_url,  # the compose network's `nats` is our local server here
+            PAGEDLLM_HOST="127.0.0.1",
+            PAGEDLLM_PORT=str(port),
+            PAGEDLLM_DTYPE="float32",
+            PAGEDLLM_KV_CACHE_MEMORY_BYTES=str(128 << 20),
+            PAGEDLLM_CACHE_DIR=str(smollm2_path.parent),
+        )
+        exe = str(Path(sys.executable).parent / command[0])
+        log = open(logs / f"{name}.log", "w")  # noqa: SIM115
+        procs.append(subprocess.Popen([exe, *command[1:]], env=env, stdout=log, stderr=subprocess.STDOUT))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert all(p.poll() is None for p in procs), f"a service exited; logs in {logs}"
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200 and asyncio.run(
+                scheduler_stats(nats_url)
+            ).groups:
+                break
+        except Exception:
+            pass
+        assert time.monotonic() < deadline, f"stack did not come up; logs in {logs}"
+        time.sleep(0.5)
+    yield base
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            assert p.wait(20) == 0 or p.returncode == -signal.SIGTERM
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise
+
+
+@pytest.fixture
+def client(stack):
+    return openai.AsyncOpenAI(base_url=stack + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+async def test_chat_mentions_paris_streaming_equals_non_streaming(client):
+    resp = await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
+    text = resp.choices[0].message.content
+    assert "Paris" in text
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens > 0 and resp.usage.prompt_tokens > 10
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=32, stream=True
+    )
+    pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    assert len(pieces) > 2 and "".join(pieces) == text
+
+
+async def test_completion_streaming_equals_non_streaming(client):
+    args = dict(model=MODEL, prompt="The three primary colors are", temperature=0, max_tokens=20)
+    resp = await client.completions.create(**args)
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 20
+    stream = await client.completions.create(**args, stream=True)
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == resp.choices[0].text
+
+
+async def test_websocket_answers_chat(stack, client):
+    expected = (await client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)).choices[0].message.content
+    async with websockets.connect(stack.replace("http", "ws") + "/v1/stream") as ws:
+        body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 32}
+        await ws.send(json.dumps({"type": "chat", "id": "a", "request": body}))
+        await ws.send(json.dumps({"type": "completion", "id": "b",
+                                  "request": {"model": MODEL, "prompt": "Hello", "max_tokens": 5}}))
+        text, done = "", {}
+        while len(done) < 2:
+            msg = json.loads(await asyncio.wait_for(ws.recv(), 120))
+            if msg["type"] == "chunk" and msg["id"] == "a":
+                text += msg["chunk"]["choices"][0]["delta"].get("content") or ""
+            elif msg["type"] == "done":
+                done[msg["id"]] = msg["response"]
+            else:
+                assert msg["type"] == "chunk", msg
+    assert text == expected == done["a"]["choices"][0]["message"]["content"]
+    assert done["b"]["usage"]["completion_tokens"] == 5
+
+
+async def test_sixteen_concurrent_requests_complete(client):
+    async def one(i: int):
+        return await client.completions.create(
+            model=MODEL, prompt=f"Count from {i}:", temperature=0, max_tokens=12 + i, extra_body={"ignore_eos": True}
+        )
+
+    results = await asyncio.gather(*(one(i) for i in range(16)))
+    assert [r.usage.completion_tokens for r in results] == [12 + i for i in range(16)]
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"model": MODEL, "messages": QUESTION, "max_tokens": 100_000}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL, "messages": QUESTION, "temperature": -1}, 400, "temperature"),
+        ({"model": "no-such-model", "messages": QUESTION}, 404, "model"),
+        (b'{"model": "SmolLM2-135M-Instruct", "messages": [', 400, None),
+    ],
+)
+async def test_bad_input_gets_openai_error_then_server_keeps_serving(stack, client, body, status, param):
+    async with httpx.AsyncClient(base_url=stack, timeout=60) as http:
+        kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(
+            body, bytes) else {"json": body}
+        r = await http.post("/v1/chat/completions", **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param
+    ok = await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=8)
+    assert ok.choices[0].message.content
+
+
+async def test_client_disconnect_aborts_and_every_block_is_free(stack, nats_url, client):
+    async with httpx.AsyncClient(base_url=stack, timeout=60) as http:
+        body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000,
+                "ignore_eos": True, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            chunks = 0
+            async for line in r.aiter_lines():
+                chunks += line.startswith("data: ")
+                if chunks >= 3:
+                    break  # leave mid-stream
+    deadline = time.monotonic() + 30
+    while True:
+        stats = await scheduler_stats(nats_url)
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            break
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.2)
+    assert stats.groups and all(g.num_free_blocks == g.num_blocks for g in stats.groups)
+    models = (await client.models.list()).data
+    assert [m.id for m in models] == [MODEL]

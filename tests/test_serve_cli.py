@@ -1,0 +1,49 @@
+"""`pagedllm serve` as a user runs it: embedded nats-server, every service as a process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+
+from shared.nats_server import free_port
+
+
+def test_serve_answers_and_shuts_down_cleanly(smollm2_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+    env["PAGEDLLM_CACHE_DIR"] = str(smollm2_path.parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--dtype", "float32",
+         "--kv-cache-memory-bytes", str(64 << 20), "--log-level", "WARNING"],
+        env=env, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        line = ""
+        while "serving" not in line:
+            assert proc.poll() is None and time.monotonic() < deadline
+            line = proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}/v1" in line
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(c.cmdline()) for c in children)
+        for service in ("scheduler", "tokenizer", "detokenizer", "executor", "gateway", "nats-server"):
+            assert service in names
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4,
+                  "temperature": 0},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].strip().startswith("Paris")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive
