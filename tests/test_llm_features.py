@@ -1,0 +1,95 @@
+"""The offline API on the default model: sampling seeds, stop conditions, chat, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from shared.model_source import ModelNotFoundError
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=96 << 20) as engine:
+        yield engine
+        stats = engine.stats()
+        assert all(g.num_free_blocks == g.num_blocks for g in stats.groups)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate("Write a story about a cat:", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (5, 30, 12)]
+    batch = llm.generate(
+        ["Hello", "Write a story about a cat:", "Once upon a time", "Why is the sky blue?"],
+        [others[0], seeded, others[1], others[2]],
+        use_tqdm=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone
+    assert len(alone) == 24
+    different_seed = seeded.model_copy(update={"seed": 99})
+    assert llm.generate("Write a story about a cat:", different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_stop_string_is_never_emitted_and_finishes_with_stop(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    full = llm.generate("Count: 1, 2, 3,", greedy, use_tqdm=False)[0].outputs[0].text
+    assert " 6," in full
+    out = llm.generate("Count: 1, 2, 3,", greedy.model_copy(update={"stop": [" 6,"]}), use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert comp.finish_reason == "stop" and comp.stop_reason == " 6,"
+    assert comp.text == full[: full.index(" 6,")]
+
+
+def test_stop_token_ids_max_tokens_and_eos(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    first = llm.generate("Count: 1, 2, 3,", greedy, use_tqdm=False)[0].outputs[0]
+    stop_tok = first.token_ids[3]
+    out = llm.generate("Count: 1, 2, 3,", greedy.model_copy(update={"stop_token_ids": [stop_tok]}),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == first.token_ids[: first.token_ids.index(stop_tok) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    short = llm.generate("Count: 1, 2, 3,", greedy.model_copy(update={"max_tokens": 3}), use_tqdm=False)[0]
+    assert short.outputs[0].token_ids == first.token_ids[:3] and short.outputs[0].finish_reason == "length"
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy, use_tqdm=False)[0]
+    assert "Paris" in chat.outputs[0].text
+    assert chat.outputs[0].finish_reason == "stop" and chat.outputs[0].token_ids[-1] == 2  # <|im_end|>
+    assert "<|im_end|>" not in chat.outputs[0].text
+
+
+def test_token_id_prompts_and_input_order(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    text_out = llm.generate(["The capital of France is", "Hello"], greedy, use_tqdm=False)
+    ids = [o.prompt_token_ids for o in text_out]
+    id_out = llm.generate([{"prompt_token_ids": ids[0]}, ids[1]], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in id_out] == [o.outputs[0].token_ids for o in text_out]
+    assert id_out[0].prompt is None and id_out[1].prompt_token_ids == ids[1]
+
+
+def test_bad_prompts_raise_and_engine_keeps_working(llm):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate("", SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate("hi", SamplingParams(max_tokens=100_000), use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_invalid_settings_and_unavailable_models_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(block_size=7)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        LLM(enable_prefix_caching=True)
+    with pytest.raises(ModelNotFoundError, match="Hub"):
+        LLM(model="meta-llama/Llama-3.1-8B-Instruct", cache_dir=tmp_path)
+
+
+def test_bfloat16_answers(smollm2_path):
+    with LLM(model=str(smollm2_path), dtype="bfloat16", kv_cache_memory_bytes=32 << 20) as llm:
+        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
