@@ -148,10 +148,12 @@ class LLM:
         ids = [f"llm-{uuid.uuid4().hex}" for _ in items]
         outputs: list[RequestOutput] = []
         try:
-            for i, (rid, item, sp) in enumerate(zip(ids, items, params, strict=True)):
-                reply = await self._client.submit(
-                    rid, sampling_params=sp, priority=priority[i] if priority else 0, **item
-                )
+            # all submitted at once, in input order (tasks start in creation order)
+            replies = await asyncio.gather(*(
+                self._client.submit(rid, sampling_params=sp, priority=priority[i] if priority else 0, **item)
+                for i, (rid, item, sp) in enumerate(zip(ids, items, params, strict=True))
+            ))
+            for rid, item, reply in zip(ids, items, replies, strict=True):
                 if reply.error is not None:
                     raise ValueError(reply.error.message)
                 prompt = item.get("prompt")
