@@ -37,7 +37,8 @@ class Settings(BaseSettings):
     kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV pool budget in bytes")
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=1, description="Token budget of one step")
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of common prefixes")
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     seed: int = 0
     tensor_parallel_size: int = 1
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
@@ -63,13 +64,6 @@ class Settings(BaseSettings):
     def _check_block_size(cls, v: int) -> int:
         if v not in (8, 16, 32, 64, 128):
             raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
-        return v
-
-    @field_validator("enable_prefix_caching")
-    @classmethod
-    def _check_prefix_caching(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("enable_prefix_caching=True is not implemented yet")
         return v
 
     @field_validator("tensor_parallel_size")

@@ -180,6 +180,7 @@ class CachedRequestData(Message):
     request_id: str
     new_block_ids: list[int] = Field(default_factory=list)
     num_computed_tokens: int
+    block_ids: list[int] | None = None  # the whole table, when it changed in place (copy-on-write)
 
 
 class StepPlan(Message):
@@ -270,6 +271,9 @@ class GroupStats(Message):
     num_free_blocks: int
     block_size: int
     num_running: int
+    num_waiting: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of them, served from the cache
 
 
 class SchedulerStats(Message):

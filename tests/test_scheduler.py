@@ -26,7 +26,7 @@ class FakeExecutor:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.state: dict[str, dict] = {}
-        self.slots: dict[int, tuple[str, int]] = {}  # slot -> (request, position) written
+        self.slots: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix whose K/V it holds
 
     def execute(self, plan: StepPlan) -> StepResult:
         for rid in plan.finished_request_ids:
@@ -35,11 +35,19 @@ class FakeExecutor:
             self.state[new.request_id] = dict(
                 tokens=list(new.prompt_token_ids), blocks=list(new.block_ids), computed=new.num_computed_tokens
             )
+        for src, dst in plan.block_copies:
+            for off in range(self.block_size):
+                if src * self.block_size + off in self.slots:
+                    self.slots[dst * self.block_size + off] = self.slots[src * self.block_size + off]
         for cached in plan.cached_requests:
             st = self.state[cached.request_id]
+            if cached.block_ids is not None:
+                st["blocks"] = list(cached.block_ids)
             st["blocks"].extend(cached.new_block_ids)
             assert st["computed"] == cached.num_computed_tokens
         sampled = {}
+        self.written: list[tuple[int, tuple[int, ...]]] = []
+        reads = []
         for rid, n in plan.num_scheduled_tokens.items():
             st = self.state[rid]
             start = st["computed"]
@@ -47,12 +55,21 @@ class FakeExecutor:
             for pos in range(start, start + n):
                 block = st["blocks"][pos // self.block_size]
                 assert 0 <= block < self.num_blocks
-                self.slots[block * self.block_size + pos % self.block_size] = (rid, pos)
-            # every position this request reads must still hold its own K/V
-            for pos in range(start + n):
+                self.written.append((block * self.block_size + pos % self.block_size, tuple(st["tokens"][: pos + 1])))
+            reads.append((rid, start + n))
+        # like a forward pass: every K/V write of the step lands before any attention read
+        step_writes: dict[int, tuple[int, ...]] = {}
+        for slot, prefix in self.written:
+            assert step_writes.setdefault(slot, prefix) == prefix, f"slot {slot} written twice in one step"
+            self.slots[slot] = prefix
+        for rid, upto in reads:
+            st = self.state[rid]
+            for pos in range(upto):
                 slot = st["blocks"][pos // self.block_size] * self.block_size + pos % self.block_size
-                assert self.slots[slot] == (rid, pos), f"{rid} lost its KV at position {pos}"
-            st["computed"] = start + n
+                assert self.slots.get(slot) == tuple(st["tokens"][: pos + 1]), f"{rid}: wrong KV at {pos}"
+        for rid, n in plan.num_scheduled_tokens.items():
+            st = self.state[rid]
+            st["computed"] += n
             if st["computed"] == len(st["tokens"]):
                 tok = next_token(st["tokens"])
                 st["tokens"].append(tok)
@@ -60,12 +77,14 @@ class FakeExecutor:
         return StepResult(step_id=plan.step_id, group_id=plan.group_id, sampled_token_ids=sampled)
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int, seed: int = 0, priority: int = 0) -> Request:
+def make_request(
+    rid: str, prompt_len: int, max_tokens: int, seed: int = 0, priority: int = 0, prefix: list[int] | None = None
+) -> Request:
     rng = random.Random(seed)
     return Request(
         request_id=rid,
         gateway_id="gw",
-        prompt_token_ids=[rng.randrange(VOCAB - 1) for _ in range(prompt_len)],
+        prompt_token_ids=(prefix or []) + [rng.randrange(VOCAB - 1) for _ in range(prompt_len)],
         sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
         max_model_len=4096,
         eos_token_ids=(EOS,),
@@ -216,3 +235,109 @@ def test_group_removal_requeues_requests_to_another_group():
     sched.add_group("b", num_blocks=32, block_size=16)
     out, _ = run(sched, FakeExecutor(32, 16), group="b")
     assert out == {r.request_id: expected(r) for r in reqs}
+
+
+def run_workload(reqs, enable_prefix_caching: bool, num_blocks: int = 64, budget: int = 128):
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
+                                      enable_prefix_caching=enable_prefix_caching))
+    sched.add_group("g0", num_blocks=num_blocks, block_size=16)
+    ex = FakeExecutor(num_blocks, 16)
+    cached = {}
+    outputs = {}
+    for wave in reqs:  # later waves arrive after earlier ones finished (warm cache)
+        for r in wave:
+            assert sched.add_request(r) is None
+        out, _ = run(sched, ex)
+        outputs.update(out)
+        cached.update({r.request_id: r.num_cached_tokens for r in wave})
+    assert sched.groups["g0"].kv.num_free_blocks == num_blocks
+    return outputs, cached, sched
+
+
+def shared_prefix_waves():
+    prefix = [random.Random(42).randrange(VOCAB - 1) for _ in range(64)]  # 4 full blocks
+    warm = [make_request("warm", 0, 5, seed=1, prefix=prefix)]
+    return [
+        warm,
+        [
+            make_request("same", 0, 5, seed=2, prefix=prefix),  # exactly on a block boundary
+            make_request("plus1", 1, 5, seed=3, prefix=prefix),  # one token past it
+            make_request("plus20", 20, 5, seed=4, prefix=prefix),
+            make_request("other", 30, 5, seed=5),
+        ],
+    ]
+
+
+def test_prefix_caching_hits_and_keeps_outputs():
+    on, cached, sched = run_workload(shared_prefix_waves(), True)
+    off, cached_off, _ = run_workload(shared_prefix_waves(), False)
+    assert on == off
+    # the last block holding the final prompt token is always recomputed
+    assert cached == {"warm": 0, "same": 48, "plus1": 64, "plus20": 64, "other": 0}
+    assert set(cached_off.values()) == {0}
+    kv = sched.groups["g0"].kv
+    assert kv.num_hits == 48 + 64 + 64
+    assert kv.num_queries == 64 + 64 + 65 + 84 + 30
+
+
+def test_prefix_cache_eviction_is_lru_and_content_stays_correct():
+    # a pool so small that cached blocks are evicted and reused while requests run
+    def waves():
+        busy = [[make_request(f"w{i}-{j}", 40, 10, seed=100 * i + j) for j in range(3)] for i in range(4)]
+        return busy + shared_prefix_waves()
+
+    on, _, sched = run_workload(waves(), True, num_blocks=14, budget=64)
+    off, _, _ = run_workload(waves(), False, num_blocks=14, budget=64)
+    assert on == off
+    assert sched.groups["g0"].kv.pool.num_evictions > 0
+
+
+def test_eviction_order_is_least_recently_freed_first():
+    from services.scheduler.block_manager import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = make_request("a", 9, 1, seed=1)  # 2 full blocks cached + 1 partial
+    assert kv.allocate_slots(a, 9) == [0, 1, 2]
+    kv.free(a)  # freed tail first: free queue is 3, 2, 1, 0
+    assert list(kv.pool.free_queue) == [3, 2, 1, 0]
+    assert sorted(kv.pool.cached.values()) == [0, 1]
+    b = make_request("b", 5, 1, seed=2)
+    assert kv.allocate_slots(b, 5) == [3, 2]  # the uncached blocks go first; a's prefix survives
+    assert kv.get_computed_blocks(a) == ([0, 1], 8)
+    kv.free(b)  # free queue: 1, 0, 2, 3 (a's prefix is now the least recently freed)
+    assert list(kv.pool.free_queue) == [1, 0, 2, 3]
+    c = make_request("c", 5, 1, seed=3)
+    assert kv.allocate_slots(c, 5) == [1, 0]  # evicts a's prefix, its tail block first
+    assert kv.pool.num_evictions == 2 and kv.get_computed_blocks(a) == ([], 0)
+    assert sorted(kv.pool.cached.values()) == [1, 3]  # c's first block, and b's (free, still cached)
+
+
+def test_copy_on_write_of_a_shared_partial_block():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256))
+    sched.add_group("g0", num_blocks=16, block_size=16)
+    ex = FakeExecutor(16, 16)
+    parent = make_request("parent", 20, 6, seed=9)
+    sched.add_request(parent)
+    plan = sched.schedule("g0")
+    sched.update_from_output(ex.execute(plan))  # prefill: 20 prompt tokens + 1 sampled
+    group = sched.groups["g0"]
+    child = make_request("child", 0, 6, seed=9)
+    child.prompt_token_ids = list(parent.prompt_token_ids)
+    child.output_token_ids = list(parent.output_token_ids)
+    child.num_computed_tokens = parent.num_computed_tokens
+    child.status = parent.status
+    child.group_id = "g0"
+    group.kv.fork(parent, child)
+    sched.requests["child"] = child
+    group.running.append(child)
+    ex.state["child"] = {k: list(v) if isinstance(v, list) else v for k, v in ex.state["parent"].items()}
+    group.known.add("child")
+    shared = parent.block_ids[1]
+    assert group.kv.pool.ref_counts[shared] == 2
+    plan = sched.schedule("g0")
+    assert len(plan.block_copies) == 1 and plan.block_copies[0][0] == shared
+    assert parent.block_ids[1] != child.block_ids[1]
+    sched.update_from_output(ex.execute(plan))
+    out, _ = run(sched, ex)
+    assert out["parent"] == out["child"] == expected(parent)  # same greedy stream, own blocks
+    assert group.kv.num_free_blocks == 16

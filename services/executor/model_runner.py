@@ -123,6 +123,14 @@ class ModelRunner:
             for _ in range(self.hf_config.num_hidden_layers)
         ]
 
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` gets ``src``'s K/V in every layer, before the step."""
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            key_cache[dst] = key_cache[src]
+            value_cache[dst] = value_cache[src]
+
     # ------------------------------------------------------------------ step
 
     def _update_states(self, plan: StepPlan) -> None:
@@ -142,6 +150,8 @@ class ModelRunner:
             )
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]
+            if cached.block_ids is not None:  # changed in place by a copy-on-write
+                state.block_ids = list(cached.block_ids)
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -153,6 +163,8 @@ class ModelRunner:
             KeyError: the plan names a request this runner never received.
         """
         self._update_states(plan)
+        if plan.block_copies:
+            self._copy_blocks(plan.block_copies)
         # decodes first, then prefills (the order attention backends expect)
         order = sorted(plan.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
         if not order:

@@ -1,14 +1,19 @@
 """The paged KV cache's block bookkeeping, scheduler side (no I/O, no tensors).
 
-``BlockPool`` holds one executor group's physical blocks: a free queue and a refcount per
-block. ``KVCacheManager`` maps requests to blocks: ``allocate_slots`` grows a request's
-block table to hold its next tokens, or returns ``None`` when the pool is short (vLLM V1's
-``KVCacheManager.allocate_slots`` contract).
+``BlockPool`` holds one executor group's physical blocks: refcounts, a free queue in LRU
+order, and the prefix-cache map from a full block's hash to the block holding that content.
+``KVCacheManager`` maps requests to blocks: ``get_computed_blocks`` finds the longest cached
+prefix of full blocks, ``allocate_slots`` grows a request's block table to hold its next
+tokens or returns ``None`` when the pool is short, ``fork`` shares a request's blocks with a
+child (n > 1) and ``copy_on_write`` gives a request its own copy of a shared partial block.
+Design after vLLM V1's ``BlockPool`` / ``KVCacheManager`` (automatic prefix caching,
+hash-chained full blocks, LRU eviction of freed cached blocks).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 
 from services.scheduler.request import Request
 
@@ -17,49 +22,97 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def hash_block(parent: int | None, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] = ()) -> int:
+    """The prefix-cache key of one full block: a hash chained through its parent's key, so a
+    key stands for the whole prefix up to and including this block."""
+    return hash((parent, tuple(token_ids), extra_keys))
+
+
 class BlockPool:
-    """Physical blocks ``0..num_blocks-1`` of one group, with refcounts."""
+    """Physical blocks ``0..num_blocks-1`` of one group.
+
+    A block is *free* when its refcount is 0; free blocks wait in ``free_queue`` in the order
+    they were freed (least recently used first). A free block may still hold cached content
+    (it stays in ``cached``) until it is allocated again, which evicts it.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self.free_queue)
+
+    def get_cached_block(self, block_hash: int) -> int | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on each block (a cache hit or a fork)."""
+        for b in block_ids:
+            if self.ref_counts[b] == 0:
+                del self.free_queue[b]
+            self.ref_counts[b] += 1
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (refcount 1 each).
+        """Take ``n`` free blocks (refcount 1 each), evicting their cached content (LRU first).
 
         Raises:
             ValueError: fewer than ``n`` blocks are free (callers check first).
         """
-        if n > len(self._free):
-            raise ValueError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        if n > len(self.free_queue):
+            raise ValueError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        blocks = []
+        for _ in range(n):
+            b, _ = self.free_queue.popitem(last=False)
+            h = self.block_hash[b]
+            if h is not None:
+                del self.cached[h]
+                self.block_hash[b] = None
+                self.num_evictions += 1
             self.ref_counts[b] = 1
+            blocks.append(b)
         return blocks
 
-    def free(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching zero return to the free queue."""
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the free queue's tail
+        (pass the blocks tail first, so a prefix's last blocks are evicted before its first)."""
         for b in block_ids:
             if self.ref_counts[b] <= 0:
                 raise ValueError(f"block {b} freed more often than allocated")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                self.free_queue[b] = None
+
+    def cache_block(self, block_id: int, block_hash: int) -> None:
+        """Record that ``block_id`` holds the content keyed by ``block_hash`` (first one wins)."""
+        if block_hash in self.cached or self.block_hash[block_id] is not None:
+            return
+        self.cached[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
 
 
 class KVCacheManager:
-    """Block tables of the requests placed on one executor group."""
+    """Block tables of the requests placed on one executor group.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    Args:
+        num_blocks: blocks in the group's pool.
+        block_size: tokens per block.
+        enable_prefix_caching: reuse full blocks across requests by content.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.num_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_hits = 0  # of them, found cached
 
     @property
     def num_blocks(self) -> int:
@@ -72,25 +125,113 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Grow ``request.block_ids`` to hold ``num_computed_tokens + num_new_tokens`` tokens.
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        """Extend ``request.block_hashes`` to cover ``num_full_blocks`` full blocks."""
+        hashes = request.block_hashes.setdefault(self.block_size, [])
+        tokens = None
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            if tokens is None:
+                tokens = request.all_token_ids
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], request.cache_extra_keys))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest cached prefix of the request's full blocks, and its length in tokens.
+
+        At least the last block holding the request's last known token is left to compute,
+        so the step that computes it yields logits and never writes into a shared block.
+        Looks only; nothing changes.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)
+        blocks: list[int] = []
+        for h in hashes[:max_blocks]:
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix-cache lookup (for the statistics)."""
+        self.num_queries += num_tokens
+        self.num_hits += num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Grow the request's block table to hold ``num_computed_tokens + num_new_tokens``.
+
+        ``computed_blocks`` (from :meth:`get_computed_blocks`, for a request being admitted)
+        are appended first; ``request.num_computed_tokens`` must already count them.
 
         Returns:
-            The newly appended block ids (possibly empty), or ``None`` if the pool has too
-            few free blocks; then nothing changes.
+            The newly allocated block ids (possibly empty), or ``None`` when the pool has
+            too few free blocks; then nothing changes.
         """
         total = request.num_computed_tokens + num_new_tokens
-        need = self.blocks_needed(total) - len(request.block_ids)
-        if need <= 0:
-            return []
-        if need > self.pool.num_free_blocks:
+        need = self.blocks_needed(total) - len(request.block_ids) - len(computed_blocks)
+        reviving = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        if max(need, 0) + reviving > self.pool.num_free_blocks:
             return None
-        new = self.pool.allocate(need)
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            request.block_ids.extend(computed_blocks)
+        new = self.pool.allocate(need) if need > 0 else []
         request.block_ids.extend(new)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, min(total, request.num_tokens))
         return new
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks up to ``num_tokens`` in the prefix cache.
+
+        Safe before the step runs: a group's steps run one after another, and within a
+        step every sequence's K/V is written before any attention reads it.
+        """
+        num_full = num_tokens // self.block_size
+        if num_full <= request.num_cached_blocks:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(request.num_cached_blocks, num_full):
+            self.pool.cache_block(request.block_ids[i], hashes[i])
+        request.num_cached_blocks = num_full
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Share every block of ``parent`` with ``child`` (refcounts), e.g. for n > 1 samples."""
+        self.pool.touch(parent.block_ids)
+        child.block_ids = list(parent.block_ids)
+        child.num_cached_blocks = parent.num_cached_blocks
+        child.block_hashes = {bs: list(h) for bs, h in parent.block_hashes.items()}
+
+    def copy_on_write(self, request: Request, num_new_tokens: int) -> tuple[int, int] | None:
+        """Before writing into a shared, partially filled block: give the request its own copy.
+
+        Returns:
+            ``(src, dst)`` block ids to copy (the executor copies K/V before the step), or
+            ``None`` if no copy is needed. Raises ``ValueError`` when no block is free
+            (callers check ``num_free_blocks`` first).
+        """
+        if num_new_tokens <= 0 or request.num_computed_tokens % self.block_size == 0:
+            return None
+        idx = request.num_computed_tokens // self.block_size
+        if idx >= len(request.block_ids):
+            return None
+        src = request.block_ids[idx]
+        if self.pool.ref_counts[src] <= 1:
+            return None
+        (dst,) = self.pool.allocate(1)
+        self.pool.free([src])
+        request.block_ids[idx] = dst
+        return src, dst
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks (finish, abort or preemption)."""
-        # Free in reverse so that the tail blocks (least likely shared) are reused last.
         self.pool.free(list(reversed(request.block_ids)))
         request.block_ids = []
+        request.num_cached_blocks = 0

@@ -15,7 +15,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """One request: its tokens, how many are in the KV cache, and where its blocks are.
 
@@ -43,6 +43,11 @@ class Request:
     sent_to_detokenizer: bool = False
     # tokens sampled in the last step but not yet published to the detokenizer
     pending_output_ids: list[int] = field(default_factory=list)
+    # prefix caching: hashes of the full blocks of all_token_ids, and how many of the
+    # request's blocks are registered in the cache
+    block_hashes: dict[int, list[int]] = field(default_factory=dict)  # block size -> hashes
+    num_cached_blocks: int = 0
+    cache_extra_keys: tuple = ()  # e.g. (cache_salt,): requests with other keys never share
 
     @property
     def num_prompt_tokens(self) -> int:

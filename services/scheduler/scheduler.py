@@ -1,13 +1,15 @@
 """Continuous batching over many executor groups (no I/O: unit-tested on the CPU).
 
-Each executor group steps independently; ``schedule(group_id)`` builds that group's next
-``StepPlan`` and ``update_from_output`` applies its ``StepResult``. Per step, as in vLLM V1:
+A new request is routed to one group by a score that weighs its exact prefix-cache hit in
+each group against that group's queued work (``route``). Each group steps independently:
+``schedule(group_id)`` builds that group's next ``StepPlan`` and ``update_from_output``
+applies its ``StepResult``. Per step, as in vLLM V1:
 1. running requests of the group get their next tokens (decode = 1 token, or the next
    chunk of a chunked prefill), preempting the lowest-priority/newest running request
    (recompute) when a block cannot be allocated;
-2. waiting requests are admitted while ``max_num_seqs``, the token budget
-   (``max_num_batched_tokens``) and free blocks allow; a prompt longer than the budget
-   left is prefilled in chunks.
+2. the group's waiting requests are admitted while ``max_num_seqs``, the token budget
+   (``max_num_batched_tokens``) and free blocks allow, reusing their longest cached prefix;
+   a prompt longer than the budget left is prefilled in chunks.
 Prefills and decodes share the step.
 """
 
@@ -28,25 +30,38 @@ from shared.messages import (
     StepResult,
 )
 
+DECODE_COST_TOKENS = 16  # routing: one running request's per-step work, in prefill tokens
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192  # tokens per step
     policy: str = "fcfs"  # "fcfs" or "priority"
+    enable_prefix_caching: bool = True
 
 
 @dataclass
 class GroupState:
-    """One executor group: its block pool and the requests placed on it."""
+    """One executor group: its block pool and the requests routed to it."""
 
     group_id: str
     kv: KVCacheManager
     running: list[Request] = field(default_factory=list)
+    waiting: list[Request] = field(default_factory=list)
     known: set[str] = field(default_factory=set)  # request ids the executor holds state for
     to_forget: list[str] = field(default_factory=list)  # finished/preempted, not yet told
     in_flight: StepPlan | None = None
     last_heartbeat: float = field(default_factory=time.monotonic)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.kv.num_blocks * self.kv.block_size
+
+    def queued_work(self) -> int:
+        """Tokens this group must compute before a newly routed request would start."""
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return waiting + DECODE_COST_TOKENS * len(self.running)
 
 
 @dataclass
@@ -65,10 +80,15 @@ class Scheduler:
         self.config = config
         self.groups: dict[str, GroupState] = {}
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []
+        self.unrouted: list[Request] = []  # no group can hold them yet
         self._step_id = 0
         self.num_preemptions = 0
         self.num_finished = 0
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Every waiting request, over all groups."""
+        return [r for g in self.groups.values() for r in g.waiting] + self.unrouted
 
     # ------------------------------------------------------------------ groups
 
@@ -76,17 +96,30 @@ class Scheduler:
         """Register an executor group (a re-registration replaces the old one)."""
         if group_id in self.groups:
             self.remove_group(group_id)
-        self.groups[group_id] = GroupState(group_id, KVCacheManager(num_blocks, block_size))
+        self.groups[group_id] = GroupState(
+            group_id, KVCacheManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        )
+        pending, self.unrouted = self.unrouted, []
+        for req in pending:
+            self.route(req)
 
     def remove_group(self, group_id: str) -> list[Request]:
-        """Drop a group; its requests are requeued (recomputed elsewhere). Returns them."""
+        """Drop a group; its requests are routed again (recomputed elsewhere). Returns them."""
         group = self.groups.pop(group_id, None)
         if group is None:
             return []
-        moved = list(group.running)
+        moved = list(group.running) + list(group.waiting)
+        for req in group.running:
+            group.kv.free(req)
         for req in moved:
-            self._reset_for_recompute(req, group)
-            self._enqueue(req, front=True)
+            req.num_computed_tokens = 0
+            req.group_id = None
+            req.block_hashes.clear()
+            req.num_cached_blocks = 0
+            if req.status is RequestStatus.RUNNING:
+                req.status = RequestStatus.PREEMPTED
+        for req in sorted(moved, key=Request.sort_key):
+            self.route(req)
         return moved
 
     # ------------------------------------------------------------------ requests
@@ -96,7 +129,7 @@ class Scheduler:
         if req.request_id in self.requests:
             return ServiceError(message=f"duplicate request id {req.request_id}", param="request_id")
         if self.groups:
-            largest = max(g.kv.num_blocks * g.kv.block_size for g in self.groups.values())
+            largest = max(g.capacity_tokens for g in self.groups.values())
             if req.max_total_tokens > largest:
                 return ServiceError(
                     message=(
@@ -108,8 +141,26 @@ class Scheduler:
                     code="kv_cache_too_small",
                 )
         self.requests[req.request_id] = req
-        self._enqueue(req)
+        self.route(req)
         return None
+
+    def route(self, req: Request) -> GroupState | None:
+        """Queue ``req`` on the group where it would start soonest: the least queued work plus
+        its own uncached prompt tokens (an exact prefix-cache hit saves those tokens)."""
+        best, best_cost = None, None
+        for group in self.groups.values():
+            if req.max_total_tokens > group.capacity_tokens:
+                continue
+            _, hit = group.kv.get_computed_blocks(req)
+            cost = (group.queued_work() + req.num_tokens - hit, len(group.running), group.group_id)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = group, cost
+        if best is None:
+            self.unrouted.append(req)
+            return None
+        req.group_id = best.group_id
+        self._enqueue(best, req, front=req.status is RequestStatus.PREEMPTED)
+        return best
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[Request]:
         """Finish these requests now and free their blocks. Unknown ids are ignored."""
@@ -118,8 +169,6 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                self.waiting.remove(req)
             req.finish_reason = reason  # type: ignore[assignment]
             self._finish(req)
             done.append(req)
@@ -127,7 +176,7 @@ class Scheduler:
 
     def has_work(self, group_id: str) -> bool:
         group = self.groups.get(group_id)
-        return group is not None and bool(group.running or self.waiting)
+        return group is not None and bool(group.running or group.waiting)
 
     # ------------------------------------------------------------------ step
 
@@ -137,7 +186,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
-        preempted: list[Request] = []
+        copies: dict[str, tuple[int, int]] = {}  # request id -> (src, dst) copy-on-write
+        preempted = False
 
         group.running.sort(key=Request.sort_key)
         i = 0
@@ -145,12 +195,12 @@ class Scheduler:
             req = group.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while True:
-                blocks = group.kv.allocate_slots(req, num_new)
+                blocks = self._allocate_running(group, req, num_new, copies)
                 if blocks is not None:
                     break
                 victim = group.running.pop()  # lowest priority, then newest
                 self._preempt(victim, group)
-                preempted.append(victim)
+                preempted = True
                 if victim is req:
                     break
             if blocks is None:  # the request preempted itself
@@ -162,11 +212,60 @@ class Scheduler:
 
         if not preempted:
             self._admit(group, budget, scheduled, new_blocks)
-
         if not scheduled:
             return None
+        return self._make_plan(group, scheduled, new_blocks, copies)
+
+    def _allocate_running(
+        self, group: GroupState, req: Request, num_new: int, copies: dict[str, tuple[int, int]]
+    ) -> list[int] | None:
+        """Blocks for a running request's next tokens, copying a shared partial block first."""
+        blocks_before = len(req.block_ids)
+        needs_copy = (
+            req.num_computed_tokens % group.kv.block_size != 0
+            and req.num_computed_tokens // group.kv.block_size < blocks_before
+            and group.kv.pool.ref_counts[req.block_ids[req.num_computed_tokens // group.kv.block_size]] > 1
+        )
+        extra = group.kv.blocks_needed(req.num_computed_tokens + num_new) - blocks_before
+        if needs_copy and 1 + max(extra, 0) > group.kv.num_free_blocks:
+            return None
+        if needs_copy:
+            copy = group.kv.copy_on_write(req, num_new)
+            if copy is not None:
+                copies[req.request_id] = copy
+        return group.kv.allocate_slots(req, num_new)
+
+    def _admit(self, group: GroupState, budget: int, scheduled: dict[str, int], new_blocks: dict) -> None:
+        while group.waiting and budget > 0 and len(group.running) < self.config.max_num_seqs:
+            req = group.waiting[0]
+            computed, num_hit = group.kv.get_computed_blocks(req)
+            req.num_computed_tokens = num_hit
+            num_new = min(req.num_tokens - num_hit, budget)
+            blocks = group.kv.allocate_slots(req, num_new, computed)
+            if blocks is None:
+                req.num_computed_tokens = 0
+                break  # wait for blocks; keep the queue order
+            group.waiting.pop(0)
+            group.kv.record_prefix_query(req.num_tokens, num_hit)
+            if req.status is RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            group.running.append(req)
+            scheduled[req.request_id] = num_new
+            new_blocks[req.request_id] = blocks
+            budget -= num_new
+
+    def _make_plan(
+        self, group: GroupState, scheduled: dict[str, int], new_blocks: dict, copies: dict[str, tuple[int, int]]
+    ) -> StepPlan:
+        copied = copies
         self._step_id += 1
-        plan = StepPlan(step_id=self._step_id, group_id=group_id, finished_request_ids=group.to_forget)
+        plan = StepPlan(
+            step_id=self._step_id,
+            group_id=group.group_id,
+            finished_request_ids=group.to_forget,
+            block_copies=list(copies.values()),
+        )
         group.to_forget = []
         for req in group.running:
             if req.request_id not in scheduled:
@@ -177,6 +276,8 @@ class Scheduler:
                         request_id=req.request_id,
                         new_block_ids=new_blocks[req.request_id],
                         num_computed_tokens=req.num_computed_tokens,
+                        # after a copy-on-write the table changed in place: send it whole
+                        block_ids=list(req.block_ids) if req.request_id in copied else None,
                     )
                 )
             else:
@@ -194,23 +295,6 @@ class Scheduler:
         plan.num_scheduled_tokens = scheduled
         group.in_flight = plan
         return plan
-
-    def _admit(self, group: GroupState, budget: int, scheduled: dict[str, int], new_blocks: dict) -> None:
-        while self.waiting and budget > 0 and len(group.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if req.max_total_tokens > group.kv.num_blocks * group.kv.block_size:
-                break  # fits another group only
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            blocks = group.kv.allocate_slots(req, num_new)
-            if blocks is None:
-                break  # wait for blocks; keep the queue order
-            self.waiting.pop(0)
-            req.status = RequestStatus.RUNNING
-            req.group_id = group.group_id
-            group.running.append(req)
-            scheduled[req.request_id] = num_new
-            new_blocks[req.request_id] = blocks
-            budget -= num_new
 
     def update_from_output(self, result: StepResult) -> StepOutcome:
         """Apply a group's ``StepResult``: advance computed tokens, append samples, finish."""
@@ -238,38 +322,38 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _enqueue(self, req: Request, front: bool = False) -> None:
+    def _enqueue(self, group: GroupState, req: Request, front: bool = False) -> None:
         if self.config.policy == "priority":
-            self.waiting.append(req)
-            self.waiting.sort(key=Request.sort_key)
+            group.waiting.append(req)
+            group.waiting.sort(key=Request.sort_key)
         elif front:
-            self.waiting.insert(0, req)
+            group.waiting.insert(0, req)
         else:
-            self.waiting.append(req)
-
-    def _reset_for_recompute(self, req: Request, group: GroupState) -> None:
-        group.kv.free(req)
-        group.known.discard(req.request_id)
-        req.num_computed_tokens = 0
-        req.group_id = None
-        req.status = RequestStatus.PREEMPTED
+            group.waiting.append(req)
 
     def _preempt(self, req: Request, group: GroupState) -> None:
-        self._reset_for_recompute(req, group)
+        group.kv.free(req)
+        group.known.discard(req.request_id)
         group.to_forget.append(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue(req, front=True)
+        self._enqueue(group, req, front=True)
 
     def _finish(self, req: Request) -> None:
         group = self.groups.get(req.group_id) if req.group_id else None
         if group is not None:
-            group.kv.free(req)
             if req in group.running:
+                group.kv.free(req)
                 group.running.remove(req)
+            elif req in group.waiting:
+                group.waiting.remove(req)
             if req.request_id in group.known:
                 group.known.discard(req.request_id)
                 group.to_forget.append(req.request_id)
+        elif req in self.unrouted:
+            self.unrouted.remove(req)
         req.status = RequestStatus.FINISHED
         self.requests.pop(req.request_id, None)
         self.num_finished += 1
@@ -285,6 +369,9 @@ class Scheduler:
                     num_free_blocks=g.kv.num_free_blocks,
                     block_size=g.kv.block_size,
                     num_running=len(g.running),
+                    num_waiting=len(g.waiting),
+                    prefix_cache_queries=g.kv.num_queries,
+                    prefix_cache_hits=g.kv.num_hits,
                 )
                 for g in self.groups.values()
             ],

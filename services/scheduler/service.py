@@ -55,6 +55,8 @@ class SchedulerService:
             SchedulerConfig(
                 max_num_seqs=settings.max_num_seqs,
                 max_num_batched_tokens=settings.max_num_batched_tokens,
+                policy=settings.scheduling_policy,
+                enable_prefix_caching=settings.enable_prefix_caching,
             )
         )
         self.bus = bus
