@@ -82,8 +82,8 @@ def test_invalid_settings_and_unavailable_models_fail_clearly(tmp_path):
         LLM(block_size=7)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="enable_prefix_caching"):
-        LLM(enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        LLM(scheduling_policy="random")
     with pytest.raises(ModelNotFoundError, match="Hub"):
         LLM(model="meta-llama/Llama-3.1-8B-Instruct", cache_dir=tmp_path)
 
