@@ -21,17 +21,23 @@ WORDS = (
 ).split()
 
 
-def make_prompts(n: int, min_words: int, max_words: int, seed: int) -> list[str]:
+def make_prompts(n: int, min_words: int, max_words: int, seed: int, prefix_words: int = 0) -> list[str]:
+    """``n`` prompts of random lengths; with ``prefix_words`` they all start with one long
+    common prefix (the shared-prefix workload: a system prompt or few-shot examples)."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) for _ in range(n)]
+    prefix = " ".join(rng.choice(WORDS) for _ in range(prefix_words))
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) for _ in range(n)]
+    return [f"{prefix} {p}" if prefix else p for p in prompts]
 
 
-def bench_pagedllm(args, prompts: list[str]) -> tuple[float, int]:
+def bench_pagedllm(args, prompts: list[str], enable_prefix_caching: bool = True) -> tuple[float, int]:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1))
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
+              enable_prefix_caching=enable_prefix_caching)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    warm = ["warm-up prompt one", "warm-up prompt two"]  # shares nothing with the workload
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -73,13 +79,23 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--prefix-words", type=int, default=0,
+                   help="shared-prefix workload: every prompt starts with this many common words")
+    p.add_argument("--compare-prefix-caching", action="store_true",
+                   help="also run pagedllm with enable_prefix_caching=False")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    prompts = make_prompts(args.num_prompts, args.min_words, args.max_words, args.seed)
-    print(f"# {args.num_prompts} prompts x {args.output_len} generated tokens, dtype={args.dtype}, "
-          f"torch threads={torch.get_num_threads()}")
+    prompts = make_prompts(args.num_prompts, args.min_words, args.max_words, args.seed, args.prefix_words)
+    print(f"# {args.num_prompts} prompts ({args.min_words}-{args.max_words} random words"
+          f"{f' after a {args.prefix_words}-word shared prefix' if args.prefix_words else ''}) x "
+          f"{args.output_len} generated tokens, dtype={args.dtype}, torch threads={torch.get_num_threads()}")
     t, n = bench_pagedllm(args, prompts)
-    print(f"pagedllm  LLM.generate: {n} tokens in {t:.2f} s = {n / t:.1f} generated tokens/s")
+    print(f"pagedllm  LLM.generate: {n} tokens in {t:.2f} s = {n / t:.1f} generated tokens/s"
+          " (prefix caching on)")
+    if args.compare_prefix_caching:
+        t_off, n_off = bench_pagedllm(args, prompts, enable_prefix_caching=False)
+        print(f"pagedllm  LLM.generate: {n_off} tokens in {t_off:.2f} s = {n_off / t_off:.1f} generated "
+              f"tokens/s (prefix caching off); on/off = {(n / t) / (n_off / t_off):.2f}x")
     if not args.skip_hf:
         th, nh = bench_hf(args, prompts)
         print(f"HF        generate    : {nh} tokens in {th:.2f} s = {nh / th:.1f} generated tokens/s "

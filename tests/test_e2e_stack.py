@@ -111,6 +111,11 @@ async def test_chat_mentions_paris_streaming_equals_non_streaming(client):
     )
     pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
     assert len(pieces) > 2 and "".join(pieces) == text
+    # the same prompt again: its full blocks come from the prefix cache
+    again = await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (again.usage.prompt_tokens - 1) // 16 * 16 and cached > 0
+    assert again.choices[0].message.content == text
 
 
 async def test_completion_streaming_equals_non_streaming(client):
