@@ -1,0 +1,196 @@
+"""Attention metadata of one step and the attention backends the model layers call.
+
+The runner builds one :class:`AttentionMetadata` per forward pass (flat vLLM V1 layout); every
+attention layer calls ``backend.forward(query, key, value, key_cache, value_cache, meta, scale)``,
+which writes the new tokens' K/V into that layer's paged cache and attends.
+
+Backends (:func:`get_attention_backend`):
+    "torch"     :class:`TorchBackend`, the fast CPU path (``kernels/torch_attention.py``); the
+                default on CPU ("auto").
+    "reference" :class:`ReferenceBackend`, ``kernels/reference.py`` (the oracle), slow.
+    "triton"    hook: registered by ``kernels/triton_attention.py``'s owner through
+                :func:`register_attention_backend`; until then it raises ValueError.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kernels import reference
+from kernels import torch_attention as torch_attn
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the new tokens of one step go in the paged cache and what they attend to.
+
+    Tensors (on the model's device):
+        slot_mapping:    [T] int64, cache slot of each new token (``block_id * block_size + off``);
+                         a negative slot means "do not write" (padding).
+        query_start_loc: [B+1] int32, sequence b's new tokens are rows ``qsl[b]:qsl[b+1]``.
+        seq_lens:        [B] int32, cached context + new tokens of each sequence.
+        block_tables:    [B, max_blocks] int32, logical -> physical block ids (padding ignored).
+    Host-side copies (so backends plan without device syncs):
+        query_lens, seq_lens_list: the same lengths as Python lists.
+        max_query_len, max_seq_len: their maxima.
+        num_decodes: sequences with exactly one new token (computed when not given).
+    ``backend_state`` is filled by a backend on the first layer with data derived from this
+    metadata (gather indices, masks) and reused by the other layers of the same forward pass.
+    Sequences may come in any order (the runner puts decodes first, which saves a copy).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_lens: list[int]
+    seq_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int | None = None
+    backend_state: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_decodes is None:
+            self.num_decodes = sum(1 for q in self.query_lens if q == 1)
+
+    @property
+    def num_seqs(self) -> int:
+        """B, the number of sequences in the step."""
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the number of new tokens in the step."""
+        return int(self.slot_mapping.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build the metadata from host lists (tests, simple drivers).
+
+        Args:
+            query_lens: new tokens of each sequence.
+            seq_lens: cached context + new tokens of each sequence (``>= query_lens``).
+            block_tables: physical block ids of each sequence, enough for ``seq_lens``.
+            block_size: tokens per cache block.
+        """
+        query_lens, seq_lens = list(map(int, query_lens)), list(map(int, seq_lens))
+        max_blocks = max((len(t) for t in block_tables), default=0) or 1
+        table = torch.zeros((len(block_tables), max_blocks), dtype=torch.int32)
+        slots: list[int] = []
+        for b, (blocks, q_len, seq_len) in enumerate(zip(block_tables, query_lens, seq_lens, strict=True)):
+            if len(blocks) * block_size < seq_len or q_len > seq_len:
+                raise ValueError(f"sequence {b}: {len(blocks)} blocks cannot hold {seq_len} tokens")
+            table[b, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len))
+        qsl = [0]
+        for q_len in query_lens:
+            qsl.append(qsl[-1] + q_len)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=table.to(device),
+            query_lens=query_lens,
+            seq_lens_list=seq_lens,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
+
+
+class AttentionBackend(ABC):
+    """Writes a layer's new K/V into its paged cache, then computes paged causal attention."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D], dtype of query
+        """Cache the new tokens' K/V at ``meta.slot_mapping`` and return the attention output."""
+
+
+class ReferenceBackend(AttentionBackend):
+    """``kernels.reference``: one sequence at a time in float32. Slow; the oracle."""
+
+    name = "reference"
+
+    def forward(self, query, key, value, key_cache, value_cache, meta, scale):
+        reference.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        return reference.paged_attention(
+            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+        )
+
+
+class TorchBackend(AttentionBackend):
+    """``kernels.torch_attention``: batched decode gather + SDPA; the CPU default.
+
+    The per-forward plan (gather indices, masks) is cached in ``meta.backend_state`` under
+    ``("torch", num_kv_heads, block_size)``, so only the first layer builds it.
+    """
+
+    name = "torch"
+
+    def plan(self, meta: AttentionMetadata, num_kv_heads: int, block_size: int) -> torch_attn.TorchAttentionPlan:
+        """The plan of this step for a cache with ``num_kv_heads`` and ``block_size``."""
+        key = ("torch", num_kv_heads, block_size)
+        plan = meta.backend_state.get(key)
+        if plan is None:
+            plan = torch_attn.build_plan(
+                meta.query_lens, meta.seq_lens_list, meta.block_tables, meta.slot_mapping,
+                block_size, num_kv_heads,
+            )
+            meta.backend_state[key] = plan
+        return plan
+
+    def forward(self, query, key, value, key_cache, value_cache, meta, scale):
+        plan = self.plan(meta, key_cache.shape[2], key_cache.shape[1])
+        return torch_attn.paged_attention(query, key, value, key_cache, value_cache, plan, scale)
+
+
+_BACKENDS: dict[str, Callable[[torch.device], AttentionBackend]] = {
+    "torch": lambda device: TorchBackend(),
+    "reference": lambda device: ReferenceBackend(),
+    # "triton": registered by the Triton backend's module via register_attention_backend().
+}
+
+
+def register_attention_backend(name: str, factory: Callable[[torch.device], AttentionBackend]) -> None:
+    """Make ``get_attention_backend(name, device)`` return ``factory(device)`` (the Triton hook)."""
+    _BACKENDS[name] = factory
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """The attention backend called ``name`` for ``device``.
+
+    ``"auto"`` is ``"torch"`` on CPU and ``"triton"`` on CUDA when it is registered.
+
+    Raises:
+        ValueError: unknown (or not yet available) backend name.
+    """
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and "triton" in _BACKENDS else "torch"
+    factory = _BACKENDS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    return factory(device)

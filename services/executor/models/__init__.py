@@ -1,0 +1,38 @@
+"""Model implementations of the executor, chosen by the Hugging Face ``architectures`` entry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.executor.models.llama import (
+    LlamaForCausalLM,
+    check_supported,
+    kv_cache_bytes_per_block,
+    kv_cache_shape,
+)
+
+# architecture name in config.json -> our class (Mistral and Qwen2 are Llama with small differences:
+# Qwen2 has q/k/v biases, Mistral's sliding window is refused by check_supported)
+MODEL_CLASSES: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+__all__ = ["MODEL_CLASSES", "LlamaForCausalLM", "get_model_class", "kv_cache_bytes_per_block", "kv_cache_shape"]
+
+
+def get_model_class(hf_config: Any) -> type:
+    """The model class for ``hf_config.architectures``.
+
+    Raises:
+        ValueError: the architecture is not supported (the message names it), or the config
+            asks for something the implementation does not do (e.g. Mistral sliding window).
+    """
+    archs = (hf_config.get("architectures") if isinstance(hf_config, dict) else getattr(hf_config, "architectures", None)) or []
+    for arch in archs:
+        cls = MODEL_CLASSES.get(arch)
+        if cls is not None:
+            check_supported(hf_config)
+            return cls
+    raise ValueError(f"unsupported model architecture {archs!r}; supported: {sorted(MODEL_CLASSES)}")

@@ -1,0 +1,429 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2) on a paged KV cache.
+
+Our own implementation in the style of gpt-fast / nano-vllm, numerically following Hugging Face
+``modeling_llama`` (RMSNorm in float32, RoPE by ``rotate_half``, SiLU-gated MLP), so float32
+outputs match ``transformers`` greedy generation token for token. Flat token layout without a
+batch dimension: the new tokens of every sequence of a step are concatenated into T rows, and
+the attention backend maps them to the paged cache through :class:`AttentionMetadata`.
+
+Speed on CPU: q/k/v and gate/up are fused into one matmul each (fused at load time), RoPE
+cos/sin are computed once per forward and shared by every layer, RoPE rotates q and k in one
+go, and layers call ``F.linear`` directly (no per-call module hooks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.executor.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    """``cfg.name`` for a transformers config or ``cfg[name]`` for a dict."""
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """Per-head size: ``head_dim`` when the config has it, else ``hidden_size // num_attention_heads``."""
+    return _get(hf_config, "head_dim") or _get(hf_config, "hidden_size") // _get(hf_config, "num_attention_heads")
+
+
+def num_kv_heads_of(hf_config: Any) -> int:
+    """``num_key_value_heads`` (GQA), defaulting to ``num_attention_heads`` (MHA)."""
+    return _get(hf_config, "num_key_value_heads") or _get(hf_config, "num_attention_heads")
+
+
+def kv_cache_shape(hf_config: Any, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+    """Shape of one layer's K (and of its V) cache: ``[num_blocks, block_size, Hkv, head_dim]``."""
+    return (num_blocks, block_size, num_kv_heads_of(hf_config), head_dim_of(hf_config))
+
+
+def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of K and V across all layers (to size the block pool)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * block_size * num_kv_heads_of(hf_config) * head_dim_of(hf_config) * elem
+    return per_layer * _get(hf_config, "num_hidden_layers")
+
+
+def check_supported(hf_config: Any) -> None:
+    """Refuse what this implementation would compute wrongly.
+
+    Raises:
+        ValueError: sliding-window attention (Mistral ``sliding_window`` below
+            ``max_position_embeddings``, Qwen2 ``use_sliding_window`` layers), an activation
+            other than SiLU, or an unsupported RoPE type.
+    """
+    max_pos = _get(hf_config, "max_position_embeddings", 0)
+    window = _get(hf_config, "sliding_window")
+    archs = _get(hf_config, "architectures") or []
+    if "MistralForCausalLM" in archs and window is not None and window < max_pos:
+        raise ValueError(
+            f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window attention "
+            "is not supported by this Mistral implementation"
+        )
+    if "sliding_attention" in (_get(hf_config, "layer_types") or []) or (
+        _get(hf_config, "use_sliding_window", False) and window is not None and window < max_pos
+    ):
+        raise ValueError(f"sliding-window attention layers (sliding_window={window}) are not supported")
+    act = _get(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
+    rope_parameters(hf_config)
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """RoPE settings as one flat dict with ``rope_type`` and ``rope_theta``.
+
+    transformers 5 keeps them in ``config.rope_parameters``; older configs use ``rope_theta``
+    plus an optional ``rope_scaling`` dict (``type`` or ``rope_type``). Both are read.
+
+    Raises:
+        ValueError: a rope type other than ``default`` / ``llama3``, or per-layer-type RoPE.
+    """
+    params = _get(hf_config, "rope_parameters") or _get(hf_config, "rope_scaling") or {}
+    params = dict(params)
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type RoPE parameters are not supported: {sorted(params)}")
+    params.setdefault("rope_theta", _get(hf_config, "rope_theta") or 10000.0)
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope_type={rope_type!r} is not supported (only 'default' and 'llama3')")
+    params["rope_type"] = rope_type
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", _get(hf_config, "max_position_embeddings"))
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            if key not in params:
+                raise ValueError(f"llama3 RoPE needs {key!r} in rope parameters")
+    return params
+
+
+def rope_inv_freq(hf_config: Any) -> torch.Tensor:  # [head_dim // 2] float32
+    """Inverse frequencies of RoPE (Su et al. 2021), with Llama 3.1 scaling for ``rope_type='llama3'``.
+
+    Same arithmetic as ``transformers.modeling_rope_utils`` (default and ``_compute_llama3_parameters``).
+    """
+    params = rope_parameters(hf_config)
+    dim = head_dim_of(hf_config)
+    base = params["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if params["rope_type"] == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(
+    x: torch.Tensor,  # [T, heads, D], q and k heads side by side
+    cos: torch.Tensor,  # [T, 1, D]
+    sin_signed: torch.Tensor,  # [T, 1, D], (-sin, +sin) halves
+) -> torch.Tensor:  # [T, heads, D]
+    """``x * cos + rotate_half(x) * sin`` with the sign of ``rotate_half`` folded into ``sin_signed``."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [T, heads, D]
+    return x * cos + swapped * sin_signed
+
+
+@contextlib.contextmanager
+def reduced_precision_gemv(active: bool) -> Iterator[None]:
+    """Route bf16/fp16 ``[1, K] x [K, N]`` matmuls on CPU to torch's GEMV kernel instead of oneDNN.
+
+    For a single row, oneDNN reorders the weight on every call and is ~2x slower than torch's
+    reduced-precision GEMV (fp32 accumulation, same result bit for bit in our measurements);
+    for several rows oneDNN is much faster. The switch (``torch._C._set_mkldnn_enabled``) is
+    process-global, so it is set only for the duration of a single-token forward pass.
+    """
+    if not active:
+        yield
+        return
+    previous = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(previous)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019) via ``F.rms_norm`` (the model's final norm).
+
+    In float32 ``F.rms_norm`` is bitwise equal to Hugging Face's ``LlamaRMSNorm``; in bf16/fp16
+    it rounds once where HF rounds twice (normalised value, then product): <= 1 ulp apart.
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.shape = (size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))`` with fused qkv and gate_up.
+
+    Parameters live directly on the layer (``qkv_proj_weight [(H + 2 Hkv) D, hidden]``,
+    ``gate_up_proj_weight [2 I, hidden]``, ...; biases are ``None`` when absent) and the forward
+    reads them from ``self._parameters``: ``nn.Module.__getattr__`` costs ~1 us per access,
+    which adds up to ~0.5 ms per decode step over 30 layers.
+    """
+
+    def __init__(self, cfg: dict[str, Any], dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.intermediate_size = inter
+        self.scale = self.head_dim**-0.5
+        self.eps = cfg["eps"]
+        self.norm_shape = (hidden,)
+
+        def param(*shape: int, present: bool = True) -> nn.Parameter | None:
+            return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False) if present else None
+
+        qkv_rows = self.q_size + 2 * self.kv_size
+        self.input_layernorm_weight = param(hidden)
+        self.qkv_proj_weight = param(qkv_rows, hidden)  # rows: q | k | v
+        self.register_parameter("qkv_proj_bias", param(qkv_rows, present=cfg["qkv_bias"]))
+        self.o_proj_weight = param(hidden, self.q_size)
+        self.register_parameter("o_proj_bias", param(hidden, present=cfg["o_bias"]))
+        self.post_attention_layernorm_weight = param(hidden)
+        self.gate_up_proj_weight = param(2 * inter, hidden)  # rows: gate | up
+        self.register_parameter("gate_up_proj_bias", param(2 * inter, present=cfg["mlp_bias"]))
+        self.down_proj_weight = param(hidden, inter)
+        self.register_parameter("down_proj_bias", param(hidden, present=cfg["mlp_bias"]))
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D], sign-folded
+        key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, hidden]
+        p = self._parameters  # plain dict lookups (see class doc)
+        t, nh, nkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        x = F.rms_norm(h, self.norm_shape, p["input_layernorm_weight"], self.eps)
+        qkv = F.linear(x, p["qkv_proj_weight"], p["qkv_proj_bias"])  # [T, (H + 2 Hkv) D]
+        qk = apply_rope(qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d), cos, sin)  # [T, H + Hkv, D]
+        v = qkv[:, (nh + nkv) * d :].view(t, nkv, d)  # [T, Hkv, D]
+        attn = backend.forward(qk[:, :nh], qk[:, nh:], v, key_cache, value_cache, meta, self.scale)  # [T, H, D]
+        h = h + F.linear(attn.reshape(t, nh * d), p["o_proj_weight"], p["o_proj_bias"])
+
+        x = F.rms_norm(h, self.norm_shape, p["post_attention_layernorm_weight"], self.eps)
+        gate_up = F.linear(x, p["gate_up_proj_weight"], p["gate_up_proj_bias"])  # [T, 2 I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
+        return h + F.linear(F.silu(gate) * up, p["down_proj_weight"], p["down_proj_bias"])
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a paged KV cache.
+
+    Args:
+        hf_config: a ``transformers`` config (or its dict) of a supported architecture.
+        dtype: parameter / activation / KV cache dtype.
+        device: where parameters live (allocated uninitialised; call :meth:`load_weights`).
+        attn_backend: an :class:`AttentionBackend` or a name for :func:`get_attention_backend`;
+            the runner may replace ``self.attn_backend`` later.
+
+    Raises:
+        ValueError: see :func:`check_supported`.
+    """
+
+    def __init__(
+        self,
+        hf_config: Any,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        attn_backend: AttentionBackend | str = "auto",
+    ) -> None:
+        super().__init__()
+        check_supported(hf_config)
+        device = torch.device(device)
+        archs = _get(hf_config, "architectures") or []
+        qwen2 = "Qwen2ForCausalLM" in archs or _get(hf_config, "model_type") == "qwen2"
+        attention_bias = bool(_get(hf_config, "attention_bias", False))
+        cfg = {
+            "hidden_size": _get(hf_config, "hidden_size"),
+            "intermediate_size": _get(hf_config, "intermediate_size"),
+            "num_heads": _get(hf_config, "num_attention_heads"),
+            "num_kv_heads": num_kv_heads_of(hf_config),
+            "head_dim": head_dim_of(hf_config),
+            "eps": _get(hf_config, "rms_norm_eps", 1e-6),
+            "qkv_bias": qwen2 or attention_bias,
+            "o_bias": attention_bias and not qwen2,
+            "mlp_bias": bool(_get(hf_config, "mlp_bias", False)),
+        }
+        self.hf_config = hf_config
+        self.dtype = dtype
+        self.num_layers = _get(hf_config, "num_hidden_layers")
+        self.vocab_size = _get(hf_config, "vocab_size")
+        self.hidden_size = cfg["hidden_size"]
+        self.head_dim = cfg["head_dim"]
+        self.tie_word_embeddings = bool(_get(hf_config, "tie_word_embeddings", False))
+        with torch.device("meta"):  # no init cost: load_weights fills every parameter
+            self.embed_tokens = nn.Embedding(self.vocab_size, self.hidden_size, dtype=dtype)
+            self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(self.num_layers))
+            self.norm = RMSNorm(self.hidden_size, cfg["eps"], dtype)
+            self.lm_head = None if self.tie_word_embeddings else nn.Linear(self.hidden_size, self.vocab_size, bias=False, dtype=dtype)
+        self.to_empty(device=device)
+        if device.type == "cpu" and dtype == torch.float32:
+            self._use_input_major_weights()
+        self.requires_grad_(False)
+        self.inv_freq = rope_inv_freq(hf_config).to(device)  # [D/2] float32, not a parameter
+        self._gemv_fast_path = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        if isinstance(attn_backend, str):
+            attn_backend = get_attention_backend(attn_backend, device)
+        self.attn_backend = attn_backend
+
+    def _use_input_major_weights(self) -> None:
+        """Store every 2-D weight ``[out, in]`` as the transposed view of a contiguous ``[in, out]``.
+
+        float32 on CPU only: MKL's SGEMV streams an ``[in, out]`` matrix about twice as fast for
+        one-row inputs (decode: 52 -> ~30 ms per SmolLM2 step, lm_head 9.7 -> 4.9 ms), larger
+        batches run at the same speed, and the embedding lookup from the strided table costs a
+        few microseconds per token. Values are unchanged; matmul summation order differs from
+        the row-major layout by float32 rounding (~1e-6 relative).
+        """
+        for module in self.modules():
+            for param in module._parameters.values():
+                if param is not None and param.dim() == 2:
+                    rows, cols = param.shape
+                    param.data = torch.empty(cols, rows, dtype=param.dtype, device=param.device).t()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        """The output projection (the embedding matrix when embeddings are tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin ``[T, 1, D]`` in the model dtype for ``positions [T]`` (HF arithmetic)."""
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2] float32
+        cos = torch.cat((freqs, freqs), dim=-1).cos()  # [T, D]
+        sin = freqs.sin()
+        sin = torch.cat((-sin, sin), dim=-1)  # [T, D], rotate_half's sign folded in
+        return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer K, V [num_blocks, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        """Run the decoder over the step's new tokens, writing their K/V into ``kv_caches``."""
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rope_cos_sin(positions)  # [T, 1, D], shared by all layers
+        backend = self.attn_backend
+        with reduced_precision_gemv(self._gemv_fast_path and h.shape[0] == 1):
+            for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
+                h = layer(h, cos, sin, key_cache, value_cache, attn_metadata, backend)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden: [N, hidden]
+        """Logits ``[N, vocab]`` float32 (the matmul runs in the model dtype, as in HF)."""
+        with reduced_precision_gemv(self._gemv_fast_path and hidden.shape[0] == 1):
+            return F.linear(hidden, self.lm_head_weight).float()
+
+    # ------------------------------------------------------------------ weights
+
+    def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF checkpoint name -> (our parameter, first row, row count) including fused slices."""
+        targets: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+        def add(name: str, param: torch.Tensor, start: int = 0, rows: int | None = None) -> None:
+            targets[name] = (param, start, param.shape[0] if rows is None else rows)
+
+        add("model.embed_tokens.weight", self.embed_tokens.weight)
+        add("model.norm.weight", self.norm.weight)
+        if self.lm_head is not None:
+            add("lm_head.weight", self.lm_head.weight)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            qs, kvs, inter = layer.q_size, layer.kv_size, layer.intermediate_size
+            add(p + "input_layernorm.weight", layer.input_layernorm_weight)
+            add(p + "post_attention_layernorm.weight", layer.post_attention_layernorm_weight)
+            for s in ("weight", "bias"):
+                qkv, o = getattr(layer, f"qkv_proj_{s}"), getattr(layer, f"o_proj_{s}")
+                gate_up, down = getattr(layer, f"gate_up_proj_{s}"), getattr(layer, f"down_proj_{s}")
+                if qkv is not None:  # fused rows: q | k | v
+                    add(p + f"self_attn.q_proj.{s}", qkv, 0, qs)
+                    add(p + f"self_attn.k_proj.{s}", qkv, qs, kvs)
+                    add(p + f"self_attn.v_proj.{s}", qkv, qs + kvs, kvs)
+                if o is not None:
+                    add(p + f"self_attn.o_proj.{s}", o)
+                if gate_up is not None:  # fused rows: gate | up
+                    add(p + f"mlp.gate_proj.{s}", gate_up, 0, inter)
+                    add(p + f"mlp.up_proj.{s}", gate_up, inter, inter)
+                if down is not None:
+                    add(p + f"mlp.down_proj.{s}", down)
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, model_dir: Path | str) -> None:
+        """Load HF safetensors (one file, or shards listed in ``model.safetensors.index.json``).
+
+        q/k/v and gate/up are copied into their fused parameters; values are cast to the
+        model dtype. ``lm_head.weight`` is ignored when embeddings are tied.
+
+        Raises:
+            FileNotFoundError: no ``*.safetensors`` in ``model_dir``.
+            ValueError: a parameter is missing, has the wrong shape, or the checkpoint holds
+                tensors this architecture does not know (e.g. Qwen3's q_norm).
+        """
+        from safetensors import safe_open
+
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+        else:
+            files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        targets = self._weight_targets()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    key = name if name in targets or name.startswith("model.") else "model." + name
+                    if key not in targets:
+                        if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                            continue
+                        unexpected.append(name)
+                        continue
+                    param, start, rows = targets[key]
+                    tensor = f.get_tensor(name)
+                    dst = param[start : start + rows]
+                    if tuple(tensor.shape) != tuple(dst.shape):
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+                    dst.copy_(tensor)
+                    loaded.add(key)
+        if unexpected:
+            raise ValueError(f"{len(unexpected)} unexpected tensors in {model_dir}, e.g. {unexpected[:5]}")
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            raise ValueError(f"{len(missing)} tensors missing from {model_dir}, e.g. {missing[:5]}")

@@ -1,0 +1,270 @@
+"""Our Llama-family model on the paged KV cache equals Hugging Face greedy generation (float32)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from services.executor.attention import AttentionMetadata
+from services.executor.models import LlamaForCausalLM, get_model_class
+from services.executor.models.llama import (
+    kv_cache_bytes_per_block,
+    kv_cache_shape,
+    rope_inv_freq,
+)
+
+PROMPTS = [[5, 17, 301, 44, 9, 120, 77], [400, 3, 3, 18, 250, 11, 90, 64, 31, 7, 199, 2, 65, 8, 301, 42, 17, 5], [88, 12]]
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+CONFIGS = {
+    # GQA 2, head_dim (32) != hidden / heads, Llama 3.1 RoPE scaling with all three bands in use
+    "llama3": lambda: LlamaConfig(
+        **TINY,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        architectures=["LlamaForCausalLM"],
+    ),
+    # q/k/v biases, untied lm_head, MQA-like GQA 4
+    "qwen2": lambda: Qwen2Config(
+        **TINY, num_hidden_layers=2, num_key_value_heads=1, tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"],
+    ),
+    "mistral": lambda: MistralConfig(
+        **TINY, num_hidden_layers=2, num_key_value_heads=2, sliding_window=None,
+        architectures=["MistralForCausalLM"],
+    ),
+}
+
+
+def paged_greedy(
+    model: LlamaForCausalLM,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    block_size: int = 16,
+    chunk: int | None = None,
+    seed: int = 0,
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy generation with continuous batching over a paged cache.
+
+    Every step puts all sequences in one flat batch: prompts (in chunks of ``chunk`` tokens when
+    given, so chunks with cached context mix with decodes), then one token per sequence.
+    Blocks come from a shuffled free list. Returns the new tokens of each prompt and the
+    float32 logits ``[len(prompt), vocab]`` of every prompt position.
+    """
+    cfg = model.hf_config
+    num_blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts) + 5
+    caches = [
+        (torch.zeros(kv_cache_shape(cfg, num_blocks, block_size), dtype=model.dtype),
+         torch.zeros(kv_cache_shape(cfg, num_blocks, block_size), dtype=model.dtype))
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tokens = [list(p) for p in prompts]
+    computed = [0] * len(prompts)
+    blocks: list[list[int]] = [[] for _ in prompts]
+    prompt_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    with torch.inference_mode():
+        while min(len(t) - len(p) for t, p in zip(tokens, prompts, strict=True)) < max_new_tokens:
+            query_lens, seq_lens, ids, positions = [], [], [], []
+            for i, toks in enumerate(tokens):
+                n = len(toks) - computed[i]
+                if chunk is not None:
+                    n = min(n, chunk)
+                while len(blocks[i]) * block_size < computed[i] + n:
+                    blocks[i].append(free.pop())
+                ids += toks[computed[i] : computed[i] + n]
+                positions += range(computed[i], computed[i] + n)
+                query_lens.append(n)
+                seq_lens.append(computed[i] + n)
+            meta = AttentionMetadata.build(query_lens, seq_lens, blocks, block_size)
+            hidden = model(torch.tensor(ids), torch.tensor(positions), caches, meta)  # [T, hidden]
+            start = 0
+            for i, n in enumerate(query_lens):
+                rows = hidden[start : start + n]
+                start += n
+                n_prompt = max(0, min(len(prompts[i]) - computed[i], n))
+                if n_prompt:
+                    prompt_logits[i].append(model.compute_logits(rows[:n_prompt]))
+                computed[i] += n
+                if computed[i] == len(tokens[i]):
+                    tokens[i].append(int(model.compute_logits(rows[-1:]).argmax(-1)))
+    new = [t[len(p) : len(p) + max_new_tokens] for t, p in zip(tokens, prompts, strict=True)]
+    return new, [torch.cat(parts) for parts in prompt_logits]
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """HF ``generate(do_sample=False)`` new tokens and the prompt logits ``[len(prompt), vocab]``."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        logits = hf_model(ids).logits[0].float()
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist(), logits
+
+
+def _tiny_checkpoint(name: str, path: Path, **save_kwargs):
+    torch.manual_seed(0)
+    config = CONFIGS[name]()
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # HF initialises biases to 0 and norms to 1: randomise them
+        for pname, param in hf_model.named_parameters():
+            if pname.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif "norm" in pname:
+                param.normal_(1.0, 0.2)
+    hf_model.save_pretrained(path, **save_kwargs)
+    return config, hf_model
+
+
+def _ours(config, path: Path, dtype=torch.float32) -> LlamaForCausalLM:
+    model = get_model_class(config)(config, dtype, torch.device("cpu"))
+    model.load_weights(path)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_tiny_model_matches_hf_greedy(name, tmp_path):
+    shard = {"max_shard_size": "100KB"} if name == "qwen2" else {}  # qwen2: sharded checkpoint
+    config, hf_model = _tiny_checkpoint(name, tmp_path, **shard)
+    if shard:
+        assert (tmp_path / "model.safetensors.index.json").exists()
+    model = _ours(config, tmp_path)
+    max_new = 10
+    for block_size, chunk in ((16, None), (16, 5), (32, 4)):
+        new, logits = paged_greedy(model, PROMPTS, max_new, block_size=block_size, chunk=chunk, seed=block_size)
+        for prompt, ours_new, ours_logits in zip(PROMPTS, new, logits, strict=True):
+            ref_new, ref_logits = hf_greedy(hf_model, prompt, max_new)
+            torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=1e-4)
+            assert ours_new == ref_new, (block_size, chunk, prompt)
+
+
+def test_smollm2_matches_hf_greedy(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived"]
+    prompts = [tok(t)["input_ids"] for t in texts]
+    hf_model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    model = _ours(hf_model.config, smollm2_path)
+    max_new = 8
+    new, logits = paged_greedy(model, prompts, max_new, block_size=16)
+    eos = hf_model.config.eos_token_id
+    for prompt, ours_new, ours_logits in zip(prompts, new, logits, strict=True):
+        ref_new, ref_logits = hf_greedy(hf_model, prompt, max_new)
+        torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=1e-4)
+        assert ours_new[: len(ref_new)] == ref_new
+        assert len(ref_new) == max_new or ref_new[-1] == eos  # HF stops at EOS, we do not
+
+
+def test_reference_backend_matches_hf(tmp_path):
+    """The model on the reference attention (the oracle) gives the same tokens."""
+    config, hf_model = _tiny_checkpoint("llama3", tmp_path)
+    model = get_model_class(config)(config, torch.float32, "cpu", attn_backend="reference")
+    model.load_weights(tmp_path)
+    new, _ = paged_greedy(model, PROMPTS, 6, chunk=5)
+    assert new == [hf_greedy(hf_model, p, 6)[0] for p in PROMPTS]
+
+
+def test_bf16_single_token_gemv_path(tmp_path):
+    """bf16 decode of one token (torch GEMV instead of oneDNN) matches the oneDNN result."""
+    config, _ = _tiny_checkpoint("qwen2", tmp_path)
+    model = _ours(config, tmp_path, torch.bfloat16)
+    assert model._gemv_fast_path
+    logits = []
+    for fast in (True, False):
+        model._gemv_fast_path = fast
+        caches = [(torch.zeros(kv_cache_shape(config, 4, 16), dtype=torch.bfloat16),
+                   torch.zeros(kv_cache_shape(config, 4, 16), dtype=torch.bfloat16)) for _ in range(2)]
+        with torch.inference_mode():
+            meta = AttentionMetadata.build([5], [5], [[2]], 16)
+            model(torch.tensor(PROMPTS[0][:5]), torch.arange(5), caches, meta)
+            meta = AttentionMetadata.build([1], [6], [[2]], 16)
+            hidden = model(torch.tensor([PROMPTS[0][5]]), torch.tensor([5]), caches, meta)
+            logits.append(model.compute_logits(hidden))
+        assert torch._C._get_mkldnn_enabled()  # the process-global switch is restored
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-2, rtol=2e-2)
+
+
+def test_bfloat16_runs_close_to_float32(tmp_path):
+    config, _ = _tiny_checkpoint("llama3", tmp_path)
+    f32, bf16 = _ours(config, tmp_path), _ours(config, tmp_path, torch.bfloat16)
+    _, logits32 = paged_greedy(f32, PROMPTS, 1)
+    _, logits16 = paged_greedy(bf16, PROMPTS, 1)
+    for a, b in zip(logits32, logits16, strict=True):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a, atol=0.15, rtol=0.05)
+
+
+def test_old_style_rope_config_matches_hf():
+    """``rope_theta`` + ``rope_scaling`` (pre-transformers-5 config.json) give HF's frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    old = {"hidden_size": 64, "num_attention_heads": 2, "max_position_embeddings": 512,
+           "rope_theta": 500000.0, "rope_scaling": scaling}
+    hf_config = LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=512,
+                            rope_theta=500000.0, rope_scaling=dict(scaling))
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config)
+    torch.testing.assert_close(rope_inv_freq(old), expected, atol=0, rtol=0)
+    torch.testing.assert_close(rope_inv_freq(hf_config), expected, atol=0, rtol=0)
+
+
+def test_refused_configs():
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        get_model_class({"architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="sliding_window"):
+        get_model_class(MistralConfig(sliding_window=4096, max_position_embeddings=32768,
+                                      architectures=["MistralForCausalLM"]))
+    with pytest.raises(ValueError, match="sliding"):
+        get_model_class(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1,
+                                    architectures=["Qwen2ForCausalLM"]))
+    with pytest.raises(ValueError, match="yarn"):
+        get_model_class(LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0},
+                                    architectures=["LlamaForCausalLM"]))
+    assert get_model_class(MistralConfig(sliding_window=None, architectures=["MistralForCausalLM"])) is LlamaForCausalLM
+
+
+def test_kv_cache_sizing():
+    config = CONFIGS["llama3"]()  # 3 layers, 2 KV heads of 32
+    assert kv_cache_shape(config, 10, 16) == (10, 16, 2, 32)
+    assert kv_cache_bytes_per_block(config, 16, torch.bfloat16) == 2 * 3 * 16 * 2 * 32 * 2
+
+
+def test_missing_weights_are_reported(tmp_path):
+    config, hf_model = _tiny_checkpoint("mistral", tmp_path)
+    state = {k: v for k, v in hf_model.state_dict().items() if "layers.1.mlp.up_proj" not in k}
+    from safetensors.torch import save_file
+
+    (tmp_path / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="up_proj"):
+        _ours(config, tmp_path)
+    with pytest.raises(FileNotFoundError):
+        _ours(config, tmp_path / "nothing-here")
