@@ -64,6 +64,7 @@ class EngineClient:
         self.gateway_id = gateway_id or uuid.uuid4().hex
         self.tokenize_timeout_s = tokenize_timeout_s
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
+        self._num_samples: dict[str, int] = {}  # request id -> n
         self._sub: Subscription | None = None
 
     async def start(self) -> None:
@@ -139,6 +140,7 @@ class EngineClient:
         )
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._queues[request_id] = queue
+        self._num_samples[request_id] = sampling_params.n
         try:
             reply = await self.bus.request(
                 self.subjects.tokenize, message, TokenizeReply, timeout=self.tokenize_timeout_s
@@ -151,7 +153,8 @@ class EngineClient:
         return reply
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
-        """Yield the request's outputs until one is ``finished``, then drop its queue.
+        """Yield the request's outputs until every sample (``n``; ``delta.index``) is
+        ``finished`` or an error arrives, then drop its queue.
 
         A request aborted through this client ends with a ``finish_reason="abort"`` delta.
         Closing the iterator early drops the queue but does not abort the request: call
@@ -163,12 +166,15 @@ class EngineClient:
         queue = self._queues.get(request_id)
         if queue is None:
             raise KeyError(f"request {request_id!r} is not in flight")
+        remaining = self._num_samples.get(request_id, 1)
         try:
             while True:
                 delta = await queue.get()
                 yield delta
                 if delta.finished:
-                    return
+                    remaining -= 1
+                    if remaining <= 0 or delta.error is not None:
+                        return
         finally:
             self._drop(request_id, queue)
 
@@ -176,11 +182,16 @@ class EngineClient:
         """Tell the scheduler to stop these requests; their streams end with an abort delta."""
         for request_id in request_ids:
             queue = self._queues.pop(request_id, None)
+            n = self._num_samples.pop(request_id, 1)
             if queue is not None:
-                queue.put_nowait(RequestDelta(request_id=request_id, finished=True, finish_reason="abort"))
+                for index in range(n):
+                    queue.put_nowait(
+                        RequestDelta(request_id=request_id, index=index, finished=True, finish_reason="abort")
+                    )
         if request_ids:
             await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=request_ids, reason=reason))
 
     def _drop(self, request_id: str, queue: asyncio.Queue[RequestDelta]) -> None:
         if self._queues.get(request_id) is queue:
             del self._queues[request_id]
+            self._num_samples.pop(request_id, None)

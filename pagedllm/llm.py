@@ -153,7 +153,7 @@ class LLM:
                 self._client.submit(rid, sampling_params=sp, priority=priority[i] if priority else 0, **item)
                 for i, (rid, item, sp) in enumerate(zip(ids, items, params, strict=True))
             ))
-            for rid, item, reply in zip(ids, items, replies, strict=True):
+            for rid, item, sp, reply in zip(ids, items, params, replies, strict=True):
                 if reply.error is not None:
                     raise ValueError(reply.error.message)
                 prompt = item.get("prompt")
@@ -162,14 +162,14 @@ class LLM:
                         request_id=rid,
                         prompt=prompt if isinstance(prompt, str) else None,
                         prompt_token_ids=list(reply.prompt_token_ids),
-                        outputs=[CompletionOutput(index=0, text="", token_ids=[])],
+                        outputs=[CompletionOutput(index=i, text="", token_ids=[]) for i in range(sp.n)],
                     )
                 )
 
             async def collect(out: RequestOutput) -> None:
-                comp = out.outputs[0]
                 async for delta in self._client.stream(out.request_id):
-                    self._apply(out, comp, delta)
+                    self._apply(out, out.outputs[delta.index], delta)
+                out.finished = all(c.finish_reason is not None for c in out.outputs)
                 bar.update(1)
 
             await asyncio.gather(*(collect(o) for o in outputs))
@@ -186,7 +186,6 @@ class LLM:
         comp.token_ids.extend(delta.token_ids)
         out.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
-            out.finished = True
             comp.finish_reason = delta.finish_reason
             comp.stop_reason = delta.stop_reason
 

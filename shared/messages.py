@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+MAX_N = 64  # most samples of one prompt (``n``)
 
 
 class Message(BaseModel):
@@ -71,8 +72,8 @@ class SamplingParams(Message):
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported in this version")
+        if not (1 <= self.n <= MAX_N):
+            raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -88,6 +89,12 @@ class SamplingParams(Message):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_child(self, index: int) -> SamplingParams:
+        """The params of sample ``index`` of an ``n > 1`` request (vLLM's rule: a seeded
+        request's sample i uses ``seed + i``, so the n samples differ yet are reproducible)."""
+        seed = None if self.seed is None else self.seed + index
+        return self.model_copy(update={"n": 1, "seed": seed})
 
 
 # ---------------------------------------------------------------- gateway -> tokenizer
@@ -198,6 +205,9 @@ class StepPlan(Message):
     num_scheduled_tokens: dict[str, int] = Field(default_factory=dict)
     finished_request_ids: list[str] = Field(default_factory=list)
     block_copies: list[tuple[int, int]] = Field(default_factory=list)  # (src, dst) block ids
+    # n > 1: when a parent's prefill completes this step, the executor forks these children
+    # (same tokens and blocks) and samples each one's first token from the parent's logits.
+    forks: dict[str, list[str]] = Field(default_factory=dict)
 
 
 class StepResult(Message):
@@ -221,6 +231,8 @@ class DetokNewRequest(Message):
     stop: list[str] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    parent_request_id: str | None = None  # n > 1: the client's request id of this sample
+    index: int = 0  # n > 1: which sample (choice index)
 
 
 class TokenUpdate(Message):
@@ -245,6 +257,7 @@ class RequestDelta(Message):
     """What one request produced in one step, as the client sees it."""
 
     request_id: str
+    index: int = 0  # the choice index, for n > 1
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finished: bool = False

@@ -93,3 +93,19 @@ def test_bfloat16_answers(smollm2_path):
         out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
+
+
+def test_parallel_sampling_n_shares_the_prompt_and_matches_single_samples(llm):
+    prompt = "Once upon a time, in a land far away, there was a"  # ends mid-block: copy-on-write
+    greedy1 = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    greedy3 = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=3),
+                           use_tqdm=False)[0]
+    assert [c.index for c in greedy3.outputs] == [0, 1, 2]
+    assert all(c.token_ids == greedy1[0].outputs[0].token_ids for c in greedy3.outputs)
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=5, n=3)
+    out = llm.generate(prompt, seeded, use_tqdm=False)[0]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3 and out.finished
+    for i in range(3):  # sample i of a seeded request is the request with seed + i
+        single = llm.generate(prompt, seeded.model_copy(update={"n": 1, "seed": 5 + i}), use_tqdm=False)[0]
+        assert out.outputs[i].token_ids == single.outputs[0].token_ids
+        assert out.outputs[i].text == single.outputs[0].text

@@ -71,6 +71,13 @@ class FakeExecutor:
             st = self.state[rid]
             st["computed"] += n
             if st["computed"] == len(st["tokens"]):
+                for cid in plan.forks.get(rid, ()):  # n > 1: children sample from the same logits
+                    index = int(cid.rsplit("#", 1)[1])
+                    child = dict(tokens=list(st["tokens"]), blocks=list(st["blocks"]), computed=st["computed"])
+                    self.state[cid] = child
+                    tok = (next_token(child["tokens"]) + index) % (VOCAB - 1)
+                    child["tokens"].append(tok)
+                    sampled[cid] = tok
                 tok = next_token(st["tokens"])
                 st["tokens"].append(tok)
                 sampled[rid] = tok
@@ -341,3 +348,38 @@ def test_copy_on_write_of_a_shared_partial_block():
     out, _ = run(sched, ex)
     assert out["parent"] == out["child"] == expected(parent)  # same greedy stream, own blocks
     assert group.kv.num_free_blocks == 16
+
+
+def test_parallel_sampling_forks_share_the_prompt_and_copy_on_write():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    sched.add_group("g0", num_blocks=16, block_size=16)
+    ex = FakeExecutor(16, 16)
+    req = make_request("p", 20, 6, seed=3)  # 20 prompt tokens: the second block is partial
+    req.sampling_params = req.sampling_params.model_copy(update={"n": 3})
+    sched.add_request(req)
+    plan = sched.schedule("g0")
+    assert plan.forks == {"p": ["p#1", "p#2"]}
+    outcome = sched.update_from_output(ex.execute(plan))
+    assert sorted(r.request_id for r in outcome.updated) == ["p", "p#1", "p#2"]
+    group = sched.groups["g0"]
+    assert group.kv.pool.ref_counts[req.block_ids[0]] == 3 and group.kv.num_free_blocks == 14
+    plan = sched.schedule("g0")
+    assert len(plan.block_copies) == 2  # two of the three writers of the shared partial block copy it
+    sched.update_from_output(ex.execute(plan))
+    out, _ = run(sched, ex)
+    toks = list(req.prompt_token_ids)
+    for rid, index in (("p", 0), ("p#1", 1), ("p#2", 2)):
+        seq = toks + [(next_token(toks) + index) % (VOCAB - 1)]
+        while len(seq) < len(toks) + 6:
+            seq.append(next_token(seq))
+        assert out[rid] == seq[len(toks):]
+    assert len({tuple(v) for v in out.values()}) == 3
+    assert group.kv.num_free_blocks == 16
+    # aborting the parent id aborts every sample
+    req2 = make_request("q", 5, 50, seed=4)
+    req2.sampling_params = req2.sampling_params.model_copy(update={"n": 2})
+    sched.add_request(req2)
+    sched.update_from_output(ex.execute(sched.schedule("g0")))
+    assert set(sched.requests) == {"q", "q#1"}
+    sched.abort(["q"])
+    assert not sched.requests and group.kv.num_free_blocks == 16

@@ -44,6 +44,8 @@ class DetokRequest:
     detok: IncrementalDetokenizer
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    client_request_id: str | None = None  # n > 1: the parent id the client knows
+    index: int = 0  # n > 1: the choice index
 
 
 @dataclass
@@ -149,6 +151,8 @@ class DetokenizerService:
             request_id=new.request_id,
             gateway_id=new.gateway_id,
             num_prompt_tokens=new.num_prompt_tokens,
+            client_request_id=new.parent_request_id,
+            index=new.index,
             detok=IncrementalDetokenizer(
                 self.tokenizer,
                 new.prompt_tail_ids,
@@ -176,7 +180,8 @@ class DetokenizerService:
                 error = ServiceError(message="the engine failed while generating this request",
                                      type="internal_server_error", status=500)
         return RequestDelta(
-            request_id=req.request_id,
+            request_id=req.client_request_id or req.request_id,
+            index=req.index,
             text=text,
             token_ids=list(update.new_token_ids[:consumed]),
             finished=finish_reason is not None,

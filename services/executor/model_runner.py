@@ -131,6 +131,28 @@ class ModelRunner:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
 
+    def _fork(
+        self, forks: dict[str, list[str]], sample_states: list[CachedRequestState], logits_rows: list[int]
+    ) -> None:
+        """n > 1: each child starts as a copy of its parent (tokens, shared blocks) and samples
+        its first token from the parent's logits row with its own params (``for_child``)."""
+        vocab = self.model_info.vocab_size
+        for state, row in list(zip(sample_states, logits_rows, strict=True)):
+            for child_id in forks.get(state.request_id, ()):
+                index = int(child_id.rsplit("#", 1)[1])
+                params = state.sampling_params.for_child(index)
+                child = CachedRequestState(
+                    request_id=child_id,
+                    token_ids=list(state.token_ids),
+                    block_ids=list(state.block_ids),
+                    num_computed_tokens=state.num_computed_tokens,
+                    sampling_params=params,
+                    generator=self.sampler.new_request_generator(params.seed, 0, vocab),
+                )
+                self.requests[child_id] = child
+                sample_states.append(child)
+                logits_rows.append(row)
+
     # ------------------------------------------------------------------ step
 
     def _update_states(self, plan: StepPlan) -> None:
@@ -213,6 +235,8 @@ class ModelRunner:
             state.num_computed_tokens += n
         if not sample_states:
             return {}
+        if plan.forks:
+            self._fork(plan.forks, sample_states, logits_rows)
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])  # [N, V] f32
         tokens = self.sampler.sample(
             logits, [s.sampling_params for s in sample_states], [s.generator for s in sample_states]

@@ -48,6 +48,16 @@ class Request:
     block_hashes: dict[int, list[int]] = field(default_factory=dict)  # block size -> hashes
     num_cached_blocks: int = 0
     cache_extra_keys: tuple = ()  # e.g. (cache_salt,): requests with other keys never share
+    # n > 1 (parallel sampling): sample 0 is the parent request itself; samples 1..n-1 are
+    # children forked from it when its prefill completes, sharing its blocks
+    parent_request_id: str | None = None
+    index: int = 0
+    child_ids: list[str] = field(default_factory=list)
+    fork_pending: bool = False  # the step in flight forks this request
+
+    @property
+    def needs_fork(self) -> bool:
+        return self.sampling_params.n > 1 and not self.child_ids and self.parent_request_id is None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -167,11 +167,15 @@ class Scheduler:
         done = []
         for rid in request_ids:
             req = self.requests.get(rid)
-            if req is None:
-                continue
-            req.finish_reason = reason  # type: ignore[assignment]
-            self._finish(req)
-            done.append(req)
+            family = [req] if req is not None else []
+            if req is not None and req.parent_request_id is None and reason != "stop":
+                family += [self.requests[c] for c in req.child_ids if c in self.requests]
+            elif req is None and "#" not in rid:  # the parent finished; its samples may run on
+                family = [r for r in self.requests.values() if r.parent_request_id == rid]
+            for r in family:
+                r.finish_reason = reason  # type: ignore[assignment]
+                self._finish(r)
+                done.append(r)
         return done
 
     def has_work(self, group_id: str) -> bool:
@@ -292,6 +296,9 @@ class Scheduler:
                         num_output_tokens=len(req.output_token_ids),
                     )
                 )
+            if req.needs_fork and req.num_computed_tokens + scheduled[req.request_id] == req.num_tokens:
+                req.fork_pending = True  # the prefill completes this step: fork the n - 1 others
+                plan.forks[req.request_id] = [f"{req.request_id}#{i}" for i in range(1, req.sampling_params.n)]
         plan.num_scheduled_tokens = scheduled
         group.in_flight = plan
         return plan
@@ -312,13 +319,45 @@ class Scheduler:
             token = result.sampled_token_ids.get(rid)
             if token is None:
                 continue
-            req.output_token_ids.append(token)
-            req.pending_output_ids.append(token)
-            outcome.updated.append(req)
-            if req.check_stop():
-                self._finish(req)
-                outcome.finished.append(req)
+            samples = [(req, token)]
+            if req.fork_pending:
+                req.fork_pending = False
+                samples += [(self._fork(group, req, cid), result.sampled_token_ids[cid]) for cid in plan.forks[rid]]
+            for sample, tok in samples:
+                sample.output_token_ids.append(tok)
+                sample.pending_output_ids.append(tok)
+                outcome.updated.append(sample)
+                if sample.check_stop():
+                    self._finish(sample)
+                    outcome.finished.append(sample)
         return outcome
+
+    def _fork(self, group: GroupState, parent: Request, child_id: str) -> Request:
+        """Sample ``index`` of an n > 1 request: the parent's tokens and blocks (shared)."""
+        index = int(child_id.rsplit("#", 1)[1])
+        child = Request(
+            request_id=child_id,
+            gateway_id=parent.gateway_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            sampling_params=parent.sampling_params.for_child(index),
+            max_model_len=parent.max_model_len,
+            eos_token_ids=parent.eos_token_ids,
+            priority=parent.priority,
+            arrival_time=parent.arrival_time,
+            output_token_ids=list(parent.output_token_ids),
+            status=RequestStatus.RUNNING,
+            num_computed_tokens=parent.num_computed_tokens,
+            num_cached_tokens=parent.num_cached_tokens,
+            group_id=group.group_id,
+            parent_request_id=parent.request_id,
+            index=index,
+        )
+        group.kv.fork(parent, child)
+        group.running.append(child)
+        group.known.add(child_id)
+        parent.child_ids.append(child_id)
+        self.requests[child_id] = child
+        return child
 
     # ------------------------------------------------------------------ internals
 

@@ -174,6 +174,8 @@ class SchedulerService:
                         stop=p.stop,
                         include_stop_str_in_output=p.include_stop_str_in_output,
                         skip_special_tokens=p.skip_special_tokens,
+                        parent_request_id=req.parent_request_id,
+                        index=req.index,
                     )
                 )
             step.updates.append(
