@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, ahead of benchmarks/
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while engineers measure paged attention kernels "

@@ -41,7 +41,9 @@ class Settings(BaseSettings):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     seed: int = 0
     tensor_parallel_size: int = 1
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton", "reference"] = Field(
+        "auto", description="auto = triton on CUDA, torch on CPU"
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     # --- services ---
@@ -71,13 +73,6 @@ class Settings(BaseSettings):
     def _check_tp(cls, v: int) -> int:
         if v != 1:
             raise ValueError("tensor_parallel_size > 1 is not implemented yet; use 1")
-        return v
-
-    @field_validator("attention_backend")
-    @classmethod
-    def _check_backend(cls, v: str) -> str:
-        if v == "triton":
-            raise ValueError("attention_backend='triton' is not implemented yet; use 'torch' or 'auto'")
         return v
 
     def to_env(self) -> dict[str, str]:

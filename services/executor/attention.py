@@ -167,10 +167,31 @@ class TorchBackend(AttentionBackend):
         return torch_attn.paged_attention(query, key, value, key_cache, value_cache, plan, scale)
 
 
+class TritonBackend(AttentionBackend):
+    """``kernels.triton_cache`` + ``kernels.triton_attention``: one launch per layer for the
+    mixed batch; the CUDA default. On CPU tensors it needs ``TRITON_INTERPRET=1`` set before
+    triton is first imported (tests only). Triton is imported when the backend is built."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels import triton_attention, triton_cache
+
+        self._attention = triton_attention.paged_attention
+        self._cache = triton_cache.reshape_and_cache
+
+    def forward(self, query, key, value, key_cache, value_cache, meta, scale):
+        self._cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        return self._attention(
+            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+        )
+
+
 _BACKENDS: dict[str, Callable[[torch.device], AttentionBackend]] = {
     "torch": lambda device: TorchBackend(),
     "reference": lambda device: ReferenceBackend(),
-    # "triton": registered by the Triton backend's module via register_attention_backend().
+    "triton": lambda device: TritonBackend(),
 }
 
 
@@ -182,7 +203,7 @@ def register_attention_backend(name: str, factory: Callable[[torch.device], Atte
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """The attention backend called ``name`` for ``device``.
 
-    ``"auto"`` is ``"torch"`` on CPU and ``"triton"`` on CUDA when it is registered.
+    ``"auto"`` is ``"torch"`` on CPU and ``"triton"`` on CUDA.
 
     Raises:
         ValueError: unknown (or not yet available) backend name.
