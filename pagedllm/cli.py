@@ -8,6 +8,7 @@ environment variables, then to defaults.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 import types
@@ -78,6 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level, service="serve")
+    # SIGTERM stops the stack like Ctrl-C: children are in their own sessions and would outlive us
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         info = load_model_info(settings)
     except (ModelNotFoundError, ValueError) as exc:
