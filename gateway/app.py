@@ -45,6 +45,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import nats.errors
@@ -156,22 +157,37 @@ def _error_response(exc: APIError) -> JSONResponse:
 # ---------------------------------------------------------------- one request's output
 
 
-class _Generation:
-    """One request in flight: folds its ``RequestDelta``s into OpenAI chunks and the response."""
+@dataclass
+class _Choice:
+    """One sample (``index``) of a request."""
 
-    def __init__(self, request_id: str, model: str, include_usage: bool, num_prompt_tokens: int) -> None:
+    pieces: list[str] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_tokens: int = 0
+
+
+class _Generation:
+    """One request in flight: folds its ``RequestDelta``s (``n`` samples, told apart by
+    ``delta.index``) into OpenAI chunks and the response."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool, num_prompt_tokens: int, n: int = 1) -> None:
         self.request_id = request_id
         self.model = model
         self.include_usage = include_usage
         self.created = int(time.time())
-        self.pieces: list[str] = []
-        self.finished = False
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
+        self.choices = [_Choice() for _ in range(n)]
         self.num_prompt_tokens = num_prompt_tokens
-        self.num_output_tokens = 0
         self.num_cached_tokens = 0
-        self._counted = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
 
     def update(self, delta: RequestDelta) -> None:
         """Fold in one delta.
@@ -179,19 +195,21 @@ class _Generation:
         Raises:
             APIError: the engine reported an error for this request.
         """
-        self.finished = self.finished or delta.finished
         if delta.error is not None:
+            for c in self.choices:
+                c.finished = True
             raise APIError.from_service_error(delta.error)
         if delta.finish_reason == "error":
             raise APIError(500, "the engine failed while generating this request")
-        self.pieces.append(delta.text)
-        self._counted += len(delta.token_ids)
+        choice = self.choices[delta.index]
+        choice.finished = choice.finished or delta.finished
+        choice.pieces.append(delta.text)
+        choice.num_tokens = max(delta.num_output_tokens, choice.num_tokens + len(delta.token_ids))
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
-        self.num_output_tokens = max(delta.num_output_tokens, self._counted)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.finished:
-            self.finish_reason = delta.finish_reason or "stop"
-            self.stop_reason = delta.stop_reason
+            choice.finish_reason = delta.finish_reason or "stop"
+            choice.stop_reason = delta.stop_reason
 
     def usage(self) -> UsageInfo:
         return UsageInfo(
@@ -232,10 +250,12 @@ class _CompletionGeneration(_Generation):
     def delta_chunks(self, delta: RequestDelta) -> list[BaseModel]:
         if not delta.text and not delta.finished:
             return []
+        c = self.choices[delta.index]
         choice = CompletionChoice(
+            index=delta.index,
             text=delta.text,
-            finish_reason=self.finish_reason if delta.finished else None,
-            stop_reason=self.stop_reason if delta.finished else None,
+            finish_reason=c.finish_reason if delta.finished else None,
+            stop_reason=c.stop_reason if delta.finished else None,
         )
         return [self._chunk([choice])]
 
@@ -245,11 +265,12 @@ class _CompletionGeneration(_Generation):
         return chunk
 
     def response(self) -> BaseModel:
-        choice = CompletionChoice(
-            text="".join(self.pieces), finish_reason=self.finish_reason, stop_reason=self.stop_reason
-        )
+        choices = [
+            CompletionChoice(index=i, text="".join(c.pieces), finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for i, c in enumerate(self.choices)
+        ]
         return CompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=self.usage()
         )
 
 
@@ -260,15 +281,20 @@ class _ChatGeneration(_Generation):
         )
 
     def start_chunks(self) -> list[BaseModel]:
-        return [self._chunk([ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))])]
+        return [
+            self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            for i in range(len(self.choices))
+        ]
 
     def delta_chunks(self, delta: RequestDelta) -> list[BaseModel]:
         if not delta.text and not delta.finished:
             return []
+        c = self.choices[delta.index]
         choice = ChatStreamChoice(
+            index=delta.index,
             delta=DeltaMessage(content=delta.text or None),
-            finish_reason=self.finish_reason if delta.finished else None,
-            stop_reason=self.stop_reason if delta.finished else None,
+            finish_reason=c.finish_reason if delta.finished else None,
+            stop_reason=c.stop_reason if delta.finished else None,
         )
         return [self._chunk([choice])]
 
@@ -278,13 +304,17 @@ class _ChatGeneration(_Generation):
         return chunk
 
     def response(self) -> BaseModel:
-        choice = ChatChoice(
-            message=AssistantMessage(content="".join(self.pieces)),
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content="".join(c.pieces)),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for i, c in enumerate(self.choices)
+        ]
         return ChatCompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=self.usage()
         )
 
 
@@ -402,7 +432,7 @@ class OpenAIServing:
             raise APIError.from_service_error(reply.error)
         cls = _ChatGeneration if chat else _CompletionGeneration
         log.debug("request_submitted", request_id=request_id, num_prompt_tokens=len(reply.prompt_token_ids))
-        return cls(request_id, self.model_info.name, body.include_usage, len(reply.prompt_token_ids))
+        return cls(request_id, self.model_info.name, body.include_usage, len(reply.prompt_token_ids), params.n)
 
     def finish(self, gen: _Generation) -> None:
         """The client is done with ``gen``: abort it if the engine is not."""

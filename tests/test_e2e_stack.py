@@ -126,6 +126,23 @@ async def test_completion_streaming_equals_non_streaming(client):
     assert "".join([c.choices[0].text async for c in stream if c.choices]) == resp.choices[0].text
 
 
+async def test_parallel_samples_n(client):
+    greedy = await client.completions.create(model=MODEL, prompt="My favourite animal is", temperature=0,
+                                             max_tokens=10, extra_body={"ignore_eos": True})
+    resp = await client.completions.create(model=MODEL, prompt="My favourite animal is", temperature=0, n=3,
+                                           max_tokens=10, extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert all(c.text == greedy.choices[0].text for c in resp.choices)
+    assert resp.usage.completion_tokens == 30
+    stream = await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0.8, seed=1, n=2,
+                                                  max_tokens=12, stream=True)
+    texts = ["", ""]
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert all(texts)
+
+
 async def test_websocket_answers_chat(stack, client):
     expected = (await client.chat.completions.create(
         model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)).choices[0].message.content

@@ -295,7 +295,7 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 500}, "max_tokens"),  # refused by the tokenizer
-    ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
     ("/v1/completions", {"prompt": PROMPT, "echo": True}, "echo"),
     ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
