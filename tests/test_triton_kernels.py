@@ -74,10 +74,9 @@ def _kernel_modules():
 triton_cache, triton_attention = _kernel_modules()
 
 
+@pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
 def test_kernel_tests_in_fresh_process():
     """Runs this module's in-process tests in a fresh process when this one cannot."""
-    if IN_PROCESS:
-        pytest.skip("the kernel tests run in this process")
     env = dict(
         os.environ, PAGEDLLM_KERNEL_TEST_DEVICE=DEVICE, TRITON_INTERPRET="1" if DEVICE == "cpu" else "0"
     )
