@@ -412,11 +412,13 @@ class OpenAIServing:
                     messages=body.messages_input(),
                     sampling_params=params,
                     priority=body.priority,
+                    cache_salt=body.cache_salt,
                     add_generation_prompt=body.add_generation_prompt,
                 )
             else:
                 reply = await self.client.submit(
-                    request_id, prompt=body.prompt_input(), sampling_params=params, priority=body.priority
+                    request_id, prompt=body.prompt_input(), sampling_params=params, priority=body.priority,
+                    cache_salt=body.cache_salt,
                 )
         except nats.errors.NoRespondersError:
             raise APIError(

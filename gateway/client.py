@@ -111,6 +111,7 @@ class EngineClient:
         messages: list[dict[str, Any]] | None = None,
         sampling_params: SamplingParams,
         priority: int = 0,
+        cache_salt: str | None = None,
         add_generation_prompt: bool = True,
     ) -> TokenizeReply:
         """Send a request to the tokenizer; its outputs then arrive for ``stream(request_id)``.
@@ -136,6 +137,7 @@ class EngineClient:
             add_generation_prompt=add_generation_prompt,
             sampling_params=sampling_params,
             priority=priority,
+            cache_salt=cache_salt,
             arrival_time=time.time(),
         )
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()

@@ -110,6 +110,7 @@ class _SamplingFields(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0  # vLLM extension: lower is served earlier
+    cache_salt: str | None = None  # vLLM extension: only requests with the same salt share cached blocks
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -111,6 +111,7 @@ class TokenizeRequest(Message):
     sampling_params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0  # unix seconds
+    cache_salt: str | None = None  # requests with different salts never share cached blocks
 
 
 class TokenizeReply(Message):
@@ -131,6 +132,7 @@ class SubmitRequest(Message):
     sampling_params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
+    cache_salt: str | None = None
 
 
 class AbortRequests(Message):

@@ -383,3 +383,14 @@ def test_parallel_sampling_forks_share_the_prompt_and_copy_on_write():
     assert set(sched.requests) == {"q", "q#1"}
     sched.abort(["q"])
     assert not sched.requests and group.kv.num_free_blocks == 16
+
+
+def test_cache_salt_separates_prefix_caches():
+    prefix = [random.Random(7).randrange(VOCAB - 1) for _ in range(48)]
+    waves = [[make_request("a", 4, 2, seed=1, prefix=prefix)],
+             [make_request("same-salt", 4, 2, seed=2, prefix=prefix), make_request("salted", 4, 2, seed=3, prefix=prefix)]]
+    waves[0][0].cache_extra_keys = ("s1",)
+    waves[1][0].cache_extra_keys = ("s1",)
+    waves[1][1].cache_extra_keys = ("s2",)
+    _, cached, _ = run_workload(waves, True)
+    assert cached == {"a": 0, "same-salt": 48, "salted": 0}

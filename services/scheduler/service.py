@@ -97,6 +97,7 @@ class SchedulerService:
             eos_token_ids=self.model_info.eos_token_ids,
             priority=msg.priority,
             arrival_time=msg.arrival_time or time.time(),
+            cache_extra_keys=(msg.cache_salt,) if msg.cache_salt else (),
         )
         error = self.scheduler.add_request(req)
         if error is not None:

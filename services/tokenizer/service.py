@@ -121,6 +121,7 @@ class TokenizerService:
                 prompt_token_ids=ids,
                 sampling_params=request.sampling_params,
                 priority=request.priority,
+                cache_salt=request.cache_salt,
                 arrival_time=request.arrival_time or time.time(),
             ),
         )
