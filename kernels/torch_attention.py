@@ -177,8 +177,17 @@ def _decode(
     q = query[group.rows].reshape(bd, hkv, num_heads // hkv, head_dim)  # [Bd, Hkv, G, D]
     k = key_cache.view(-1, head_dim).index_select(0, group.gather_index).view(bd, hkv, s, head_dim)
     v = value_cache.view(-1, head_dim).index_select(0, group.gather_index).view(bd, hkv, s, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)  # [Bd, Hkv, G, D]
-    return out.reshape(bd, num_heads, head_dim)
+    if query.dtype == torch.float32 or bd < 8:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)  # [Bd, Hkv, G, D]
+        return out.reshape(bd, num_heads, head_dim)
+    # bf16/fp16 with 8+ sequences: two batched matmuls with the softmax in float32 are ~2.5x
+    # faster on CPU than SDPA's flash kernel for these short decode queries (G rows per KV
+    # head); below 8 sequences SDPA is faster.
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [Bd, Hkv, G, S] f32
+    if group.mask is not None:
+        scores = scores.masked_fill(~group.mask, float("-inf"))
+    probs = scores.softmax(dim=-1).to(query.dtype)
+    return torch.matmul(probs, v).reshape(bd, num_heads, head_dim)  # [Bd, H, D]
 
 
 def _prefill(
