@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import nats.errors
 import structlog
@@ -49,10 +50,14 @@ class ExecutorService:
         self.runner: ModelRunner | None = None
         self._tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()
+        # Every torch call runs on this one thread: OpenMP keeps one thread team per calling
+        # thread, and teams of several threads spin against each other on a small CPU.
+        self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-torch")
         self._pinging = False
 
     async def start(self) -> None:
-        self.runner = await asyncio.to_thread(ModelRunner, self.settings, self.model_info)
+        loop = asyncio.get_running_loop()
+        self.runner = await loop.run_in_executor(self._torch_thread, ModelRunner, self.settings, self.model_info)
         if self.bus is None:
             self.bus = await Bus.connect(self.settings.nats_url, name=f"executor-{self.group_id}")
         await self.bus.subscribe(self.subjects.step(self.group_id), StepPlan, self._on_step)
@@ -65,6 +70,7 @@ class ExecutorService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._own_bus and self.bus is not None:
             await self.bus.close()
+        self._torch_thread.shutdown(wait=False)
 
     async def _register(self) -> None:
         msg = RegisterGroup(
@@ -99,7 +105,8 @@ class ExecutorService:
     async def _on_step(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
         try:
-            sampled = await asyncio.to_thread(self.runner.execute, plan)
+            loop = asyncio.get_running_loop()
+            sampled = await loop.run_in_executor(self._torch_thread, self.runner.execute, plan)
             result = StepResult(step_id=plan.step_id, group_id=self.group_id, sampled_token_ids=sampled)
         except Exception as exc:  # the scheduler drops the group and requeues its requests
             log.exception("step_failed", step_id=plan.step_id)
