@@ -57,6 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway.client import EngineClient, new_request_id
+from gateway.metrics import GatewayMetrics
 from gateway.protocol import (
     KNOWN_PARAMS,
     AssistantMessage,
@@ -360,6 +361,7 @@ class OpenAIServing:
         self.client = client
         self.model_names = {model_info.name, "HuggingFaceTB/" + model_info.name}
         self._background: set[asyncio.Task[None]] = set()
+        self.metrics = GatewayMetrics(model_info.name)
 
     def check_model(self, name: str) -> None:
         """Raises: APIError(404) for a model this gateway does not serve."""
@@ -449,8 +451,10 @@ class OpenAIServing:
         """
         for chunk in gen.start_chunks():
             yield chunk
+        timer = self.metrics.timer()
         async with aclosing(self.client.stream(gen.request_id)) as deltas:
             async for delta in deltas:
+                timer.observe(delta)
                 gen.update(delta)
                 for chunk in gen.delta_chunks(delta):
                     yield chunk
@@ -459,8 +463,10 @@ class OpenAIServing:
 
     async def collect(self, gen: _Generation) -> BaseModel:
         """Wait for the request to finish; its full response."""
+        timer = self.metrics.timer()
         async with aclosing(self.client.stream(gen.request_id)) as deltas:
             async for delta in deltas:
+                timer.observe(delta)
                 gen.update(delta)
         return gen.response()
 
@@ -649,6 +655,12 @@ def create_app(settings: Settings, model_info: ModelInfo, client: EngineClient) 
             raise APIError(503, "the engine is not ready (a service or executor group is missing)",
                            code="service_unavailable")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus metrics (vLLM's names): engine state from the scheduler's statistics,
+        request latencies and token counts measured by this gateway."""
+        return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

@@ -89,6 +89,7 @@ class GatewayService:
         await self.client.start()
         app = create_app(self.settings, self.model_info, self.client)
         self._serving = app.state.serving
+        await self._serving.metrics.subscribe(self.bus)
         config = uvicorn.Config(
             app,
             host=self.settings.host,

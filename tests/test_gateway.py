@@ -503,3 +503,40 @@ async def test_port_in_use_and_stop_aborts_in_flight(gw, nats_url):
             await asyncio.wait_for(second.stop(), 5)  # drains for 0.3 s, then aborts
     await gw.backend.wait_aborted(request_id)
     assert not second.ready()
+
+
+async def test_metrics_from_scheduler_stats_and_requests(gw):
+    stats = SchedulerStats(
+        num_running=3, num_waiting=2, num_preemptions=4,
+        groups=[GroupStats(group_id="g0", num_blocks=200, num_free_blocks=150, block_size=16, num_running=3,
+                           prefix_cache_queries=1000, prefix_cache_hits=640)],
+    )
+    await gw.backend.bus.publish(gw.backend.subjects.stats, stats)
+    await gw.backend.bus.flush()
+
+    def value(text: str, name: str, labels: str = "") -> float:
+        for line in text.splitlines():
+            if line.startswith(name + "{") and labels in line:
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} {labels} not in metrics")
+
+    for _ in range(50):
+        text = (await gw.http.get("/metrics")).text
+        if "vllm:num_requests_running" in text:
+            break
+        await asyncio.sleep(0.05)
+    before = value(text, "vllm:request_success_total", 'finished_reason="stop"') if "request_success_total" in text else 0
+    gen_before = value(text, "vllm:generation_tokens_total") if "generation_tokens_total" in text else 0
+    assert value(text, "vllm:num_requests_running") == 3 and value(text, "vllm:num_requests_waiting") == 2
+    assert value(text, "vllm:kv_cache_usage_perc", 'group="g0"') == 0.25
+    assert value(text, "vllm:prefix_cache_hits_total", 'group="g0"') == 640
+    assert value(text, "vllm:prefix_cache_queries_total", 'group="g0"') == 1000
+    assert value(text, "vllm:num_preemptions_total") == 4
+    for _ in range(2):
+        await gw.oai.completions.create(model=gw.model, prompt=PROMPT)
+    text = (await gw.http.get("/metrics")).text
+    assert value(text, "vllm:request_success_total", 'finished_reason="stop"') == before + 2
+    assert value(text, "vllm:generation_tokens_total") == gen_before + 2 * len(ANSWER)
+    assert value(text, "vllm:time_to_first_token_seconds_count") >= 2
+    assert value(text, "vllm:e2e_request_latency_seconds_count") >= 2
+    assert f'model_name="{gw.model}"' in text
