@@ -6,6 +6,7 @@ HTTP endpoints (shapes of the OpenAI API reference and of vLLM's OpenAI server):
   with ``"stream": true`` (``data: {chunk}`` lines, an optional usage chunk with
   ``stream_options.include_usage``, then ``data: [DONE]``).
 - ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health`` (200 when the engine is ready).
+- ``GET /metrics``: Prometheus text format, vLLM's metric names (see ``gateway/metrics.py``).
 
 Every error body is OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``.
 Invalid bodies are 400 (never FastAPI's 422), an unknown model is 404, an engine
@@ -57,7 +58,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway.client import EngineClient, new_request_id
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics, RequestTimer
 from gateway.protocol import (
     KNOWN_PARAMS,
     AssistantMessage,
@@ -181,6 +182,7 @@ class _Generation:
         self.choices = [_Choice() for _ in range(n)]
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
+        self.timer: RequestTimer | None = None  # set by ``OpenAIServing.begin``
 
     @property
     def finished(self) -> bool:
@@ -400,6 +402,7 @@ class OpenAIServing:
             APIError: unknown model (404), invalid parameters or a refused prompt (400),
                 no tokenizer (503) or no answer from it (504).
         """
+        arrival = time.perf_counter()
         self.check_model(body.model)
         try:
             params = body.sampling_params()
@@ -436,7 +439,9 @@ class OpenAIServing:
             raise APIError.from_service_error(reply.error)
         cls = _ChatGeneration if chat else _CompletionGeneration
         log.debug("request_submitted", request_id=request_id, num_prompt_tokens=len(reply.prompt_token_ids))
-        return cls(request_id, self.model_info.name, body.include_usage, len(reply.prompt_token_ids), params.n)
+        gen = cls(request_id, self.model_info.name, body.include_usage, len(reply.prompt_token_ids), params.n)
+        gen.timer = self.metrics.timer(params.n, len(reply.prompt_token_ids), arrival)
+        return gen
 
     def finish(self, gen: _Generation) -> None:
         """The client is done with ``gen``: abort it if the engine is not."""
@@ -451,7 +456,7 @@ class OpenAIServing:
         """
         for chunk in gen.start_chunks():
             yield chunk
-        timer = self.metrics.timer()
+        timer = gen.timer or self.metrics.timer(len(gen.choices), gen.num_prompt_tokens)
         async with aclosing(self.client.stream(gen.request_id)) as deltas:
             async for delta in deltas:
                 timer.observe(delta)
@@ -463,7 +468,7 @@ class OpenAIServing:
 
     async def collect(self, gen: _Generation) -> BaseModel:
         """Wait for the request to finish; its full response."""
-        timer = self.metrics.timer()
+        timer = gen.timer or self.metrics.timer(len(gen.choices), gen.num_prompt_tokens)
         async with aclosing(self.client.stream(gen.request_id)) as deltas:
             async for delta in deltas:
                 timer.observe(delta)
@@ -660,7 +665,7 @@ def create_app(settings: Settings, model_info: ModelInfo, client: EngineClient) 
     async def metrics() -> Response:
         """Prometheus metrics (vLLM's names): engine state from the scheduler's statistics,
         request latencies and token counts measured by this gateway."""
-        return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

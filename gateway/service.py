@@ -175,6 +175,7 @@ class GatewayService:
         if self._serving is not None:
             await asyncio.sleep(0)  # let responses closed by the shutdown spawn their aborts
             await self._serving.wait_background()
+            await self._serving.metrics.close()
         if self.client is not None:
             await self.client.stop()
 
