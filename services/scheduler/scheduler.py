@@ -351,6 +351,7 @@ class Scheduler:
             group_id=group.group_id,
             parent_request_id=parent.request_id,
             index=index,
+            cache_extra_keys=parent.cache_extra_keys,
         )
         group.kv.fork(parent, child)
         group.running.append(child)
