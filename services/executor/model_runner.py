@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoConfig
 
@@ -174,6 +175,57 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
+    def _prepare_inputs(
+        self, states: list[CachedRequestState], query_lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[CachedRequestState]]:
+        """The step's flat inputs: input_ids [T] int64, positions [T] int64, the attention
+        metadata, the token row that samples for each request that samples, and those requests.
+
+        Built in numpy (a few microseconds per array, against ~5 us per small torch op); a
+        pure decode step takes a shortcut (one token per request, all of them sampling).
+        """
+        bs = self.block_size
+        num_seqs = len(states)
+        starts = [s.num_computed_tokens for s in states]
+        seq_lens = [st + n for st, n in zip(starts, query_lens, strict=True)]
+        # the sequences whose computed tokens reach their known tokens sample one token
+        samples = [i for i, (s, sl) in enumerate(zip(states, seq_lens, strict=True)) if sl == len(s.token_ids)]
+        if query_lens[-1] == 1:  # decodes come first, so every sequence decodes one token
+            ids_list = [s.token_ids[st] for s, st in zip(states, starts, strict=True)]
+            pos = np.array(starts, dtype=np.int64)  # [T]
+            rows = np.arange(num_seqs)  # [T] sequence of each token
+            logits_rows = samples  # token row == sequence
+        else:
+            ids_list = []
+            for s, st, n in zip(states, starts, query_lens, strict=True):
+                ids_list.extend(s.token_ids[st : st + n])
+            ends = np.cumsum(query_lens)  # [B] one past each sequence's last token row
+            rows = np.repeat(np.arange(num_seqs), query_lens)  # [T]
+            offset = np.repeat(np.array(starts, dtype=np.int64) - (ends - query_lens), query_lens)
+            pos = np.arange(len(ids_list), dtype=np.int64) + offset  # [T] absolute positions
+            logits_rows = [int(ends[i]) - 1 for i in samples]
+        sample_states = [states[i] for i in samples]
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)  # [B, max_blocks]
+        for i, s in enumerate(states):
+            block_tables[i, : len(s.block_ids)] = s.block_ids
+        slot_mapping = block_tables[rows, pos // bs].astype(np.int64) * bs + pos % bs  # [T]
+        qsl = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=qsl[1:])
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            query_lens=list(query_lens),
+            seq_lens_list=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        input_ids = torch.tensor(ids_list, dtype=torch.int64, device=dev)  # [T]
+        return input_ids, torch.from_numpy(pos).to(dev), meta, logits_rows, sample_states
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> dict[str, int]:
         """Run one step. Returns the sampled token id of each request that got one.
@@ -189,52 +241,17 @@ class ModelRunner:
         if not order:
             return {}
         states = [self.requests[rid] for rid, _ in order]
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
-        sample_states: list[CachedRequestState] = []
-        for state, (_, n) in zip(states, order, strict=True):
-            start = state.num_computed_tokens
-            input_ids.extend(state.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            if start + n == len(state.token_ids):
-                logits_rows.append(len(input_ids) - 1)
-                sample_states.append(state)
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_tables = torch.zeros((len(states), max_blocks), dtype=torch.int32)
-        for i, s in enumerate(states):
-            block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
-        pos_t = torch.tensor(positions, dtype=torch.int64)  # [T]
-        row_of_token = torch.repeat_interleave(torch.arange(len(states)), torch.tensor(query_lens))  # [T]
-        slot_mapping = block_tables[row_of_token, pos_t // bs].long() * bs + pos_t % bs  # [T]
-        qsl = torch.zeros(len(states) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            query_start_loc=qsl.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            query_lens=query_lens,
-            seq_lens_list=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev), pos_t.to(dev), self.kv_caches, meta
-        )  # [T, hidden]
+        input_ids, positions, meta, logits_rows, sample_states = self._prepare_inputs(states, [n for _, n in order])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         for state, (_, n) in zip(states, order, strict=True):
             state.num_computed_tokens += n
         if not sample_states:
             return {}
         if plan.forks:
             self._fork(plan.forks, sample_states, logits_rows)
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])  # [N, V] f32
+        if logits_rows != list(range(hidden.shape[0])):  # else every row samples (pure decode)
+            hidden = hidden[torch.tensor(logits_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)  # [N, V] f32
         tokens = self.sampler.sample(
             logits, [s.sampling_params for s in sample_states], [s.generator for s in sample_states]
         )

@@ -14,6 +14,25 @@ import torch
 from shared.messages import SamplingParams
 
 
+def greedy_argmax(
+    logits: torch.Tensor,  # [N, V]
+    chunk: int = 1024,
+) -> torch.Tensor:  # [N] int64
+    """``logits.argmax(dim=-1)`` (first maximum, NaN counts as maximum), ~8x faster on CPU.
+
+    torch's CPU argmax over a long row is not vectorised (1.3 ms for [64, 49152] float32);
+    this takes the vectorised max of each ``chunk``-wide slice, the first slice holding the
+    row's maximum, then the argmax inside that slice only (0.15 ms).
+    """
+    n, vocab = logits.shape
+    if vocab % chunk or vocab <= chunk:
+        return logits.argmax(dim=-1)
+    slices = logits.view(n, vocab // chunk, chunk)  # [N, V / chunk, chunk]
+    best = slices.amax(dim=-1).argmax(dim=-1)  # [N], the first slice holding the maximum
+    rows = slices[torch.arange(n, device=logits.device), best]  # [N, chunk]
+    return best * chunk + rows.argmax(dim=-1)
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor,  # [N, V] float32
     top_k: torch.Tensor,  # [N] int64, 0 = disabled
@@ -62,7 +81,7 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> list[int]:
         """One token id per row."""
-        greedy = logits.argmax(dim=-1)  # [N]
+        greedy = greedy_argmax(logits)  # [N]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
             return greedy.tolist()
@@ -79,7 +98,7 @@ class Sampler:
         for j, i in enumerate(random_rows):
             if generators[i] is not None:  # seeded: its own stream, whatever the batch
                 q[j].exponential_(generator=generators[i])
-        sampled = (probs / q).argmax(dim=-1)
+        sampled = greedy_argmax(probs / q)
         out = greedy.clone()
         out[rows] = sampled
         return out.tolist()
