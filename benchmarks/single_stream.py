@@ -8,7 +8,6 @@ Prints generated tokens/s of the decode phase (time to first token excluded) and
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 from pathlib import Path
