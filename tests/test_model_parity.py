@@ -14,6 +14,7 @@ from services.executor.models import LlamaForCausalLM, get_model_class
 from services.executor.models.llama import (
     kv_cache_bytes_per_block,
     kv_cache_shape,
+    mkldnn_packing_supported,
     rope_inv_freq,
 )
 
@@ -196,6 +197,9 @@ def test_reference_backend_matches_hf(tmp_path):
     assert new == [hf_greedy(hf_model, p, 6)[0] for p in PROMPTS]
 
 
+@pytest.mark.skipif(
+    not mkldnn_packing_supported(torch.device("cpu"), torch.bfloat16), reason="oneDNN bf16 is not available on this CPU"
+)
 @pytest.mark.parametrize("name", ["qwen2", "llama_bias"])
 def test_bf16_packed_weights_match_plain_linear(name, tmp_path):
     """bf16 oneDNN-prepacked matmuls (one gate_up matmul for a few rows; SiLU and gate * up as
@@ -205,8 +209,7 @@ def test_bf16_packed_weights_match_plain_linear(name, tmp_path):
 
     config, _ = _tiny_checkpoint(name, tmp_path)
     model = _ours(config, tmp_path, torch.bfloat16)
-    if not model.use_packed_weights:
-        pytest.skip("oneDNN bf16 is not available on this CPU")
+    assert model.use_packed_weights
     prompt = [(7 * i + 3) % 500 + 1 for i in range(FUSED_MLP_MIN_ROWS + 9)]
     logits = []
     for packed in (True, False):
