@@ -10,15 +10,17 @@ The work is split once per forward pass into a :class:`TorchAttentionPlan` (inde
 masks shared by every layer, built from the host-side lengths), then each layer runs:
 
 * decodes (1 new token): one ``index_select`` of whole cache blocks (``block_size * Hkv * D``
-  contiguous elements each, ~50x fewer and larger copies than gathering 128-byte rows) into a
+  contiguous elements each: ~50x fewer, larger copies than gathering 128-byte rows) into a
   buffer reused by every layer, giving each sequence's K/V as ``[Bd, S', Hkv, D]`` with
-  ``S' = blocks * block_size``; positions past a sequence's length are masked. Then either
-  two batched matmuls with a float32 softmax (GQA by a reshape of the query to
-  ``[Bd, Hkv, group, D]``: the group of query heads sharing a KV head plays the role of the
-  query length), or, for a few sequences, one SDPA call on strided views (no copy).
-* prefills without cached context: sequences of similar length are right-padded into one
-  ``[B, L, H, D]`` batch and run through one causal SDPA call (no per-sequence Python loop;
-  right padding needs no mask: real queries never see padded keys under the causal mask).
+  ``S' = blocks * block_size``; positions past a sequence's length are masked. Then, for a
+  few sequences, one SDPA call on strided views (no copy); for more, two batched matmuls
+  with a float32 softmax, either "all pairs" (each sequence's K as one ``[S' Hkv, D]``
+  matrix, every query head against every KV head, a mask keeping its own; few KV heads) or
+  the exact GQA product on K/V transposed to ``[Bd, Hkv, S', D]`` (many KV heads).
+* prefills without cached context: short sequences of similar length are right-padded into
+  one ``[B, L, H, D]`` batch per length class and run through one causal SDPA call (right
+  padding needs no mask: real queries never see padded keys under the causal mask); long
+  ones run alone.
 * prefill chunks with cached context: gather the sequence's blocks and SDPA with an offset
   causal mask (one call per such chunk; there are few per step).
 
@@ -33,9 +35,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-# Decode groups of fewer sequences use one SDPA call on strided views; larger ones use two
-# batched matmuls (SDPA's flash kernel is slow for the few query rows per KV head of decode).
+# Decode groups of at most this many sequences use one SDPA call on strided views; larger
+# ones use two batched matmuls with a float32 softmax (SDPA's flash kernel is slow for the few
+# query rows per KV head of a decode).
 SDPA_MAX_DECODE_SEQS = 4
+# With at most this many KV heads, large decode groups score every query head against every
+# KV head in one bmm (see _decode); SmolLM2 bf16 (Hkv 3), 64 sequences, 2 threads, whole step
+# at context 250: 121 ms against 144 ms for the exact product and 133 ms for SDPA (all equal
+# at context 80). With more KV heads the wasted work (Hkv x) outgrows the saved copies.
+ALL_PAIRS_MAX_KV_HEADS = 4
 # Short prefills are right-padded into batches of similar length: a prefill joins a batch
 # only if its length is at least this fraction of the batch's longest one (padding wastes at
 # most 1 / fraction ** 2 of the batch's attention work). Prompts longer than
@@ -52,7 +60,6 @@ class DecodeGroup:
     rows: slice | torch.Tensor  # token rows of the decode queries: a slice, or [Bd] int64
     block_index: torch.Tensor  # [Bd * nblk] int64, cache blocks of each sequence (padding: 0)
     valid: torch.Tensor | None  # [Bd, 1, 1, nblk * block_size] bool (True = attend); None = all
-    invalid: torch.Tensor | None  # ~valid
     num_seqs: int  # Bd
     num_blocks: int  # nblk, blocks of the longest sequence
     max_len: int  # S, the longest decode sequence in tokens
@@ -207,13 +214,12 @@ def build_plan(
         if bd != block_tables.shape[0]:
             tables = block_tables.index_select(0, torch.tensor(decode_seqs, dtype=torch.int64, device=device))
         index = _block_index(tables, lens, nblk, block_size)
-        valid = invalid = None
+        valid = None
         if min(lens) != nblk * block_size:
             pos = torch.arange(nblk * block_size, device=device)  # [S']
             lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
             valid = (pos.unsqueeze(0) < lens_t.unsqueeze(1))[:, None, None, :]  # [Bd, 1, 1, S']
-            invalid = ~valid
-        plan.decode = DecodeGroup(rows, index, valid, invalid, bd, nblk, max_len)
+        plan.decode = DecodeGroup(rows, index, valid, bd, nblk, max_len)
     return plan
 
 
@@ -290,20 +296,37 @@ def _decode(
         q = q.view(bd, hkv, num_heads // hkv, head_dim)  # [Bd, Hkv, G, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [Bd, Hkv, G, D]
         return out.reshape(bd, num_heads, head_dim)
-    # All pairs: each sequence's gathered K is one contiguous [S' * Hkv, D] matrix (rows
-    # (s, kv_head)), so one plain bmm scores every query head against every KV head and an
-    # additive mask keeps a head's own KV head (GQA) and the positions before the length.
-    # Group-size times the multiply-adds of the exact GQA product, but no transposed copy of
-    # K/V and large enough matmuls: faster than both SDPA and per-KV-head matmuls on CPU.
-    bias = plan.scratch.get("decode_bias")
-    if bias is None:
-        bias = plan.scratch["decode_bias"] = _decode_bias(group, num_heads, hkv, query.device)
-    k = k.view(bd, s * hkv, head_dim)  # [Bd, S' Hkv, D]
-    v = v.view(bd, s * hkv, head_dim)
-    scores = torch.bmm(q.contiguous(), k.transpose(1, 2))  # [Bd, H, S' Hkv]
-    scores = scores.float() if scores.dtype != torch.float32 else scores
-    probs = scores.mul_(scale).add_(bias).softmax(dim=-1).to(query.dtype)  # float32 softmax
-    return torch.bmm(probs, v)  # [Bd, H, D]
+    if hkv <= ALL_PAIRS_MAX_KV_HEADS:
+        # All pairs: each sequence's gathered K is one contiguous [S' Hkv, D] matrix (rows
+        # (s, kv_head)), so one plain bmm scores every query head against every KV head, and
+        # an additive mask keeps each head's own KV head (GQA) and the positions before the
+        # length. Hkv times the multiply-adds of the exact product, but no transposed copies.
+        bias = plan.scratch.get("decode_bias")
+        if bias is None:
+            bias = plan.scratch["decode_bias"] = _decode_bias(group, num_heads, hkv, query.device)
+        k = k.view(bd, s * hkv, head_dim)  # [Bd, S' Hkv, D]
+        v = v.view(bd, s * hkv, head_dim)
+        scores = torch.bmm(q.contiguous(), k.transpose(1, 2))  # [Bd, H, S' Hkv]
+        probs = torch.add(bias, scores, alpha=scale).softmax(dim=-1)  # float32 softmax
+        return torch.bmm(probs.to(query.dtype), v)  # [Bd, H, D]
+    # Exact GQA product: K and V transposed to [Bd, Hkv, S', D], the query as [Bd, Hkv, G, D]
+    # (the G query heads sharing a KV head play the role of SDPA's query length).
+    kt = plan.buffer("dkt", (bd, hkv, s, head_dim), key_cache)
+    vt = plan.buffer("dvt", (bd, hkv, s, head_dim), value_cache)
+    kt.copy_(k.view(bd, s, hkv, head_dim).transpose(1, 2))
+    vt.copy_(v.view(bd, s, hkv, head_dim).transpose(1, 2))
+    q = q.reshape(bd, hkv, num_heads // hkv, head_dim)  # [Bd, Hkv, G, D]
+    scores = torch.matmul(q, kt.transpose(-1, -2))  # [Bd, Hkv, G, S']
+    if group.valid is not None:
+        mask = plan.scratch.get("decode_mask")
+        if mask is None:
+            mask = plan.scratch["decode_mask"] = torch.zeros(group.valid.shape, device=query.device).masked_fill_(
+                ~group.valid, float("-inf")
+            )  # [Bd, 1, 1, S'] float32
+        probs = torch.add(mask, scores, alpha=scale).softmax(dim=-1)  # float32 softmax
+    else:
+        probs = scores.float().mul_(scale).softmax(dim=-1)
+    return torch.matmul(probs.to(query.dtype), vt).reshape(bd, num_heads, head_dim)  # [Bd, H, D]
 
 
 def _prefill(

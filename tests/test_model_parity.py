@@ -14,9 +14,13 @@ from services.executor.models import LlamaForCausalLM, get_model_class
 from services.executor.models.llama import (
     kv_cache_bytes_per_block,
     kv_cache_shape,
+    ln_trick_weight,
     mkldnn_packing_supported,
+    refine_top_logits,
+    rms_norm,
     rope_inv_freq,
 )
+from services.executor.sampler import greedy_argmax
 
 PROMPTS = [[5, 17, 301, 44, 9, 120, 77], [400, 3, 3, 18, 250, 11, 90, 64, 31, 7, 199, 2, 65, 8, 301, 42, 17, 5], [88, 12]]
 TINY = dict(
@@ -202,15 +206,14 @@ def test_reference_backend_matches_hf(tmp_path):
 )
 @pytest.mark.parametrize("name", ["qwen2", "llama_bias"])
 def test_bf16_packed_weights_match_plain_linear(name, tmp_path):
-    """bf16 oneDNN-prepacked matmuls (one gate_up matmul for a few rows; SiLU and gate * up as
-    matmul epilogues for many rows) give the logits of plain ``F.linear`` on the parameters,
-    for a prefill long enough for the epilogue path and for single-token decodes."""
-    from services.executor.models.llama import FUSED_MLP_MIN_ROWS
-
+    """bf16 oneDNN-prepacked matmuls (SiLU and gate * up as epilogues of the MLP's matmuls)
+    give the logits of plain ``F.linear`` on the parameters: a prefill, a 3-token chunk with
+    context (both packed) and single-token decodes (torch's GEMV on the parameters)."""
     config, _ = _tiny_checkpoint(name, tmp_path)
     model = _ours(config, tmp_path, torch.bfloat16)
     assert model.use_packed_weights
-    prompt = [(7 * i + 3) % 500 + 1 for i in range(FUSED_MLP_MIN_ROWS + 9)]
+    prompt = [(7 * i + 3) % 500 + 1 for i in range(41)]
+    steps = [(0, 30), (30, 33), (33, 34), (34, 35)]  # token ranges computed per step
     logits = []
     for packed in (True, False):
         model.pack_weights() if packed else model.unpack_weights()
@@ -218,18 +221,57 @@ def test_bf16_packed_weights_match_plain_linear(name, tmp_path):
         caches = [(torch.zeros(kv_cache_shape(config, 4, 16), dtype=torch.bfloat16),
                    torch.zeros(kv_cache_shape(config, 4, 16), dtype=torch.bfloat16))
                   for _ in range(config.num_hidden_layers)]
-        n = len(prompt)
+        out = []
         with torch.inference_mode():
-            meta = AttentionMetadata.build([n], [n], [[2, 0, 3]], 16)
-            out = [model.compute_logits(model(torch.tensor(prompt), torch.arange(n), caches, meta))]
-            for step in range(2):
-                meta = AttentionMetadata.build([1], [n + step + 1], [[2, 0, 3]], 16)
-                hidden = model(torch.tensor([prompt[step]]), torch.tensor([n + step]), caches, meta)
+            for start, end in steps:
+                meta = AttentionMetadata.build([end - start], [end], [[2, 0, 3]], 16)
+                hidden = model(torch.tensor(prompt[start:end]), torch.arange(start, end), caches, meta)
                 out.append(model.compute_logits(hidden))
         logits.append(torch.cat(out))
     assert logits[0].dtype == torch.float32
     assert torch._C._get_mkldnn_enabled()  # the single-row GEMV switch is process-global: restored
     torch.testing.assert_close(logits[0], logits[1], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_layer_norm_form(dtype):
+    """The LayerNorm-of-(x, -x) form equals ``F.rms_norm`` (up to rare 1-ulp differences)."""
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 7, 300):
+        x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+        w = torch.randn(576, generator=gen).to(dtype)
+        ref = torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
+        out = rms_norm(x, w, 1e-5, ln_trick_weight(w))
+        assert out.shape == ref.shape and out.is_contiguous()
+        torch.testing.assert_close(out, ref, atol=0, rtol=2 ** -7)  # at most 1 ulp
+        assert (out != ref).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("vocab", [49152, 3000])  # chunked search / plain topk
+def test_refined_logits_are_float32_dot_products(vocab):
+    """After refine_top_logits the two best logits of each row are the float32 dot products
+    of the bf16 hidden state and weight rows, so greedy follows float32 even through ties."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(vocab, 64, generator=gen).to(torch.bfloat16)
+    hidden = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
+    weight[5] = weight[7]  # an exact tie: the lower id wins, as argmax does
+    hidden[0] = weight[5] * 2
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    exact = hidden.float() @ weight.float().t()  # [N, V]
+    refine_top_logits(logits, hidden, weight)
+    top2 = exact.topk(2, dim=-1).indices
+    torch.testing.assert_close(logits.gather(1, top2), exact.gather(1, top2), atol=1e-4, rtol=1e-5)
+    assert torch.equal(greedy_argmax(logits), exact.argmax(dim=-1))
+
+
+def test_greedy_argmax_matches_argmax():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(9, 4096, generator=gen)
+    logits[1, 3000] = logits[1, 1000] = 50.0  # ties across slices: the first one wins
+    logits[2, 10] = logits[2, 11] = 50.0  # ties inside a slice
+    logits[3, 2000] = float("nan")  # NaN counts as the maximum, as in argmax
+    for x in (logits, logits[:, :1000], logits.to(torch.bfloat16)):
+        assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
 
 
 def test_bfloat16_runs_close_to_float32(tmp_path):

@@ -110,6 +110,35 @@ def test_pure_decode_batch(dtype, group):
     _run_both([("decode", 99, 1)], dtype=dtype, group=group, block_size=bs, seed=5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(8, 1), (5, 2), (1, 4)])
+def test_decode_batch_exact_and_all_pairs_paths(dtype, num_kv_heads, group):
+    """Many decodes: the all-pairs bmm (few KV heads) and the exact GQA product (MHA, 5 KV
+    heads), with and without padding masks; 2-4 decodes take the masked SDPA path."""
+    bs = 16
+    unequal = [("decode", c, 1) for c in (0, 15, 16, 31, 47, 100, 129, 5)]
+    _run_both(unequal, dtype=dtype, group=group, block_size=bs, seed=11, num_kv_heads=num_kv_heads)
+    equal = [("decode", 31, 1)] * 6  # every length a multiple of the block size: no mask
+    _run_both(equal, dtype=dtype, group=group, block_size=bs, seed=12, num_kv_heads=num_kv_heads)
+    few = [("decode", c, 1) for c in (3, 40, 17)]
+    _run_both(few, dtype=dtype, group=group, block_size=bs, seed=13, num_kv_heads=num_kv_heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_many_prefills_batched_by_length(dtype):
+    """A prefill-only step: short prompts of similar lengths share padded SDPA batches, a long
+    one runs alone, lengths straddle the grouping thresholds; and the same prompts mixed with
+    decodes, chunks and a sequence with no new tokens (the index_copy path)."""
+    rng = random.Random(14)
+    lens = [2, 3, 7, 8, 9, 10, 12, 16, 17, 30, 31, 40, 100, 128, 129, 200] + [rng.randint(2, 60) for _ in range(8)]
+    rng.shuffle(lens)
+    prefills = [("prefill", 0, n) for n in lens]
+    _run_both(prefills, dtype=dtype, group=3, block_size=16, seed=15)
+    mixed = prefills + [("decode", 20, 1), ("decode", 3, 1), ("chunk", 16, 5), ("idle", 9, 0)]
+    rng.shuffle(mixed)
+    _run_both(mixed, dtype=dtype, group=3, block_size=16, seed=16)
+
+
 def test_decodes_not_first_and_single_prefill():
     """Decode rows interleaved with prefills (index path), and a lone prompt (SDPA only)."""
     kinds = [("prefill", 0, 7), ("decode", 20, 1), ("chunk", 5, 4), ("decode", 3, 1), ("prefill", 0, 2)]

@@ -142,7 +142,7 @@ class ReferenceBackend(AttentionBackend):
 
 
 class TorchBackend(AttentionBackend):
-    """``kernels.torch_attention``: batched decode gather + SDPA; the CPU default.
+    """``kernels.torch_attention``: block gathers, batched decode matmuls, batched prefill SDPA; the CPU default.
 
     The per-forward plan (gather indices, masks) is cached in ``meta.backend_state`` under
     ``("torch", num_kv_heads, block_size)``, so only the first layer builds it.

@@ -8,10 +8,13 @@ the attention backend maps them to the paged cache through :class:`AttentionMeta
 
 Speed on CPU: q/k/v and gate/up are fused into one matmul each (fused at load time), RoPE
 cos/sin are computed once per forward and shared by every layer, RoPE rotates q and k in one
-go, and layers call the matmuls directly (no per-call module hooks). In bfloat16 every weight
-is also prepacked once into oneDNN's blocked layout (:class:`PackedWeights`), so no matmul
-reorders its weight on each call (~2x faster for one row, ~10% for 64, bit-identical results);
-with many rows the MLP runs SiLU and the gate * up product as epilogues of its two matmuls.
+go, and layers call the matmuls directly (no per-call module hooks). In bfloat16, steps of
+several tokens run on weights prepacked once into oneDNN's blocked layout
+(:class:`PackedWeights`) with SiLU and the gate * up product as epilogues of the MLP's gate and
+up matmuls; single-token steps use torch's GEMV (:func:`reduced_precision_gemv`). RMSNorm in
+bf16/fp16 is one LayerNorm kernel (:func:`rms_norm`), and the best logits of each row are
+recomputed in float32 (:func:`refine_top_logits`) so that bf16 rounding does not decide greedy
+ties.
 """
 
 from __future__ import annotations
@@ -165,12 +168,6 @@ def reduced_precision_gemv(active: bool) -> Iterator[None]:
         torch._C._set_mkldnn_enabled(previous)
 
 
-# With at least this many rows the MLP uses the two-matmul form with fused epilogues
-# (``silu`` on the gate matmul, ``* silu(gate)`` on the up matmul): it saves two passes over
-# ``[T, I]`` (~15% of a prefill layer); for a few rows one fused gate_up matmul is faster.
-FUSED_MLP_MIN_ROWS = 32
-
-
 def mkldnn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`PackedWeights` can serve this device and dtype (CPU bfloat16 with oneDNN)."""
     return (
@@ -187,9 +184,11 @@ class PackedWeights:
     ``F.linear`` on a plain bf16 weight makes oneDNN reorder (re-block) the whole weight on
     every call; :func:`torch.ops.mkldnn._reorder_linear_weight` does it once at load time and
     ``torch.ops.mkldnn._linear_pointwise`` then runs the same GEMM kernels on the prepacked
-    copy (what inductor's CPU weight prepacking uses). Results equal ``F.linear`` bit for bit
-    in our measurements; SmolLM2 at one row: qkv 0.057 -> 0.033 ms, gate_up 0.14 -> 0.07 ms.
-    The packed copies are opaque mkldnn tensors held next to (not instead of) the parameters.
+    copy (what inductor's CPU weight prepacking uses), with optional fused epilogues. Results
+    equal ``F.linear`` bit for bit in our measurements. SmolLM2, 64 rows, one thread: a
+    layer's four matmuls 2.24 -> 2.04 ms, the 49,152-row lm_head 33.6 -> 22.4 ms (2 threads:
+    11.9 -> 9.8 ms). The packed copies are opaque mkldnn tensors held next to (not instead of)
+    the parameters, which single-token steps and float32 use.
     """
 
     def __init__(self, weights: dict[str, torch.Tensor]) -> None:
@@ -213,21 +212,85 @@ def packed_linear(
     return _linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def rms_norm(
+    x: torch.Tensor,  # [T, n]
+    weight: torch.Tensor,  # [n]
+    eps: float,
+    ln_weight: torch.Tensor | None,  # [2 n] = (weight, zeros), or None
+) -> torch.Tensor:  # [T, n], contiguous
+    """RMSNorm; with ``ln_weight`` computed as a LayerNorm of ``(x, -x)`` (bf16/fp16 only).
+
+    ``F.rms_norm`` in bf16 is a chain of ~10 small ops (upcast, pow, mean, rsqrt, ...: 12 us
+    for one row, 46 us for 64 on SmolLM2) while ``F.layer_norm`` is one fused kernel that
+    accumulates in float32. ``(x, -x)`` has mean 0 and variance ``mean(x ** 2)``, so the first
+    half of its LayerNorm, scaled by ``weight``, is the RMSNorm (6.7 / 34 us). The mean is 0
+    only up to float32 rounding (~1e-7 relative), far below bf16's resolution: outputs equal
+    ``F.rms_norm``'s in our measurements but for rare 1-ulp differences. float32 keeps
+    ``F.rms_norm`` (bitwise equal to Hugging Face).
+    """
+    if ln_weight is None:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    n = x.shape[-1]
+    out = F.layer_norm(torch.cat((x, x.neg()), dim=-1), ln_weight.shape, ln_weight, None, eps)[:, :n]
+    return out if x.shape[0] == 1 else out.contiguous()
+
+
+def ln_trick_weight(weight: torch.Tensor) -> torch.Tensor:  # [n] -> [2 n]
+    """The LayerNorm weight for :func:`rms_norm`: ``weight`` then zeros."""
+    return torch.cat((weight.detach(), torch.zeros_like(weight)))
+
+
+def refine_top_logits(
+    logits: torch.Tensor,  # [N, V] float32, upcast from a bf16/fp16 matmul (modified in place)
+    hidden: torch.Tensor,  # [N, hidden] bf16/fp16, the matmul's input
+    weight: torch.Tensor,  # [V, hidden] bf16/fp16, the matmul's weight
+    num: int = 4,
+    chunk: int = 1024,
+) -> None:
+    """Recompute the ``num`` best logits of each row with a float32 result (in place).
+
+    A bf16 matmul accumulates in float32 but rounds its output to 8 significant bits: around
+    20 neighbouring logits are 0.125 apart, so the top two often tie (or swap) through that
+    last rounding alone, and greedy decoding then follows the rounding (SmolLM2's answer to
+    "What is the capital of France?" starts "The" in float32, 25.33 against 25.24, and "L'"
+    when both round to 25.25). The dot products of the same bf16 hidden state and weight rows
+    in float32 remove that error for the candidates that matter. Candidates: the ``num`` best
+    of the row's two best ``chunk``-wide slices (they hold the row's two best logits; found
+    with vectorised maxima, as torch's CPU ``topk`` over a long row is slow).
+    """
+    n, vocab = logits.shape
+    if vocab % chunk or vocab < 2 * chunk:
+        ids = logits.topk(min(num, vocab), dim=-1).indices  # [N, num]
+    else:
+        slices = logits.view(n, vocab // chunk, chunk)  # [N, V / chunk, chunk]
+        best = slices.amax(dim=-1).topk(2, dim=-1).indices  # [N, 2] the two best slices
+        rows = torch.arange(n, device=logits.device).unsqueeze(1)  # [N, 1]
+        cand = slices[rows, best].reshape(n, 2 * chunk).topk(num, dim=-1).indices  # [N, num]
+        ids = best.gather(1, cand // chunk) * chunk + cand % chunk  # [N, num] vocabulary ids
+    rows_w = weight[ids.flatten()].view(n, ids.shape[1], -1).float()  # [N, num, hidden]
+    exact = torch.bmm(rows_w, hidden.float().unsqueeze(2)).squeeze(2)  # [N, num] float32
+    logits.scatter_(1, ids, exact)
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich 2019) via ``F.rms_norm`` (the model's final norm).
+    """Root-mean-square layer norm (Zhang & Sennrich 2019) via :func:`rms_norm` (the model's final norm).
 
     In float32 ``F.rms_norm`` is bitwise equal to Hugging Face's ``LlamaRMSNorm``; in bf16/fp16
-    it rounds once where HF rounds twice (normalised value, then product): <= 1 ulp apart.
+    both forms here round once where HF rounds twice (normalised value, then product): <= 1 ulp apart.
     """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
         self.eps = eps
-        self.shape = (size,)
+        self.ln_weight: torch.Tensor | None = None  # set by prepare(): see rms_norm()
+
+    def prepare(self, use_ln_trick: bool) -> None:
+        """Build (or drop) the LayerNorm-form weight of :func:`rms_norm` after loading."""
+        self.ln_weight = ln_trick_weight(self.weight) if use_ln_trick else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
-        return F.rms_norm(x, self.shape, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.ln_weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -248,7 +311,6 @@ class LlamaDecoderLayer(nn.Module):
         self.intermediate_size = inter
         self.scale = self.head_dim**-0.5
         self.eps = cfg["eps"]
-        self.norm_shape = (hidden,)
 
         def param(*shape: int, present: bool = True) -> nn.Parameter | None:
             return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False) if present else None
@@ -265,6 +327,15 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj_weight = param(hidden, inter)
         self.register_parameter("down_proj_bias", param(hidden, present=cfg["mlp_bias"]))
         self.packed: PackedWeights | None = None  # set by pack_weights()
+        self.ln_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # set by prepare_norms()
+
+    def prepare_norms(self, use_ln_trick: bool) -> None:
+        """Build (or drop) the LayerNorm-form weights of the two norms (:func:`rms_norm`)."""
+        p = self._parameters
+        self.ln_weights = (
+            (ln_trick_weight(p["input_layernorm_weight"]), ln_trick_weight(p["post_attention_layernorm_weight"]))
+            if use_ln_trick else None
+        )
 
     def pack_weights(self) -> None:
         """Prepack this layer's matmul weights for oneDNN (after loading them)."""
@@ -273,7 +344,6 @@ class LlamaDecoderLayer(nn.Module):
         self.packed = PackedWeights({
             "qkv": p["qkv_proj_weight"],
             "o": p["o_proj_weight"],
-            "gate_up": gate_up,
             "gate": gate_up[:inter],
             "up": gate_up[inter:],
             "down": p["down_proj_weight"],
@@ -283,14 +353,14 @@ class LlamaDecoderLayer(nn.Module):
         self._up_bias = None if bias is None else bias[inter:].contiguous()
 
     def _mlp_packed(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden] -> [T, hidden]
+        """``down(silu(gate(x)) * up(x))`` with SiLU and the product as epilogues of the gate and
+        up matmuls: two fewer passes over ``[T, I]`` than a gate_up matmul, ``F.silu`` and a
+        multiply (SmolLM2 prefill of 64 prompts 1.96 -> 1.72 s, decode at 64 rows 104 -> 94 ms
+        a step; a few us slower for 2-8 rows). The epilogues work on the float32 accumulator,
+        so gate and up skip HF's intermediate bf16 roundings (closer to float32, not to HF bf16)."""
         p, w = self._parameters, self.packed
-        if x.shape[0] >= FUSED_MLP_MIN_ROWS:
-            act = _linear_pointwise(x, w["gate"], self._gate_bias, "swish", [], "")  # silu(gate) [T, I]
-            act = _linear_binary(x, act, w["up"], self._up_bias, "mul")  # up * silu(gate) [T, I]
-        else:
-            gate_up = packed_linear(x, w["gate_up"], p["gate_up_proj_bias"])  # [T, 2 I]
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
-            act = F.silu(gate).mul_(up)
+        act = _linear_pointwise(x, w["gate"], self._gate_bias, "swish", [], "")  # silu(gate) [T, I]
+        act = _linear_binary(x, act, w["up"], self._up_bias, "mul")  # up * silu(gate) [T, I]
         return packed_linear(act, w["down"], p["down_proj_bias"])
 
     def forward(
@@ -306,7 +376,8 @@ class LlamaDecoderLayer(nn.Module):
         p = self._parameters  # plain dict lookups (see class doc)
         t, nh, nkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         w = self.packed if t > 1 else None  # one row: GEMV on the parameters (reduced_precision_gemv)
-        x = F.rms_norm(h, self.norm_shape, p["input_layernorm_weight"], self.eps)
+        ln = self.ln_weights or (None, None)
+        x = rms_norm(h, p["input_layernorm_weight"], self.eps, ln[0])
         if w is None:
             qkv = F.linear(x, p["qkv_proj_weight"], p["qkv_proj_bias"])  # [T, (H + 2 Hkv) D]
         else:
@@ -320,7 +391,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h = packed_linear(attn, w["o"], p["o_proj_bias"]).add_(h)
 
-        x = F.rms_norm(h, self.norm_shape, p["post_attention_layernorm_weight"], self.eps)
+        x = rms_norm(h, p["post_attention_layernorm_weight"], self.eps, ln[1])
         if w is not None:
             return self._mlp_packed(x).add_(h)
         gate_up = F.linear(x, p["gate_up_proj_weight"], p["gate_up_proj_bias"])  # [T, 2 I]
@@ -435,20 +506,29 @@ class LlamaForCausalLM(nn.Module):
                 h = layer(h, cos, sin, key_cache, value_cache, attn_metadata, backend)
         return self.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:  # hidden: [N, hidden]
-        """Logits ``[N, vocab]``: float32 when ``upcast``, else in the model dtype (enough for an
-        argmax: the upcast is exact). The matmul runs in the model dtype, as in HF."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden: [N, hidden]
+        """Logits ``[N, vocab]`` float32. The matmul runs in the model dtype, as in HF; in
+        bf16/fp16 the few best logits of each row are then recomputed with a float32 result
+        (:func:`refine_top_logits`)."""
         if self._lm_head_packed is not None and hidden.shape[0] > 1:
             logits = packed_linear(hidden.contiguous(), self._lm_head_packed, None)
         else:
             with reduced_precision_gemv(self._gemv_fast_path and hidden.shape[0] == 1):
                 logits = F.linear(hidden, self.lm_head_weight)
-        return logits.float() if upcast else logits
+        logits = logits.float()
+        if self.dtype != torch.float32:
+            refine_top_logits(logits, hidden, self.lm_head_weight)
+        return logits
 
     def pack_weights(self) -> None:
-        """Prepack every matmul weight for oneDNN (:class:`PackedWeights`); a no-op unless
-        ``use_packed_weights``. :meth:`load_weights` calls it; call it again after changing
-        weights in place."""
+        """Derive the fast-path weights from the parameters: oneDNN-prepacked matmul weights
+        (:class:`PackedWeights`, when ``use_packed_weights``) and the LayerNorm-form norm
+        weights of :func:`rms_norm` (bf16/fp16). :meth:`load_weights` calls it; call it again
+        after changing weights in place."""
+        ln_trick = self.dtype in (torch.bfloat16, torch.float16)
+        for layer in self.layers:
+            layer.prepare_norms(ln_trick)
+        self.norm.prepare(ln_trick)
         if not self.use_packed_weights:
             return
         for layer in self.layers:
