@@ -45,6 +45,12 @@ class Settings(BaseSettings):
         "auto", description="auto = triton on CUDA, torch on CPU"
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpu_threads: int | None = Field(
+        None, ge=1, description="Intra-op threads of a CPU executor; None = torch's default (one per core)"
+    )
+    adaptive_cpu_threads: bool = Field(
+        True, description="CPU executor: use fewer threads while other processes keep cores busy"
+    )
 
     # --- services ---
     nats_url: str | None = Field(None, description="NATS server URL; None = start an embedded one")

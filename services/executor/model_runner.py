@@ -20,6 +20,7 @@ import torch
 from transformers import AutoConfig
 
 from services.executor.attention import AttentionMetadata, get_attention_backend
+from services.executor.cpu_threads import CpuThreadGovernor
 from services.executor.models import get_model_class
 from services.executor.sampler import Sampler
 from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings
@@ -79,6 +80,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(settings.seed, self.device)
         self.requests: dict[str, CachedRequestState] = {}
+        self.cpu_threads = self._cpu_thread_governor()
         log.info(
             "model_loaded",
             model=str(model_info.path),
@@ -88,6 +90,17 @@ class ModelRunner:
             block_size=self.block_size,
             load_s=round(time.perf_counter() - t0, 2),
         )
+
+    def _cpu_thread_governor(self) -> CpuThreadGovernor | None:
+        """On CPU: apply ``cpu_threads`` to the calling (model) thread, and adapt it to the
+        cores other processes leave free when ``adaptive_cpu_threads`` (see cpu_threads.py)."""
+        if self.device.type != "cpu":
+            return None
+        threads = self.settings.cpu_threads or torch.get_num_threads()
+        torch.set_num_threads(threads)
+        if not self.settings.adaptive_cpu_threads or threads == 1:
+            return None
+        return CpuThreadGovernor(threads)
 
     # ------------------------------------------------------------------ KV cache
 
@@ -233,6 +246,8 @@ class ModelRunner:
         Raises:
             KeyError: the plan names a request this runner never received.
         """
+        if self.cpu_threads is not None:
+            self.cpu_threads.before_step()
         self._update_states(plan)
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
