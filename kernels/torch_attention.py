@@ -9,7 +9,9 @@ Same contract as :func:`kernels.reference.paged_attention` (the oracle in the te
 The work is split once per forward pass into a :class:`TorchAttentionPlan` (index tensors and
 masks shared by every layer, built from the host-side lengths), then each layer runs:
 
-* decodes (1 new token): one ``index_select`` of whole cache blocks (``block_size * Hkv * D``
+* decodes (1 new token), with ``native_decode`` and a supported dtype (float32, bfloat16):
+  :func:`kernels.cpu_kernels.paged_decode_attention`, a C kernel reading the paged cache in
+  place (no gathered copy). Otherwise: one ``index_select`` of whole cache blocks (``block_size * Hkv * D``
   contiguous elements each: ~50x fewer, larger copies than gathering 128-byte rows) into a
   buffer reused by every layer, giving each sequence's K/V as ``[Bd, S', Hkv, D]`` with
   ``S' = blocks * block_size``; positions past a sequence's length are masked. Then, for a
@@ -34,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu_kernels
 
 # Decode groups of at most this many sequences use one SDPA call on strided views; larger
 # ones use two batched matmuls with a float32 softmax (SDPA's flash kernel is slow for the few
@@ -63,6 +67,7 @@ class DecodeGroup:
     num_seqs: int  # Bd
     num_blocks: int  # nblk, blocks of the longest sequence
     max_len: int  # S, the longest decode sequence in tokens
+    seq_lens: torch.Tensor  # [Bd] int64 tokens of each sequence (the native kernel's lengths)
 
 
 @dataclass
@@ -100,6 +105,7 @@ class TorchAttentionPlan:
     decode: DecodeGroup | None = None
     prefills: list[PrefillGroup] = field(default_factory=list)
     chunks: list[ChunkSeq] = field(default_factory=list)
+    native_decode: bool = False  # decodes through kernels.cpu_kernels where it supports them
     scratch: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # gather buffers
 
     def buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -169,8 +175,13 @@ def build_plan(
     slot_mapping: torch.Tensor,  # [T] int64; negative = do not write this token
     block_size: int,
     num_kv_heads: int,
+    native_decode: bool = False,
 ) -> TorchAttentionPlan:
-    """Classify the sequences (decode / prefill / chunk) and precompute every index tensor."""
+    """Classify the sequences (decode / prefill / chunk) and precompute every index tensor.
+
+    ``native_decode``: run the decodes with :func:`kernels.cpu_kernels.paged_decode_attention`
+    (no block gather) where it supports the tensors, else with torch ops.
+    """
     device = block_tables.device
     num_tokens = int(slot_mapping.shape[0])
     if num_tokens and bool((slot_mapping < 0).any()):
@@ -179,6 +190,7 @@ def build_plan(
     else:
         write_rows, write_slots = None, slot_mapping.long()
     plan = TorchAttentionPlan(num_kv_heads, block_size, num_tokens, write_slots, write_rows)
+    plan.native_decode = native_decode
 
     decode_seqs: list[int] = []
     decode_rows: list[int] = []
@@ -214,12 +226,12 @@ def build_plan(
         if bd != block_tables.shape[0]:
             tables = block_tables.index_select(0, torch.tensor(decode_seqs, dtype=torch.int64, device=device))
         index = _block_index(tables, lens, nblk, block_size)
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)  # [Bd]
         valid = None
         if min(lens) != nblk * block_size:
             pos = torch.arange(nblk * block_size, device=device)  # [S']
-            lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
             valid = (pos.unsqueeze(0) < lens_t.unsqueeze(1))[:, None, None, :]  # [Bd, 1, 1, S']
-        plan.decode = DecodeGroup(rows, index, valid, bd, nblk, max_len)
+        plan.decode = DecodeGroup(rows, index, valid, bd, nblk, max_len, lens_t)
     return plan
 
 
@@ -280,6 +292,10 @@ def _decode(
     scale: float,
     plan: TorchAttentionPlan,
 ) -> torch.Tensor:  # [Bd, H, D]
+    if plan.native_decode and cpu_kernels.supports(query, key_cache):
+        return cpu_kernels.paged_decode_attention(
+            query[group.rows], key_cache, value_cache, group.block_index, group.num_blocks, group.seq_lens, scale
+        )  # [Bd, H, D], read straight from the cache
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, hkv = key_cache.shape[1], key_cache.shape[2]
     bd, s = group.num_seqs, group.num_blocks * block_size

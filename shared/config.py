@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     cpu_threads: int | None = Field(
         None, ge=1, description="Intra-op threads of a CPU executor; None = torch's default (one per core)"
     )
+    native_cpu_kernels: bool = Field(
+        True, description="CPU: decode attention in the C kernel built on first use (kernels/cpu_kernels.py)"
+    )
     adaptive_cpu_threads: bool = Field(
         True, description="CPU executor: use fewer threads while other processes keep cores busy"
     )

@@ -54,7 +54,7 @@ def _mixed_kinds(rng: random.Random, bs: int) -> list[tuple[str, int, int]]:
     return kinds
 
 
-def _run_both(
+def _run_both(  # the reference against the torch backend, without and with the native decode kernel
     kinds: list[tuple[str, int, int]],
     *,
     dtype: torch.dtype,
@@ -82,11 +82,12 @@ def _run_both(
     expected = reference.paged_attention(
         query, ref_k, ref_v, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
     )
-    out = TorchBackend().forward(query, key, value, key_cache, value_cache, meta, scale)
-    assert out.shape == expected.shape and out.dtype == dtype
-    torch.testing.assert_close(key_cache, ref_k, atol=0, rtol=0)
-    torch.testing.assert_close(value_cache, ref_v, atol=0, rtol=0)
-    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    for native in (False, True):  # decodes on torch ops, then through the C kernel
+        out = TorchBackend(native_decode=native).forward(query, key, value, key_cache, value_cache, meta, scale)
+        assert out.shape == expected.shape and out.dtype == dtype
+        torch.testing.assert_close(key_cache, ref_k, atol=0, rtol=0)
+        torch.testing.assert_close(value_cache, ref_v, atol=0, rtol=0)
+        torch.testing.assert_close(out, expected, **TOLERANCES[dtype], msg=lambda m, native=native: f"native={native}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

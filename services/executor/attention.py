@@ -144,11 +144,19 @@ class ReferenceBackend(AttentionBackend):
 class TorchBackend(AttentionBackend):
     """``kernels.torch_attention``: block gathers, batched decode matmuls, batched prefill SDPA; the CPU default.
 
-    The per-forward plan (gather indices, masks) is cached in ``meta.backend_state`` under
+    Decodes run through the native C kernel (``kernels.cpu_kernels``) when ``native_decode``
+    and it can be built, else through torch ops. The per-forward plan (gather indices, masks) is cached in ``meta.backend_state`` under
     ``("torch", num_kv_heads, block_size)``, so only the first layer builds it.
     """
 
     name = "torch"
+
+    def __init__(self, native_decode: bool = True) -> None:
+        self.native_decode = native_decode
+        if native_decode:
+            from kernels import cpu_kernels
+
+            cpu_kernels.load()  # build the C kernel now, not during the first step
 
     def plan(self, meta: AttentionMetadata, num_kv_heads: int, block_size: int) -> torch_attn.TorchAttentionPlan:
         """The plan of this step for a cache with ``num_kv_heads`` and ``block_size``."""
@@ -157,7 +165,7 @@ class TorchBackend(AttentionBackend):
         if plan is None:
             plan = torch_attn.build_plan(
                 meta.query_lens, meta.seq_lens_list, meta.block_tables, meta.slot_mapping,
-                block_size, num_kv_heads,
+                block_size, num_kv_heads, native_decode=self.native_decode,
             )
             meta.backend_state[key] = plan
         return plan
@@ -200,10 +208,13 @@ def register_attention_backend(name: str, factory: Callable[[torch.device], Atte
     _BACKENDS[name] = factory
 
 
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+def get_attention_backend(
+    name: str, device: torch.device | str, native_cpu_kernels: bool = True
+) -> AttentionBackend:
     """The attention backend called ``name`` for ``device``.
 
-    ``"auto"`` is ``"torch"`` on CPU and ``"triton"`` on CUDA.
+    ``"auto"`` is ``"torch"`` on CPU and ``"triton"`` on CUDA. ``native_cpu_kernels=False``
+    keeps the torch backend's decodes on torch ops (no C kernel).
 
     Raises:
         ValueError: unknown (or not yet available) backend name.
@@ -214,4 +225,6 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
     factory = _BACKENDS.get(name)
     if factory is None:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    if name == "torch" and not native_cpu_kernels:
+        return TorchBackend(native_decode=False)
     return factory(device)

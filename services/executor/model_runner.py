@@ -74,7 +74,9 @@ class ModelRunner:
             self.model = model_cls(self.hf_config, dtype=self.dtype, device=self.device)
         self.model.load_weights(model_info.path)
         self.model.eval()
-        self.attn_backend = get_attention_backend(settings.attention_backend, self.device)
+        self.attn_backend = get_attention_backend(
+            settings.attention_backend, self.device, native_cpu_kernels=settings.native_cpu_kernels
+        )
         self.model.attn_backend = self.attn_backend
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)

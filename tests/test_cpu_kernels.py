@@ -1,0 +1,130 @@
+"""The native CPU decode-attention kernel against the reference paged attention."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import cpu_kernels, reference
+
+TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+def _case(
+    seed: int,
+    dtype: torch.dtype,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    seq_lens: list[int],
+) -> None:
+    """Decode one token for each of ``seq_lens``: shuffled block tables, every block the
+    sequences do not use NaN-poisoned (the kernel must never read them), the query a strided
+    view of a wider [T, H + 2 Hkv, D] tensor as in the model (its qkv projection)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    nblk = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * nblk + 5
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for table, n in zip(tables, seq_lens, strict=True):
+        for i, blk in enumerate(table):
+            used = min(block_size, n - i * block_size)
+            key_cache[blk, :used] = torch.randn(used, num_kv_heads, head_dim, generator=gen).to(dtype)
+            value_cache[blk, :used] = torch.randn(used, num_kv_heads, head_dim, generator=gen).to(dtype)
+    num_heads = num_kv_heads * group
+    batch = len(seq_lens)
+    qkv = torch.randn(batch, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    query = qkv[:, :num_heads]  # token stride (H + 2 Hkv) * D
+    scale = head_dim**-0.5
+
+    padded = torch.tensor([t + [0] * (nblk - len(t)) for t in tables], dtype=torch.int64)  # [B, nblk]
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    assert cpu_kernels.supports(query, key_cache)
+    out = cpu_kernels.paged_decode_attention(query, key_cache, value_cache, padded, nblk, lens, scale)
+
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    expected = reference.paged_attention(
+        query.contiguous(), key_cache, value_cache, padded.to(torch.int32), lens.to(torch.int32), qsl, scale
+    )
+    assert out.shape == (batch, num_heads, head_dim) and out.dtype == dtype
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim"),
+    [(3, 3, 64), (2, 1, 64), (1, 4, 64), (2, 2, 128), (1, 8, 128), (2, 5, 80), (1, 16, 256), (4, 1, 32)],
+    ids=lambda v: str(v),
+)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_matches_reference(dtype, num_kv_heads, group, head_dim, block_size):
+    """Specialised shapes (SmolLM2's 3x3x64, GQA 1..8 at 64 / 128) and the generic path
+    (group 5 at head_dim 80, group 16 at 256, 32); lengths 1, on and one past block
+    boundaries, and long ones with many online-softmax rescales."""
+    bs = block_size
+    lens = [1, bs, bs + 1, 2 * bs - 1, 3 * bs, 150, 7]
+    seed = hash((num_kv_heads, group, head_dim, block_size)) % 1000
+    _case(seed, dtype, num_kv_heads, group, head_dim, block_size, lens)
+
+
+def test_decode_long_context_and_large_scores():
+    """3,000 tokens, scores far above exp's range: the online softmax stays finite."""
+    _case(7, torch.float32, 3, 3, 64, 16, [3000, 17])
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(4, 16, 1, 64, generator=gen) * 30  # logits in the thousands
+    query = torch.randn(1, 2, 64, generator=gen) * 30
+    table = torch.tensor([[2, 0, 3]])
+    lens = torch.tensor([40])
+    out = cpu_kernels.paged_decode_attention(query, cache, cache, table, 3, lens, 1.0)
+    expected = reference.paged_attention(query, cache, cache, table.int(), lens.int(),
+                                         torch.tensor([0, 1], dtype=torch.int32), 1.0)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_supports_refuses_what_the_kernel_does_not_do():
+    cache = torch.zeros(2, 16, 2, 64)
+    assert cpu_kernels.supports(torch.zeros(3, 4, 64), cache)
+    assert not cpu_kernels.supports(torch.zeros(3, 4, 64, dtype=torch.float16), cache.half())  # fp16
+    assert not cpu_kernels.supports(torch.zeros(3, 4, 64, dtype=torch.bfloat16), cache)  # mixed dtypes
+    assert not cpu_kernels.supports(torch.zeros(3, 34, 64), cache)  # 17 query heads per KV head
+    assert not cpu_kernels.supports(torch.zeros(3, 4, 64), torch.zeros(2, 256, 2, 64))  # block 256
+    assert not cpu_kernels.supports(torch.zeros(3, 64, 4).transpose(1, 2), cache)  # heads not dense
+
+
+def test_build_without_a_compiler_fails_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        cpu_kernels.build(compiler="/nonexistent/cc")
+
+
+def test_build_caches_by_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_KERNEL_CACHE", str(tmp_path))
+    first = cpu_kernels.build()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp files left
+
+
+def test_torch_path_when_the_kernel_is_unavailable(monkeypatch):
+    """No library: supports() is False and the torch backend's decodes use torch ops."""
+    from services.executor.attention import AttentionMetadata, TorchBackend
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    assert not cpu_kernels.supports(torch.zeros(1, 2, 64), torch.zeros(2, 16, 1, 64))
+    meta = AttentionMetadata.build([1, 1], [20, 5], [[1, 0], [2]], 16)
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(3, 16, 1, 64, generator=gen), torch.randn(3, 16, 1, 64, generator=gen)
+    q, k, v = (torch.randn(2, h, 64, generator=gen) for h in (2, 1, 1))
+    out = TorchBackend(native_decode=True).forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                         meta.query_start_loc, 0.125)
+    torch.testing.assert_close(out, expected)
