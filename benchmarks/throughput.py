@@ -34,11 +34,13 @@ def make_prompts(n: int, min_words: int, max_words: int, seed: int, prefix_words
     return [f"{prefix} {p}" if prefix else p for p in prompts]
 
 
-def bench_pagedllm(args, prompts: list[str], enable_prefix_caching: bool = True) -> tuple[float, int]:
+def bench_pagedllm(
+    args, prompts: list[str], enable_prefix_caching: bool = True, native_cpu_kernels: bool = True
+) -> tuple[float, int]:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
-              enable_prefix_caching=enable_prefix_caching)
+              enable_prefix_caching=enable_prefix_caching, native_cpu_kernels=native_cpu_kernels)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm = ["warm-up prompt one", "warm-up prompt two"]  # shares nothing with the workload
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -87,6 +89,8 @@ def main() -> None:
                    help="shared-prefix workload: every prompt starts with this many common words")
     p.add_argument("--compare-prefix-caching", action="store_true",
                    help="also run pagedllm with enable_prefix_caching=False")
+    p.add_argument("--compare-native-cpu-kernels", action="store_true",
+                   help="also run pagedllm with native_cpu_kernels=False (torch-only decode attention)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     prompts = make_prompts(args.num_prompts, args.min_words, args.max_words, args.seed, args.prefix_words)
@@ -100,6 +104,10 @@ def main() -> None:
         t_off, n_off = bench_pagedllm(args, prompts, enable_prefix_caching=False)
         print(f"pagedllm  LLM.generate: {n_off} tokens in {t_off:.2f} s = {n_off / t_off:.1f} generated "
               f"tokens/s (prefix caching off); on/off = {(n / t) / (n_off / t_off):.2f}x")
+    if args.compare_native_cpu_kernels:
+        t_tc, n_tc = bench_pagedllm(args, prompts, native_cpu_kernels=False)
+        print(f"pagedllm  LLM.generate: {n_tc} tokens in {t_tc:.2f} s = {n_tc / t_tc:.1f} generated "
+              f"tokens/s (native CPU kernels off); on/off = {(n / t) / (n_tc / t_tc):.2f}x")
     if not args.skip_hf:
         th, nh = bench_hf(args, prompts)
         print(f"HF        generate    : {nh} tokens in {th:.2f} s = {nh / th:.1f} generated tokens/s "
