@@ -88,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     nats_server = None
     url = settings.nats_url
     if not url:
-        nats_server = EmbeddedNats().start()
+        nats_server = EmbeddedNats(new_session=True).start()
         url = nats_server.url
     procs = ServiceProcesses(pinned_settings(settings, info, url))
     procs.start()

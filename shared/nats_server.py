@@ -40,8 +40,11 @@ class EmbeddedNats:
     Use as a context manager or call ``start()`` / ``stop()``; ``url`` is its address.
     """
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, new_session: bool = False) -> None:
         self.port = port or free_port()
+        # new_session: out of the terminal's process group, so Ctrl-C reaches only the owner,
+        # which then stops its services before the server (``pagedllm serve``)
+        self.new_session = new_session
         self.url = f"nats://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -54,7 +57,8 @@ class EmbeddedNats:
             f"jetstream {{ store_dir: \"{self._dir.name}/js\" }}\n"
         )
         self._proc = subprocess.Popen(
-            [find_nats_server(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            [find_nats_server(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=self.new_session,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

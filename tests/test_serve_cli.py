@@ -21,7 +21,7 @@ def test_serve_answers_and_shuts_down_cleanly(smollm2_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--dtype", "float32",
          "--kv-cache-memory-bytes", str(64 << 20), "--log-level", "WARNING"],
-        env=env, stdout=subprocess.PIPE, text=True,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 180
@@ -43,7 +43,10 @@ def test_serve_answers_and_shuts_down_cleanly(smollm2_path):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"].strip().startswith("Paris")
     finally:
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
         assert proc.wait(30) == 0
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive
+    # nats-server outlives the services (its own session): none of them lost its connection
+    stderr = proc.stderr.read()
+    assert "Traceback" not in stderr and "nats: encountered error" not in stderr, stderr[-3000:]
