@@ -11,8 +11,9 @@
  *   seq_lens [B] int64              tokens of context of each sequence, its new token included
  *   out      [B, H, D]              dense
  * GQA: query head h attends KV head h / (H / Hkv). dtype 0 = float32, 1 = bfloat16.
- * Work is split over (sequence, KV head) pairs with OpenMP, which shares the OpenMP runtime
- * (and thread count) that torch loaded. Algorithm: vLLM's PagedAttention decode (Kwon et al.
+ * Work is split over (sequence, KV head) pairs on num_threads OpenMP threads (the caller passes
+ * torch.get_num_threads(); torch's bundled libgomp.so.1, already loaded, serves this library).
+ * Algorithm: vLLM's PagedAttention decode (Kwon et al.
  * 2023) with the online softmax of FlashAttention (Dao et al. 2022).
  */
 #include <float.h>
@@ -99,7 +100,11 @@ static inline __attribute__((always_inline)) void decode_item(
 #else
   int qbf[1];
 #endif
-  const int bf16_scores = dtype == 1 && D % 32 == 0;
+#ifdef PAGEDLLM_AVX512_BF16
+  const int bf16_scores = dtype == 1 && D % 32 == 0; /* scores of the unscaled bf16 query */
+#else
+  const int bf16_scores = 0; /* portable scores use the scaled float32 query qf */
+#endif
   for (int64_t g = 0; g < G; ++g) {
     const int64_t qoff = b * q_row_stride + (h * G + g) * D;
     load_row(dtype, q, qoff, D, qf[g]);
@@ -164,9 +169,9 @@ static inline __attribute__((always_inline)) void decode_item(
 int pagedllm_decode_attention(int dtype, const void* q, int64_t q_row_stride, const void* k_cache,
                               const void* v_cache, const int64_t* block_index, int64_t nblk,
                               const int64_t* seq_lens, void* out, int64_t B, int64_t H, int64_t Hkv,
-                              int64_t D, int64_t bs, float scale) {
+                              int64_t D, int64_t bs, float scale, int num_threads) {
   if (dtype < 0 || dtype > 1 || Hkv < 1 || H % Hkv || H / Hkv > MAX_GROUP || D > MAX_HEAD_DIM ||
-      bs > MAX_BLOCK || D < 1 || bs < 1)
+      bs > MAX_BLOCK || D < 1 || bs < 1 || num_threads < 1)
     return 1;
   const int64_t G = H / Hkv;
 #define PAGEDLLM_ITEM(dt, g, d) decode_item(dt, g, d, item, q, q_row_stride, k_cache, v_cache, block_index, nblk, \
@@ -181,7 +186,7 @@ int pagedllm_decode_attention(int dtype, const void* q, int64_t q_row_stride, co
   else if (D == 128 && G == 4) PAGEDLLM_ITEM(dt, 4, 128);                     \
   else if (D == 128 && G == 8) PAGEDLLM_ITEM(dt, 8, 128);                     \
   else PAGEDLLM_ITEM(dt, G, D);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t item = 0; item < B * Hkv; ++item) {
     if (dtype == 1) {
       PAGEDLLM_SHAPES(1)

@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import random
+import stat
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from kernels import cpu_kernels, reference
 
+NEEDS_KERNEL = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def lib(request, tmp_path_factory):
+    """The library as built for this CPU, and a build without AVX512-BF16 (the portable
+    float32 score path every bf16 model takes on CPUs without that extension)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    if request.param == "native":
+        return cpu_kernels.load()
+    if not X86:
+        pytest.skip("-mno-avx512bf16 is an x86 flag")
+    os.environ["PAGEDLLM_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("portable"))
+    try:
+        return cpu_kernels.bind(cpu_kernels.build(extra_flags=("-mno-avx512bf16",)))
+    finally:
+        del os.environ["PAGEDLLM_KERNEL_CACHE"]
+
 TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 
 
 def _case(
+    lib,
     seed: int,
     dtype: torch.dtype,
     num_kv_heads: int,
@@ -48,7 +74,7 @@ def _case(
     padded = torch.tensor([t + [0] * (nblk - len(t)) for t in tables], dtype=torch.int64)  # [B, nblk]
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     assert cpu_kernels.supports(query, key_cache)
-    out = cpu_kernels.paged_decode_attention(query, key_cache, value_cache, padded, nblk, lens, scale)
+    out = cpu_kernels.paged_decode_attention(query, key_cache, value_cache, padded, nblk, lens, scale, lib=lib)
 
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     expected = reference.paged_attention(
@@ -65,31 +91,33 @@ def _case(
     [(3, 3, 64), (2, 1, 64), (1, 4, 64), (2, 2, 128), (1, 8, 128), (2, 5, 80), (1, 16, 256), (4, 1, 32)],
     ids=lambda v: str(v),
 )
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_decode_matches_reference(dtype, num_kv_heads, group, head_dim, block_size):
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+def test_decode_matches_reference(lib, dtype, num_kv_heads, group, head_dim, block_size):
     """Specialised shapes (SmolLM2's 3x3x64, GQA 1..8 at 64 / 128) and the generic path
     (group 5 at head_dim 80, group 16 at 256, 32); lengths 1, on and one past block
     boundaries, and long ones with many online-softmax rescales."""
     bs = block_size
     lens = [1, bs, bs + 1, 2 * bs - 1, 3 * bs, 150, 7]
     seed = hash((num_kv_heads, group, head_dim, block_size)) % 1000
-    _case(seed, dtype, num_kv_heads, group, head_dim, block_size, lens)
+    _case(lib, seed, dtype, num_kv_heads, group, head_dim, block_size, lens)
 
 
-def test_decode_long_context_and_large_scores():
+def test_decode_long_context_and_large_scores(lib):
     """3,000 tokens, scores far above exp's range: the online softmax stays finite."""
-    _case(7, torch.float32, 3, 3, 64, 16, [3000, 17])
+    _case(lib, 7, torch.float32, 3, 3, 64, 16, [3000, 17])
+    _case(lib, 8, torch.bfloat16, 1, 4, 128, 64, [2000, 64, 65])
     gen = torch.Generator().manual_seed(3)
     cache = torch.randn(4, 16, 1, 64, generator=gen) * 30  # logits in the thousands
     query = torch.randn(1, 2, 64, generator=gen) * 30
     table = torch.tensor([[2, 0, 3]])
     lens = torch.tensor([40])
-    out = cpu_kernels.paged_decode_attention(query, cache, cache, table, 3, lens, 1.0)
+    out = cpu_kernels.paged_decode_attention(query, cache, cache, table, 3, lens, 1.0, lib=lib)
     expected = reference.paged_attention(query, cache, cache, table.int(), lens.int(),
                                          torch.tensor([0, 1], dtype=torch.int32), 1.0)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+@NEEDS_KERNEL
 def test_supports_refuses_what_the_kernel_does_not_do():
     cache = torch.zeros(2, 16, 2, 64)
     assert cpu_kernels.supports(torch.zeros(3, 4, 64), cache)
@@ -106,12 +134,52 @@ def test_build_without_a_compiler_fails_clearly(tmp_path, monkeypatch):
         cpu_kernels.build(compiler="/nonexistent/cc")
 
 
+@NEEDS_KERNEL
 def test_build_caches_by_content(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_KERNEL_CACHE", str(tmp_path))
     first = cpu_kernels.build()
     mtime = first.stat().st_mtime_ns
     assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp files left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(first.stat().st_mode) == 0o755 & ~umask  # other users can load a shared cache
+
+
+@NEEDS_KERNEL
+def test_loading_keeps_denormals():
+    """The library is linked without -ffast-math's crtfastmath.o: loading it must not turn on
+    flush-to-zero for the process (torch and Python floats keep their denormals)."""
+    code = (
+        "import torch; from kernels import cpu_kernels; assert cpu_kernels.load() is not None; "
+        "assert 5e-324 * 1.0 != 0.0; assert float((torch.tensor([1e-40]) * 2)[0]) != 0.0; "
+        "assert float((torch.full((1 << 20,), 1e-40) * 2).min()) != 0.0"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@NEEDS_KERNEL
+def test_bad_arguments_are_refused_by_name():
+    cache = torch.zeros(4, 16, 1, 64)
+    query = torch.zeros(2, 2, 64)
+    table = torch.tensor([[0, 1], [2, 3]])
+    lens = torch.tensor([20, 5])
+    attend = cpu_kernels.paged_decode_attention
+    with pytest.raises(ValueError, match="block_index"):
+        attend(query, cache, cache, table[:, :1], 2, lens, 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        attend(query, cache, cache, table, 2, lens.int(), 1.0)
+    with pytest.raises(ValueError, match="seq_lens exceed"):
+        attend(query, cache, cache, table, 2, torch.tensor([33, 5]), 1.0)
+    with pytest.raises(ValueError, match="value_cache"):
+        attend(query, cache, cache.bfloat16(), table, 2, lens, 1.0)
+    with pytest.raises(ValueError, match="out"):
+        attend(query, cache, cache, table, 2, lens, 1.0, out=torch.empty(2, 2, 32))
+    wide = torch.tensor([[0, 9, 1], [2, 9, 3]])[:, ::2]  # a non-contiguous table is copied, not misread
+    torch.testing.assert_close(attend(query, cache, cache, wide, 2, lens, 1.0),
+                               attend(query, cache, cache, table, 2, lens, 1.0))
 
 
 def test_torch_path_when_the_kernel_is_unavailable(monkeypatch):
@@ -128,3 +196,12 @@ def test_torch_path_when_the_kernel_is_unavailable(monkeypatch):
     expected = reference.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                          meta.query_start_loc, 0.125)
     torch.testing.assert_close(out, expected)
+
+
+@NEEDS_KERNEL
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_the_kernel_shares_torchs_openmp_runtime():
+    """One OpenMP runtime in the process: the kernel's threads are torch's threads."""
+    cpu_kernels.load()
+    runtimes = cpu_kernels.openmp_runtimes()
+    assert len(runtimes) == 1, runtimes

@@ -48,7 +48,9 @@ def test_threads_follow_the_cores_other_processes_use(fake):
         (2.0, 0.0, 2),  # quiet: our own spinning threads never count against us
         (1.4, 0.6, 1),  # another process got 0.6 of a core -> give it one
         (1.0, 1.0, 1),  # it keeps a whole core
-        (1.0, 0.3, 2),  # it went (mostly) away: our other services' 0.3 core is tolerated
+        (1.0, 0.4, 1),  # hysteresis: 0.4 of a core would keep 2 threads, but does not bring one back
+        (1.0, 0.25, 2),  # it went (mostly) away: our other services' quarter core is tolerated
+        (2.0, 0.4, 2),
         (2.0, 0.49, 2),
         (1.45, 0.55, 1),  # more than half a core costs a thread
         (1.0, 0.0, 2),
@@ -70,9 +72,15 @@ def test_many_cores_and_limits(fake):
     fake.run(8.0, 11.2)  # 4.8 free -> 5
     assert gov.before_step() == 5
     fake.wall += 1.0
+    fake.run(5.0, 10.4)  # 5.6 free: 6 on the way down, but up by hysteresis only at 5.7+
+    assert gov.before_step() == 5
+    fake.wall += 1.0
+    fake.run(5.0, 9.2)  # 6.8 free -> 7
+    assert gov.before_step() == 7
+    fake.wall += 1.0
     fake.run(1.0, 40.0)  # more load than cores (other cpus' time): never below 1
     assert gov.before_step() == 1
-    assert applied == [8, 5, 1]
+    assert applied == [8, 5, 7, 1]
 
 
 def test_decisions_wait_for_the_interval(fake):

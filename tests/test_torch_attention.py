@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels import reference
+from kernels import cpu_kernels, reference
 from services.executor.attention import (
     AttentionMetadata,
     ReferenceBackend,
@@ -82,8 +82,16 @@ def _run_both(  # the reference against the torch backend, without and with the 
     expected = reference.paged_attention(
         query, ref_k, ref_v, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
     )
+    calls = []
+    kernel = cpu_kernels.paged_decode_attention
     for native in (False, True):  # decodes on torch ops, then through the C kernel
-        out = TorchBackend(native_decode=native).forward(query, key, value, key_cache, value_cache, meta, scale)
+        cpu_kernels.paged_decode_attention = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+        try:
+            out = TorchBackend(native_decode=native).forward(query, key, value, key_cache, value_cache, meta, scale)
+        finally:
+            cpu_kernels.paged_decode_attention = kernel
+        has_decodes = any(kind == "decode" for kind, _, _ in kinds)
+        assert len(calls) == (native and has_decodes and cpu_kernels.load() is not None), (native, calls)
         assert out.shape == expected.shape and out.dtype == dtype
         torch.testing.assert_close(key_cache, ref_k, atol=0, rtol=0)
         torch.testing.assert_close(value_cache, ref_v, atol=0, rtol=0)

@@ -146,7 +146,7 @@ class TorchBackend(AttentionBackend):
 
     Decodes run through the native C kernel (``kernels.cpu_kernels``) when ``native_decode``
     and it can be built, else through torch ops. The per-forward plan (gather indices, masks) is cached in ``meta.backend_state`` under
-    ``("torch", num_kv_heads, block_size)``, so only the first layer builds it.
+    ``("torch", num_kv_heads, block_size, native_decode)``, so only the first layer builds it.
     """
 
     name = "torch"
@@ -160,7 +160,7 @@ class TorchBackend(AttentionBackend):
 
     def plan(self, meta: AttentionMetadata, num_kv_heads: int, block_size: int) -> torch_attn.TorchAttentionPlan:
         """The plan of this step for a cache with ``num_kv_heads`` and ``block_size``."""
-        key = ("torch", num_kv_heads, block_size)
+        key = ("torch", num_kv_heads, block_size, self.native_decode)
         plan = meta.backend_state.get(key)
         if plan is None:
             plan = torch_attn.build_plan(

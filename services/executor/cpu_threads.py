@@ -49,8 +49,8 @@ def read_proc_sample(cpus: frozenset[int]) -> CpuSample | None:
                 name, *fields = line.split()
                 if int(name[3:]) not in cpus:
                     continue
-                ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
-                busy += sum(ticks) - ticks[3] - ticks[4]
+                ticks = [int(x) for x in fields[:7]]  # user nice system idle iowait irq softirq
+                busy += sum(ticks) - ticks[3] - ticks[4]  # not steal: fewer threads would not win it back
         with open("/proc/self/stat") as f:
             stat = f.read()
         fields = stat[stat.rindex(")") + 2 :].split()  # fields from the 3rd on (comm may hold spaces)
@@ -66,13 +66,16 @@ class CpuThreadGovernor:
     Call :meth:`before_step` on the thread that runs the model, before each step. At most
     every ``interval_s`` it compares two samples: ``others = (busy - own) / elapsed`` in
     cores, and the thread count becomes ``floor(len(cpus) - others + 0.5)`` clamped to
-    ``[1, max_threads]`` (more than half a core used by others costs one thread). The busy
+    ``[1, max_threads]`` (more than half a core used by others costs one thread; it comes back
+    below ``0.5 - up_margin``). VM steal time is not counted. The busy
     time of our own spinning threads is ``own`` and never counts against us.
 
     Args:
         max_threads: the thread count on a quiet machine (``torch.get_num_threads()`` or the
             ``cpu_threads`` setting).
         interval_s: seconds between two decisions.
+        up_margin: hysteresis in cores: a thread comes back only when others use less than
+            ``0.5 - up_margin`` of the core it needs (it goes at more than 0.5).
         read_sample: the sampler (tests pass a fake).
         set_threads: applies a thread count (default ``torch.set_num_threads``).
     """
@@ -81,6 +84,7 @@ class CpuThreadGovernor:
         self,
         max_threads: int,
         interval_s: float = 0.5,
+        up_margin: float = 0.2,
         cpus: frozenset[int] | None = None,
         read_sample: Callable[[frozenset[int]], CpuSample | None] = read_proc_sample,
         set_threads: Callable[[int], None] = torch.set_num_threads,
@@ -89,6 +93,7 @@ class CpuThreadGovernor:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         self.max_threads = max_threads
         self.interval_s = interval_s
+        self.up_margin = up_margin
         self.cpus = cpus if cpus is not None else frozenset(os.sched_getaffinity(0))
         self._read = read_sample
         self._set = set_threads
@@ -109,7 +114,10 @@ class CpuThreadGovernor:
         others_ticks = (now.busy_ticks - self._last.busy_ticks) - (now.own_ticks - self._last.own_ticks)
         self._last = now
         self.others_cores = max(0.0, others_ticks / self._ticks_per_s / elapsed)
-        threads = max(1, min(self.max_threads, math.floor(len(self.cpus) - self.others_cores + 0.5)))
+        free = len(self.cpus) - self.others_cores
+        threads = max(1, min(self.max_threads, math.floor(free + 0.5)))
+        if threads > self.threads:  # hysteresis: take a core back only once it is clearly free
+            threads = max(self.threads, min(threads, math.floor(free + 0.5 - self.up_margin)))
         if threads != self.threads:
             log.info("cpu_threads_changed", threads=threads, previous=self.threads,
                      other_processes_cores=round(self.others_cores, 2))
