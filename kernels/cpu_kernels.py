@@ -1,11 +1,12 @@
 """Native CPU kernels: built once with the machine's C compiler, loaded with ctypes.
 
-:func:`paged_decode_attention` runs ``cpu_decode_attention.c``: decode attention straight from
-the paged KV cache, parallel over (sequence, KV head) on ``torch.get_num_threads()`` OpenMP
-threads of the runtime torch already loaded (its bundled ``libgomp.so.1``). SmolLM2 bf16, 64
-sequences at ~128 tokens of context, 2 cores: a decode step 89.7 -> 73.5 ms against the torch
-path's block gather + batched matmuls (A/B in one process, 2026-12-01); at ~512 tokens
-196 -> 106 ms. The kernel runs at about this VM's DRAM read bandwidth.
+:func:`paged_attention_rows` runs ``cpu_paged_attention.c``: attention of query rows (decodes,
+short prefills and chunks, causal) straight from the paged KV cache, parallel over (row, KV
+head) on ``torch.get_num_threads()`` OpenMP threads of the runtime torch already loaded (its
+bundled ``libgomp.so.1``). SmolLM2 bf16, 64 sequences at ~128 tokens of context, 2 cores: a
+decode step 89.7 -> 73.5 ms against the torch path's block gather + batched matmuls (A/B in
+one process, 2026-12-01); at ~512 tokens 196 -> 106 ms. The kernel runs at about this VM's
+DRAM read bandwidth.
 
 The shared library is compiled with ``-O3 -march=native -fopenmp -ffast-math`` (then linked
 without ``-ffast-math``) on first use into
@@ -31,7 +32,7 @@ import torch
 
 log = structlog.get_logger("kernels")
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 # -ffast-math only when compiling (vectorised expf): linking with it would add gcc's
 # crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c"]
@@ -74,7 +75,7 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> Pat
         "\0".join([SOURCE.read_text(), " ".join(compile_flags + LINK_FLAGS), *version, _cpu_flags(),
                    torch.__version__]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_decode_attention-{key}.so"
+    target = _cache_dir() / f"cpu_paged_attention-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -94,16 +95,20 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> Pat
 def bind(path: Path | str) -> ctypes.CDLL:
     """Load a built library and declare its function's C signature."""
     lib = ctypes.CDLL(str(path))
-    fn = lib.pagedllm_decode_attention
+    fn = lib.pagedllm_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
-                   ctypes.c_int]
+    fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                   ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     return lib
 
 
 def openmp_runtimes() -> set[str]:
-    """Paths of the OpenMP runtimes mapped into this process (Linux ``/proc/self/maps``)."""
+    """Paths of the OpenMP runtimes mapped into this process (Linux ``/proc/self/maps``).
+
+    Our library needs ``libgomp.so.1``, which resolves to torch's bundled copy when torch is
+    loaded first; other wheels may bring their own renamed copies (sentencepiece's
+    ``libgomp-<hash>.so``), which are separate runtimes but not the kernel's."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
@@ -121,16 +126,16 @@ def load() -> ctypes.CDLL | None:
             _tried = True
             try:
                 _lib = bind(build())
-                runtimes = openmp_runtimes()
-                if len(runtimes) > 1:  # ours did not resolve to torch's: two thread pools would spin
-                    log.warning("cpu_kernels_two_openmp_runtimes", runtimes=sorted(runtimes))
+                gomp = {p for p in openmp_runtimes() if os.path.basename(p) == "libgomp.so.1"}
+                if len(gomp) > 1:  # our libgomp.so.1 is not torch's: two thread pools would spin
+                    log.warning("cpu_kernels_two_openmp_runtimes", runtimes=sorted(gomp))
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 log.warning("cpu_kernels_unavailable", reason=str(exc)[:500])
         return _lib
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether :func:`paged_decode_attention` handles these tensors (CPU, float32 or bfloat16,
+    """Whether :func:`paged_attention_rows` handles these tensors (CPU, float32 or bfloat16,
     head_dim <= 256, at most 16 query heads per KV head, block size <= 128, dense cache, query
     heads dense) and the library is available."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -150,6 +155,66 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     )
 
 
+def paged_attention_rows(
+    query: torch.Tensor,  # [T, H, D]: heads dense, any token stride
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], dense
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], dense, key_cache's dtype
+    block_index: torch.Tensor,  # [S * nblk] or [S, nblk] int64, physical block of each logical block
+    num_blocks_per_seq: int,  # nblk, the row length of block_index
+    row_seq: torch.Tensor,  # [T] int64, the sequence (row of block_index) of each query row
+    row_len: torch.Tensor,  # [T] int64, positions 0 .. row_len - 1 of its sequence that the row attends
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, H, D] dense, query's dtype
+    lib: ctypes.CDLL | None = None,  # a library from bind(); default: load()
+) -> torch.Tensor:  # [T, H, D]
+    """Paged attention of query rows over their sequences' cached K/V (already written).
+
+    A decode row attends its whole sequence (``row_len = seq_len``); the ``q_len`` new rows of
+    a prefill or chunk over ``ctx`` cached tokens attend causally (``row_len = ctx + 1 ..
+    ctx + q_len``). Only blocks covering positions before a row's ``row_len`` are read.
+    Accumulates in float32; bf16 scores use AVX512-BF16 dot products when the CPU has them.
+    Runs on ``torch.get_num_threads()`` OpenMP threads. Check :func:`supports` first.
+
+    Raises:
+        ValueError: inconsistent arguments (the message names the parameter), or shapes the
+            kernel refuses (see :func:`supports`).
+    """
+    lib = lib or load()
+    if lib is None:
+        raise ValueError("the native CPU kernels are not available (see the cpu_kernels_unavailable log)")
+    rows, num_heads, head_dim = query.shape
+    block_size = key_cache.shape[1]
+    block_index, row_seq, row_len = block_index.contiguous(), row_seq.contiguous(), row_len.contiguous()
+    if query.dtype not in _DTYPES or query.stride(2) != 1 or query.stride(1) != head_dim:
+        raise ValueError("query must be float32/bfloat16 [T, H, D] with dense heads")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dtype != query.dtype or not cache.is_contiguous() or cache.shape != key_cache.shape:
+            raise ValueError(f"{name} must be a dense [num_blocks, block_size, Hkv, D] tensor of the query's dtype")
+    if block_index.dtype != torch.int64 or num_blocks_per_seq < 1 or block_index.numel() % num_blocks_per_seq:
+        raise ValueError("block_index must hold S * num_blocks_per_seq int64 block ids")
+    num_seqs = block_index.numel() // num_blocks_per_seq
+    for name, t in (("row_seq", row_seq), ("row_len", row_len)):
+        if t.dtype != torch.int64 or t.shape != (rows,):
+            raise ValueError(f"{name} must be [T] = [{rows}] int64")
+    if rows and not (0 <= int(row_seq.min()) and int(row_seq.max()) < num_seqs):
+        raise ValueError(f"row_seq must index the {num_seqs} sequences of block_index")
+    if rows and int(row_len.max()) > num_blocks_per_seq * block_size:
+        raise ValueError(f"row_len exceeds num_blocks_per_seq * block_size = {num_blocks_per_seq * block_size}")
+    if out is None:
+        out = torch.empty((rows, num_heads, head_dim), dtype=query.dtype)
+    elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+        raise ValueError("out must be a dense [T, H, D] tensor of the query's dtype")
+    status = lib.pagedllm_paged_attention(
+        _DTYPES[query.dtype], query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_index.data_ptr(), num_blocks_per_seq, row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), rows,
+        num_heads, key_cache.shape[2], head_dim, block_size, scale, torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"cpu paged attention: unsupported shapes (query {tuple(query.shape)}, "
+                         f"cache {tuple(key_cache.shape)})")
+    return out
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [B, H, D]: heads dense, any token stride
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], dense
@@ -159,47 +224,17 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int64, tokens of context of each sequence (its new token included)
     scale: float,
     out: torch.Tensor | None = None,  # [B, H, D] dense, query's dtype
-    lib: ctypes.CDLL | None = None,  # a library from bind(); default: load()
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:  # [B, H, D]
-    """Attention of one new token per sequence over its cached K/V (already written).
-
-    Every block id in ``block_index`` that covers a position before ``seq_lens[b]`` is read;
-    the rest are not. Accumulates in float32; bf16 scores use AVX512-BF16 dot products when
-    the CPU has them. Runs on ``torch.get_num_threads()`` OpenMP threads. Check
-    :func:`supports` first.
+    """One new token per sequence (a decode batch): :func:`paged_attention_rows` with row ``b``
+    on sequence ``b`` attending all its ``seq_lens[b]`` positions.
 
     Raises:
-        ValueError: inconsistent arguments (the message names the parameter), or shapes the
-            kernel refuses (see :func:`supports`).
+        ValueError: as :func:`paged_attention_rows` (``seq_lens`` named as ``row_len``).
     """
-    lib = lib or load()
-    if lib is None:
-        raise ValueError("the native CPU kernels are not available (see the cpu_kernels_unavailable log)")
-    batch, num_heads, head_dim = query.shape
-    block_size = key_cache.shape[1]
-    block_index = block_index.contiguous()
     seq_lens = seq_lens.contiguous()
-    if query.dtype not in _DTYPES or query.stride(2) != 1 or query.stride(1) != head_dim:
-        raise ValueError("query must be float32/bfloat16 [B, H, D] with dense heads")
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if cache.dtype != query.dtype or not cache.is_contiguous() or cache.shape != key_cache.shape:
-            raise ValueError(f"{name} must be a dense [num_blocks, block_size, Hkv, D] tensor of the query's dtype")
-    if block_index.dtype != torch.int64 or block_index.numel() != batch * num_blocks_per_seq:
-        raise ValueError(f"block_index must hold B * nblk = {batch * num_blocks_per_seq} int64 block ids")
-    if seq_lens.dtype != torch.int64 or seq_lens.shape != (batch,):
-        raise ValueError(f"seq_lens must be [B] = [{batch}] int64")
-    if batch and int(seq_lens.max()) > num_blocks_per_seq * block_size:
-        raise ValueError(f"seq_lens exceed num_blocks_per_seq * block_size = {num_blocks_per_seq * block_size}")
-    if out is None:
-        out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype)
-    elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
-        raise ValueError("out must be a dense [B, H, D] tensor of the query's dtype")
-    status = lib.pagedllm_decode_attention(
-        _DTYPES[query.dtype], query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-        block_index.data_ptr(), num_blocks_per_seq, seq_lens.data_ptr(), out.data_ptr(), batch, num_heads,
-        key_cache.shape[2], head_dim, block_size, scale, torch.get_num_threads(),
-    )
-    if status != 0:
-        raise ValueError(f"cpu decode attention: unsupported shapes (query {tuple(query.shape)}, "
-                         f"cache {tuple(key_cache.shape)})")
-    return out
+    if seq_lens.dtype != torch.int64 or seq_lens.shape != (query.shape[0],):
+        raise ValueError(f"seq_lens must be [B] = [{query.shape[0]}] int64")
+    row_seq = torch.arange(query.shape[0], dtype=torch.int64)
+    return paged_attention_rows(query, key_cache, value_cache, block_index, num_blocks_per_seq, row_seq, seq_lens,
+                                scale, out, lib)

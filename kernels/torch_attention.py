@@ -9,9 +9,11 @@ Same contract as :func:`kernels.reference.paged_attention` (the oracle in the te
 The work is split once per forward pass into a :class:`TorchAttentionPlan` (index tensors and
 masks shared by every layer, built from the host-side lengths), then each layer runs:
 
-* decodes (1 new token), with ``native_decode`` and a supported dtype (float32, bfloat16):
-  :func:`kernels.cpu_kernels.paged_decode_attention`, a C kernel reading the paged cache in
-  place (no gathered copy). Otherwise: one ``index_select`` of whole cache blocks (``block_size * Hkv * D``
+* with ``native`` (float32 / bfloat16): every decode, and every prefill or chunk of at most
+  ``NATIVE_MAX_QUERY_LEN`` new tokens, in one call of
+  :func:`kernels.cpu_kernels.paged_attention_rows`, a C kernel reading the paged cache in
+  place (no gathered copy, no padding); longer prefills and chunks take the paths below.
+* decodes (1 new token) without it: one ``index_select`` of whole cache blocks (``block_size * Hkv * D``
   contiguous elements each: ~50x fewer, larger copies than gathering 128-byte rows) into a
   buffer reused by every layer, giving each sequence's K/V as ``[Bd, S', Hkv, D]`` with
   ``S' = blocks * block_size``; positions past a sequence's length are masked. Then, for a
@@ -48,6 +50,9 @@ SDPA_MAX_DECODE_SEQS = 4
 # at context 250: 121 ms against 144 ms for the exact product and 133 ms for SDPA (all equal
 # at context 80). With more KV heads the wasted work (Hkv x) outgrows the saved copies.
 ALL_PAIRS_MAX_KV_HEADS = 4
+# With the native kernel, prefills and chunks of at most this many new tokens run in it too
+# (each row reads its causal prefix: O(q_len ** 2) row visits, so long ones stay with SDPA).
+NATIVE_MAX_QUERY_LEN = 128
 # Short prefills are right-padded into batches of similar length: a prefill joins a batch
 # only if its length is at least this fraction of the batch's longest one (padding wastes at
 # most 1 / fraction ** 2 of the batch's attention work). Prompts longer than
@@ -67,7 +72,6 @@ class DecodeGroup:
     num_seqs: int  # Bd
     num_blocks: int  # nblk, blocks of the longest sequence
     max_len: int  # S, the longest decode sequence in tokens
-    seq_lens: torch.Tensor  # [Bd] int64 tokens of each sequence (the native kernel's lengths)
 
 
 @dataclass
@@ -94,6 +98,17 @@ class ChunkSeq:
 
 
 @dataclass
+class NativeRows:
+    """Token rows handled by the native C kernel (``kernels.cpu_kernels.paged_attention_rows``)."""
+
+    rows: torch.Tensor | None  # [Tn] int64 token rows; None = every row, in order
+    row_seq: torch.Tensor  # [Tn] int64, each row's sequence (row of block_index)
+    row_len: torch.Tensor  # [Tn] int64, positions each row attends (causal)
+    block_index: torch.Tensor  # [Sn * nblk] int64 cache blocks of the sequences (padding: 0)
+    num_blocks: int  # nblk
+
+
+@dataclass
 class TorchAttentionPlan:
     """Per-forward index tensors of the torch backend, built once and shared by all layers."""
 
@@ -105,7 +120,7 @@ class TorchAttentionPlan:
     decode: DecodeGroup | None = None
     prefills: list[PrefillGroup] = field(default_factory=list)
     chunks: list[ChunkSeq] = field(default_factory=list)
-    native_decode: bool = False  # decodes through kernels.cpu_kernels where it supports them
+    native: NativeRows | None = None
     scratch: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # gather buffers
 
     def buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -168,6 +183,37 @@ def _prefill_groups(
     return out
 
 
+def _native_rows(
+    seqs: list[tuple[int, int, int, int]],  # (b, start row, q_len, seq_len)
+    num_tokens: int,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    block_size: int,
+) -> NativeRows:
+    """Row indices and causal lengths of the native kernel's sequences."""
+    device = block_tables.device
+    rows: list[int] = []
+    row_seq: list[int] = []
+    row_len: list[int] = []
+    for i, (_, start, q_len, seq_len) in enumerate(seqs):
+        ctx = seq_len - q_len
+        rows.extend(range(start, start + q_len))
+        row_seq.extend([i] * q_len)
+        row_len.extend(range(ctx + 1, seq_len + 1))
+    lens = [seq_len for _, _, _, seq_len in seqs]
+    nblk = -(-max(lens) // block_size)
+    tables = block_tables
+    if len(seqs) != block_tables.shape[0]:
+        tables = block_tables.index_select(0, torch.tensor([b for b, *_ in seqs], dtype=torch.int64, device=device))
+    every_row = len(rows) == num_tokens and rows == list(range(num_tokens))
+    return NativeRows(
+        rows=None if every_row else torch.tensor(rows, dtype=torch.int64, device=device),
+        row_seq=torch.tensor(row_seq, dtype=torch.int64, device=device),
+        row_len=torch.tensor(row_len, dtype=torch.int64, device=device),
+        block_index=_block_index(tables, lens, nblk, block_size),
+        num_blocks=nblk,
+    )
+
+
 def build_plan(
     query_lens: list[int],  # [B] new tokens per sequence
     seq_lens: list[int],  # [B] cached context + new tokens per sequence
@@ -175,12 +221,12 @@ def build_plan(
     slot_mapping: torch.Tensor,  # [T] int64; negative = do not write this token
     block_size: int,
     num_kv_heads: int,
-    native_decode: bool = False,
+    native: bool = False,
 ) -> TorchAttentionPlan:
     """Classify the sequences (decode / prefill / chunk) and precompute every index tensor.
 
-    ``native_decode``: run the decodes with :func:`kernels.cpu_kernels.paged_decode_attention`
-    (no block gather) where it supports the tensors, else with torch ops.
+    ``native``: decodes and prefills / chunks of at most ``NATIVE_MAX_QUERY_LEN`` tokens go to
+    the C kernel (:class:`NativeRows`; the caller checks :func:`kernels.cpu_kernels.supports`).
     """
     device = block_tables.device
     num_tokens = int(slot_mapping.shape[0])
@@ -190,14 +236,16 @@ def build_plan(
     else:
         write_rows, write_slots = None, slot_mapping.long()
     plan = TorchAttentionPlan(num_kv_heads, block_size, num_tokens, write_slots, write_rows)
-    plan.native_decode = native_decode
 
     decode_seqs: list[int] = []
     decode_rows: list[int] = []
     prefills: list[tuple[int, int]] = []
     start = 0
+    native_seqs: list[tuple[int, int, int, int]] = []  # (b, start row, q_len, seq_len)
     for b, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        if q_len == 1:
+        if native and 0 < q_len <= NATIVE_MAX_QUERY_LEN:
+            native_seqs.append((b, start, q_len, seq_len))
+        elif q_len == 1:
             decode_seqs.append(b)
             decode_rows.append(start)
         elif q_len > 1 and q_len == seq_len:
@@ -212,6 +260,8 @@ def build_plan(
         start += q_len
     if prefills:
         plan.prefills = _prefill_groups(prefills, num_tokens, device)
+    if native_seqs:
+        plan.native = _native_rows(native_seqs, num_tokens, block_tables, block_size)
 
     if decode_seqs:
         bd = len(decode_seqs)
@@ -226,12 +276,12 @@ def build_plan(
         if bd != block_tables.shape[0]:
             tables = block_tables.index_select(0, torch.tensor(decode_seqs, dtype=torch.int64, device=device))
         index = _block_index(tables, lens, nblk, block_size)
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)  # [Bd]
         valid = None
         if min(lens) != nblk * block_size:
             pos = torch.arange(nblk * block_size, device=device)  # [S']
+            lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
             valid = (pos.unsqueeze(0) < lens_t.unsqueeze(1))[:, None, None, :]  # [Bd, 1, 1, S']
-        plan.decode = DecodeGroup(rows, index, valid, bd, nblk, max_len, lens_t)
+        plan.decode = DecodeGroup(rows, index, valid, bd, nblk, max_len)
     return plan
 
 
@@ -292,10 +342,6 @@ def _decode(
     scale: float,
     plan: TorchAttentionPlan,
 ) -> torch.Tensor:  # [Bd, H, D]
-    if plan.native_decode and cpu_kernels.supports(query, key_cache):
-        return cpu_kernels.paged_decode_attention(
-            query[group.rows], key_cache, value_cache, group.block_index, group.num_blocks, group.seq_lens, scale
-        )  # [Bd, H, D], read straight from the cache
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, hkv = key_cache.shape[1], key_cache.shape[2]
     bd, s = group.num_seqs, group.num_blocks * block_size
@@ -404,6 +450,11 @@ def paged_attention(
     softmax runs in float32.
     """
     write_kv(key, value, key_cache, value_cache, plan)
+    nat = plan.native
+    if nat is not None and nat.rows is None:  # every row in the C kernel, straight into its output
+        return cpu_kernels.paged_attention_rows(
+            query, key_cache, value_cache, nat.block_index, nat.num_blocks, nat.row_seq, nat.row_len, scale
+        )
     dec = plan.decode
     if dec is not None and isinstance(dec.rows, slice) and dec.num_seqs == plan.num_tokens:
         return _decode(query, key_cache, value_cache, dec, scale, plan)  # pure decode step: no copy
@@ -413,6 +464,11 @@ def paged_attention(
     ):
         return _prefill(query, key, value, plan.prefills[0], scale)  # pure prefill step, token order
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if nat is not None:
+        out.index_copy_(0, nat.rows, cpu_kernels.paged_attention_rows(
+            query.index_select(0, nat.rows), key_cache, value_cache, nat.block_index, nat.num_blocks, nat.row_seq,
+            nat.row_len, scale,
+        ))
     if dec is not None:
         out[dec.rows] = _decode(query, key_cache, value_cache, dec, scale, plan)
     for group in plan.prefills:

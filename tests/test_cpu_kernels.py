@@ -167,11 +167,13 @@ def test_bad_arguments_are_refused_by_name():
     table = torch.tensor([[0, 1], [2, 3]])
     lens = torch.tensor([20, 5])
     attend = cpu_kernels.paged_decode_attention
-    with pytest.raises(ValueError, match="block_index"):
-        attend(query, cache, cache, table[:, :1], 2, lens, 1.0)
+    with pytest.raises(ValueError, match="block_index must hold"):
+        attend(query, cache, cache, table, 3, lens, 1.0)
+    with pytest.raises(ValueError, match="row_seq must index"):
+        cpu_kernels.paged_attention_rows(query, cache, cache, table, 2, torch.tensor([0, 2]), lens, 1.0)
     with pytest.raises(ValueError, match="seq_lens"):
         attend(query, cache, cache, table, 2, lens.int(), 1.0)
-    with pytest.raises(ValueError, match="seq_lens exceed"):
+    with pytest.raises(ValueError, match="row_len exceeds"):
         attend(query, cache, cache, table, 2, torch.tensor([33, 5]), 1.0)
     with pytest.raises(ValueError, match="value_cache"):
         attend(query, cache, cache.bfloat16(), table, 2, lens, 1.0)
@@ -192,7 +194,7 @@ def test_torch_path_when_the_kernel_is_unavailable(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(3, 16, 1, 64, generator=gen), torch.randn(3, 16, 1, 64, generator=gen)
     q, k, v = (torch.randn(2, h, 64, generator=gen) for h in (2, 1, 1))
-    out = TorchBackend(native_decode=True).forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    out = TorchBackend(native=True).forward(q, k, v, k_cache, v_cache, meta, 0.125)
     expected = reference.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                          meta.query_start_loc, 0.125)
     torch.testing.assert_close(out, expected)
@@ -201,7 +203,38 @@ def test_torch_path_when_the_kernel_is_unavailable(monkeypatch):
 @NEEDS_KERNEL
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_the_kernel_shares_torchs_openmp_runtime():
-    """One OpenMP runtime in the process: the kernel's threads are torch's threads."""
+    """One libgomp.so.1 in the process (torch's): the kernel's threads are torch's threads."""
     cpu_kernels.load()
     runtimes = cpu_kernels.openmp_runtimes()
-    assert len(runtimes) == 1, runtimes
+    gomp = [p for p in runtimes if os.path.basename(p) == "libgomp.so.1"]
+    assert len(gomp) == 1 and "torch" in gomp[0], runtimes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_of_prefills_chunks_and_decodes_match_reference(lib, dtype):
+    """Query rows of several kinds in one call, each row attending causally: prefills (no
+    context), chunks over cached context (on and one past block boundaries), decodes."""
+    gen = torch.Generator().manual_seed(5)
+    rng = random.Random(5)
+    bs, hkv, group, d = 16, 3, 3, 64
+    kinds = [(0, 7), (0, 16), (16, 16), (17, 3), (40, 1), (0, 1), (5, 30), (100, 1)]  # (context, new tokens)
+    seq_lens = [c + n for c, n in kinds]
+    nblk = max(-(-n // bs) for n in seq_lens)
+    num_blocks = len(kinds) * nblk + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
+    shape = (num_blocks, bs, hkv, d)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)  # every new token's K/V already written
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    t = sum(n for _, n in kinds)
+    query = torch.randn(t, hkv * group, d, generator=gen).to(dtype)
+    row_seq = torch.tensor([b for b, (_, n) in enumerate(kinds) for _ in range(n)])
+    row_len = torch.tensor([c + i + 1 for c, n in kinds for i in range(n)])
+    padded = torch.tensor([tb + [0] * (nblk - len(tb)) for tb in tables])
+    out = cpu_kernels.paged_attention_rows(query, key_cache, value_cache, padded, nblk, row_seq, row_len, 0.125,
+                                           lib=lib)
+    qsl = torch.tensor([0] + [sum(n for _, n in kinds[: i + 1]) for i in range(len(kinds))], dtype=torch.int32)
+    expected = reference.paged_attention(query, key_cache, value_cache, padded.int(),
+                                         torch.tensor(seq_lens, dtype=torch.int32), qsl, 0.125)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import cpu_kernels, reference
+from kernels.torch_attention import NATIVE_MAX_QUERY_LEN
 from services.executor.attention import (
     AttentionMetadata,
     ReferenceBackend,
@@ -83,15 +84,15 @@ def _run_both(  # the reference against the torch backend, without and with the 
         query, ref_k, ref_v, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
     )
     calls = []
-    kernel = cpu_kernels.paged_decode_attention
-    for native in (False, True):  # decodes on torch ops, then through the C kernel
-        cpu_kernels.paged_decode_attention = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    kernel = cpu_kernels.paged_attention_rows
+    for native in (False, True):  # torch ops only, then decodes and short prefills in the C kernel
+        cpu_kernels.paged_attention_rows = lambda *a, **k: calls.append(1) or kernel(*a, **k)
         try:
-            out = TorchBackend(native_decode=native).forward(query, key, value, key_cache, value_cache, meta, scale)
+            out = TorchBackend(native=native).forward(query, key, value, key_cache, value_cache, meta, scale)
         finally:
-            cpu_kernels.paged_decode_attention = kernel
-        has_decodes = any(kind == "decode" for kind, _, _ in kinds)
-        assert len(calls) == (native and has_decodes and cpu_kernels.load() is not None), (native, calls)
+            cpu_kernels.paged_attention_rows = kernel
+        has_rows = any(0 < new <= NATIVE_MAX_QUERY_LEN for _, _, new in kinds)
+        assert len(calls) == (native and has_rows and cpu_kernels.load() is not None), (native, calls)
         assert out.shape == expected.shape and out.dtype == dtype
         torch.testing.assert_close(key_cache, ref_k, atol=0, rtol=0)
         torch.testing.assert_close(value_cache, ref_v, atol=0, rtol=0)

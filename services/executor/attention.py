@@ -144,34 +144,39 @@ class ReferenceBackend(AttentionBackend):
 class TorchBackend(AttentionBackend):
     """``kernels.torch_attention``: block gathers, batched decode matmuls, batched prefill SDPA; the CPU default.
 
-    Decodes run through the native C kernel (``kernels.cpu_kernels``) when ``native_decode``
-    and it can be built, else through torch ops. The per-forward plan (gather indices, masks) is cached in ``meta.backend_state`` under
-    ``("torch", num_kv_heads, block_size, native_decode)``, so only the first layer builds it.
+    With ``native`` (and a C compiler to build it), decodes and short prefills / chunks run in
+    the native C kernel (``kernels.cpu_kernels``), the rest in torch ops. The per-forward plan (gather indices, masks) is cached in ``meta.backend_state`` under
+    ``("torch", num_kv_heads, block_size, native)``, so only the first layer builds it.
     """
 
     name = "torch"
 
-    def __init__(self, native_decode: bool = True) -> None:
-        self.native_decode = native_decode
-        if native_decode:
+    def __init__(self, native: bool = True) -> None:
+        self.native = native
+        if native:
             from kernels import cpu_kernels
 
             cpu_kernels.load()  # build the C kernel now, not during the first step
 
-    def plan(self, meta: AttentionMetadata, num_kv_heads: int, block_size: int) -> torch_attn.TorchAttentionPlan:
+    def plan(
+        self, meta: AttentionMetadata, num_kv_heads: int, block_size: int, native: bool = False
+    ) -> torch_attn.TorchAttentionPlan:
         """The plan of this step for a cache with ``num_kv_heads`` and ``block_size``."""
-        key = ("torch", num_kv_heads, block_size, self.native_decode)
+        key = ("torch", num_kv_heads, block_size, native)
         plan = meta.backend_state.get(key)
         if plan is None:
             plan = torch_attn.build_plan(
                 meta.query_lens, meta.seq_lens_list, meta.block_tables, meta.slot_mapping,
-                block_size, num_kv_heads, native_decode=self.native_decode,
+                block_size, num_kv_heads, native=native,
             )
             meta.backend_state[key] = plan
         return plan
 
     def forward(self, query, key, value, key_cache, value_cache, meta, scale):
-        plan = self.plan(meta, key_cache.shape[2], key_cache.shape[1])
+        from kernels import cpu_kernels
+
+        native = self.native and cpu_kernels.supports(query, key_cache)
+        plan = self.plan(meta, key_cache.shape[2], key_cache.shape[1], native)
         return torch_attn.paged_attention(query, key, value, key_cache, value_cache, plan, scale)
 
 
@@ -226,5 +231,5 @@ def get_attention_backend(
     if factory is None:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
     if name == "torch" and not native_cpu_kernels:
-        return TorchBackend(native_decode=False)
+        return TorchBackend(native=False)
     return factory(device)

@@ -1,20 +1,24 @@
 /*
- * Paged decode attention for the CPU: one query token per sequence, read straight from the
+ * Paged attention for the CPU, one new token row at a time: each row attends its sequence's
+ * first row_len[r] cached positions (its own K/V already written), read straight from the
  * paged KV cache (no gathered copy), FlashAttention-style online softmax over one cache block
- * at a time, float32 accumulation. Built and loaded by kernels/cpu_kernels.py (gcc -O3
- * -march=native -fopenmp); called through ctypes with the GIL released.
+ * at a time, float32 accumulation. A decode is one row with row_len = seq_len; a prefill or
+ * chunk of q_len rows over ctx cached tokens has rows with row_len = ctx + 1 .. ctx + q_len
+ * (causal). Built and loaded by kernels/cpu_kernels.py (gcc -O3 -march=native -fopenmp);
+ * called through ctypes with the GIL released.
  *
  * Layouts (element offsets; all tensors dense except the query's token stride):
- *   q        [B, H, D]              q[b * q_row_stride + h * D + d]
+ *   q        [T, H, D]              q[r * q_row_stride + h * D + d]
  *   k_cache  [num_blocks, bs, Hkv, D]  (v_cache the same)
- *   block_index [B, nblk] int64     physical block of each sequence's logical block
- *   seq_lens [B] int64              tokens of context of each sequence, its new token included
- *   out      [B, H, D]              dense
+ *   block_index [S, nblk] int64     physical block of each sequence's logical block
+ *   row_seq  [T] int64              sequence (row of block_index) of each query row
+ *   row_len  [T] int64              positions 0 .. row_len - 1 are attended by the row
+ *   out      [T, H, D]              dense
  * GQA: query head h attends KV head h / (H / Hkv). dtype 0 = float32, 1 = bfloat16.
- * Work is split over (sequence, KV head) pairs on num_threads OpenMP threads (the caller passes
+ * Work is split over (row, KV head) pairs on num_threads OpenMP threads (the caller passes
  * torch.get_num_threads(); torch's bundled libgomp.so.1, already loaded, serves this library).
- * Algorithm: vLLM's PagedAttention decode (Kwon et al.
- * 2023) with the online softmax of FlashAttention (Dao et al. 2022).
+ * Algorithm: vLLM's PagedAttention (Kwon et al. 2023) with the online softmax of
+ * FlashAttention (Dao et al. 2022).
  */
 #include <float.h>
 #include <math.h>
@@ -81,15 +85,16 @@ static inline void score_row(int dtype, const void* k_cache, int64_t offset, int
   }
 }
 
-/* One (sequence, KV head) pair. always_inline: the dispatcher below calls it with constant
+/* One (row, KV head) pair. always_inline: the dispatcher below calls it with constant
  * dtype, G and D for the common shapes, so the compiler unrolls the head-dim loops and keeps
  * the accumulators in registers. */
-static inline __attribute__((always_inline)) void decode_item(
+static inline __attribute__((always_inline)) void attend_row(
     const int dtype, const int64_t G, const int64_t D, const int64_t item, const void* q, const int64_t q_row_stride,
     const void* k_cache, const void* v_cache, const int64_t* block_index, const int64_t nblk,
-    const int64_t* seq_lens, void* out, const int64_t H, const int64_t Hkv, const int64_t bs, const float scale) {
-    const int64_t b = item / Hkv, h = item % Hkv;
-  const int64_t L = seq_lens[b];
+    const int64_t* row_seq, const int64_t* row_len, void* out, const int64_t H, const int64_t Hkv, const int64_t bs,
+    const float scale) {
+    const int64_t r = item / Hkv, h = item % Hkv;
+  const int64_t b = row_seq[r], L = row_len[r];
   float qf[MAX_GROUP][MAX_HEAD_DIM];   /* scaled query, float32 (generic scores) */
   float acc[MAX_GROUP][MAX_HEAD_DIM];  /* sum of p * V, float32 */
   float m[MAX_GROUP], l[MAX_GROUP];    /* running max and sum of the softmax */
@@ -106,7 +111,7 @@ static inline __attribute__((always_inline)) void decode_item(
   const int bf16_scores = 0; /* portable scores use the scaled float32 query qf */
 #endif
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t qoff = b * q_row_stride + (h * G + g) * D;
+    const int64_t qoff = r * q_row_stride + (h * G + g) * D;
     load_row(dtype, q, qoff, D, qf[g]);
     for (int64_t d = 0; d < D; ++d) {
       qf[g][d] *= scale;
@@ -155,7 +160,7 @@ static inline __attribute__((always_inline)) void decode_item(
   }
   for (int64_t g = 0; g < G; ++g) {
     const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    const int64_t ooff = (b * H + h * G + g) * D;
+    const int64_t ooff = (r * H + h * G + g) * D;
     if (dtype == 0) {
       float* op = (float*)out + ooff;
       for (int64_t d = 0; d < D; ++d) op[d] = acc[g][d] * inv;
@@ -166,16 +171,16 @@ static inline __attribute__((always_inline)) void decode_item(
   }
 }
 
-int pagedllm_decode_attention(int dtype, const void* q, int64_t q_row_stride, const void* k_cache,
-                              const void* v_cache, const int64_t* block_index, int64_t nblk,
-                              const int64_t* seq_lens, void* out, int64_t B, int64_t H, int64_t Hkv,
-                              int64_t D, int64_t bs, float scale, int num_threads) {
+int pagedllm_paged_attention(int dtype, const void* q, int64_t q_row_stride, const void* k_cache,
+                             const void* v_cache, const int64_t* block_index, int64_t nblk,
+                             const int64_t* row_seq, const int64_t* row_len, void* out, int64_t T, int64_t H,
+                             int64_t Hkv, int64_t D, int64_t bs, float scale, int num_threads) {
   if (dtype < 0 || dtype > 1 || Hkv < 1 || H % Hkv || H / Hkv > MAX_GROUP || D > MAX_HEAD_DIM ||
       bs > MAX_BLOCK || D < 1 || bs < 1 || num_threads < 1)
     return 1;
   const int64_t G = H / Hkv;
-#define PAGEDLLM_ITEM(dt, g, d) decode_item(dt, g, d, item, q, q_row_stride, k_cache, v_cache, block_index, nblk, \
-                                            seq_lens, out, H, Hkv, bs, scale)
+#define PAGEDLLM_ITEM(dt, g, d) attend_row(dt, g, d, item, q, q_row_stride, k_cache, v_cache, block_index, nblk, \
+                                            row_seq, row_len, out, H, Hkv, bs, scale)
 #define PAGEDLLM_SHAPES(dt)                                                   \
   if (D == 64 && G == 1) PAGEDLLM_ITEM(dt, 1, 64);                            \
   else if (D == 64 && G == 2) PAGEDLLM_ITEM(dt, 2, 64);                       \
@@ -186,8 +191,9 @@ int pagedllm_decode_attention(int dtype, const void* q, int64_t q_row_stride, co
   else if (D == 128 && G == 4) PAGEDLLM_ITEM(dt, 4, 128);                     \
   else if (D == 128 && G == 8) PAGEDLLM_ITEM(dt, 8, 128);                     \
   else PAGEDLLM_ITEM(dt, G, D);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t item = 0; item < B * Hkv; ++item) {
+  /* rows of one sequence are neighbours: contiguous chunks keep its K/V in this core's cache */
+#pragma omp parallel for schedule(guided) num_threads(num_threads)
+  for (int64_t item = 0; item < T * Hkv; ++item) {
     if (dtype == 1) {
       PAGEDLLM_SHAPES(1)
     } else {
