@@ -37,6 +37,15 @@ def lib(request, tmp_path_factory):
 TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 
 
+def _shuffled_tables(rng: random.Random, seq_lens: list[int], block_size: int) -> tuple[list[list[int]], int, int]:
+    """Block tables in shuffled physical order: (tables, num_blocks in the pool, nblk)."""
+    nblk = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * nblk + 5
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    return [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens], num_blocks, nblk
+
+
 def _case(
     lib,
     seed: int,
@@ -50,13 +59,8 @@ def _case(
     """Decode one token for each of ``seq_lens``: shuffled block tables, every block the
     sequences do not use NaN-poisoned (the kernel must never read them), the query a strided
     view of a wider [T, H + 2 Hkv, D] tensor as in the model (its qkv projection)."""
-    rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    nblk = max(-(-n // block_size) for n in seq_lens)
-    num_blocks = len(seq_lens) * nblk + 5
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+    tables, num_blocks, nblk = _shuffled_tables(random.Random(seed), seq_lens, block_size)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.full(shape, float("nan"), dtype=dtype)
     value_cache = torch.full(shape, float("nan"), dtype=dtype)
@@ -215,15 +219,10 @@ def test_rows_of_prefills_chunks_and_decodes_match_reference(lib, dtype):
     """Query rows of several kinds in one call, each row attending causally: prefills (no
     context), chunks over cached context (on and one past block boundaries), decodes."""
     gen = torch.Generator().manual_seed(5)
-    rng = random.Random(5)
     bs, hkv, group, d = 16, 3, 3, 64
     kinds = [(0, 7), (0, 16), (16, 16), (17, 3), (40, 1), (0, 1), (5, 30), (100, 1)]  # (context, new tokens)
     seq_lens = [c + n for c, n in kinds]
-    nblk = max(-(-n // bs) for n in seq_lens)
-    num_blocks = len(kinds) * nblk + 3
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
+    tables, num_blocks, nblk = _shuffled_tables(random.Random(5), seq_lens, bs)
     shape = (num_blocks, bs, hkv, d)
     key_cache = torch.randn(shape, generator=gen).to(dtype)  # every new token's K/V already written
     value_cache = torch.randn(shape, generator=gen).to(dtype)
