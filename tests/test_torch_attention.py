@@ -190,3 +190,11 @@ def test_backend_registry():
     assert isinstance(get_attention_backend("reference", "cpu"), ReferenceBackend)
     with pytest.raises(ValueError, match="nope"):
         get_attention_backend("nope", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_native_rows_mixed_with_a_prefill_too_long_for_them(dtype):
+    """A prefill one token longer than NATIVE_MAX_QUERY_LEN takes SDPA while the decodes and
+    the short chunk around it take the C kernel (rows written back by index)."""
+    kinds = [("decode", 30, 1), ("prefill", 0, NATIVE_MAX_QUERY_LEN + 1), ("chunk", 16, 5), ("decode", 3, 1)]
+    _run_both(kinds, dtype=dtype, group=3, block_size=16, seed=21)
