@@ -237,3 +237,14 @@ def test_rows_of_prefills_chunks_and_decodes_match_reference(lib, dtype):
     expected = reference.paged_attention(query, key_cache, value_cache, padded.int(),
                                          torch.tensor(seq_lens, dtype=torch.int32), qsl, 0.125)
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+@NEEDS_KERNEL
+def test_a_block_id_outside_the_cache_is_refused_before_the_kernel_reads_it():
+    from services.executor.attention import AttentionMetadata, TorchBackend
+
+    meta = AttentionMetadata.build([1], [20], [[7, 1]], 16)  # reads block 7 of a 3-block cache (writes block 1)
+    cache = torch.zeros(3, 16, 1, 64)
+    q, k, v = (torch.zeros(1, h, 64) for h in (2, 1, 1))
+    with pytest.raises(ValueError, match="block 7 outside"):
+        TorchBackend(native=True).forward(q, k, v, cache, cache.clone(), meta, 0.125)

@@ -176,7 +176,13 @@ class TorchBackend(AttentionBackend):
         from kernels import cpu_kernels
 
         native = self.native and cpu_kernels.supports(query, key_cache)
+        first = ("torch", key_cache.shape[2], key_cache.shape[1], native) not in meta.backend_state
         plan = self.plan(meta, key_cache.shape[2], key_cache.shape[1], native)
+        if first and plan.native is not None and plan.native.block_index.numel():
+            # the C kernel reads block ids unchecked: refuse a bad plan here, once per step
+            top = int(plan.native.block_index.max())
+            if top >= key_cache.shape[0] or int(plan.native.block_index.min()) < 0:
+                raise ValueError(f"block table names block {top} outside the cache's {key_cache.shape[0]} blocks")
         return torch_attn.paged_attention(query, key, value, key_cache, value_cache, plan, scale)
 
 
