@@ -136,11 +136,11 @@ class SchedulerService:
             await self._fail_group(result.group_id, result.error)
             return
         outcome = self.scheduler.update_from_output(result)
+        await self._kick()  # the executor computes the next step while the outputs go out
         await self._publish_outputs(outcome)
         for req in outcome.finished:
             log.info("request_finished", request_id=req.request_id, finish_reason=req.finish_reason,
                      output_tokens=len(req.output_token_ids), preemptions=req.num_preemptions)
-        await self._kick()
 
     async def _on_stats_query(self, _: StatsQuery) -> SchedulerStats:
         return self.scheduler.stats()
