@@ -155,6 +155,29 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     )
 
 
+def _validate(query, key_cache, value_cache, block_index, num_blocks_per_seq, row_seq, row_len, out) -> None:
+    """The argument checks of :func:`paged_attention_rows` (ValueError naming the parameter)."""
+    rows, _, head_dim = query.shape
+    block_size = key_cache.shape[1]
+    if query.dtype not in _DTYPES or query.stride(2) != 1 or query.stride(1) != head_dim:
+        raise ValueError("query must be float32/bfloat16 [T, H, D] with dense heads")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dtype != query.dtype or not cache.is_contiguous() or cache.shape != key_cache.shape:
+            raise ValueError(f"{name} must be a dense [num_blocks, block_size, Hkv, D] tensor of the query's dtype")
+    if block_index.dtype != torch.int64 or num_blocks_per_seq < 1 or block_index.numel() % num_blocks_per_seq:
+        raise ValueError("block_index must hold S * num_blocks_per_seq int64 block ids")
+    num_seqs = block_index.numel() // num_blocks_per_seq
+    for name, t in (("row_seq", row_seq), ("row_len", row_len)):
+        if t.dtype != torch.int64 or t.shape != (rows,):
+            raise ValueError(f"{name} must be [T] = [{rows}] int64")
+    if rows and not (0 <= int(row_seq.min()) and int(row_seq.max()) < num_seqs):
+        raise ValueError(f"row_seq must index the {num_seqs} sequences of block_index")
+    if rows and int(row_len.max()) > num_blocks_per_seq * block_size:
+        raise ValueError(f"row_len exceeds num_blocks_per_seq * block_size = {num_blocks_per_seq * block_size}")
+    if out is not None and (out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous()):
+        raise ValueError("out must be a dense [T, H, D] tensor of the query's dtype")
+
+
 def paged_attention_rows(
     query: torch.Tensor,  # [T, H, D]: heads dense, any token stride
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], dense
@@ -166,7 +189,7 @@ def paged_attention_rows(
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D] dense, query's dtype
     lib: ctypes.CDLL | None = None,  # a library from bind(); default: load()
-    check_indices: bool = True,  # False: the caller vouches for row_seq / row_len (saves 3 reductions)
+    validate: bool = True,  # False: the caller vouches for every argument (a plan built per step)
 ) -> torch.Tensor:  # [T, H, D]
     """Paged attention of query rows over their sequences' cached K/V (already written).
 
@@ -185,26 +208,11 @@ def paged_attention_rows(
         raise ValueError("the native CPU kernels are not available (see the cpu_kernels_unavailable log)")
     rows, num_heads, head_dim = query.shape
     block_size = key_cache.shape[1]
-    block_index, row_seq, row_len = block_index.contiguous(), row_seq.contiguous(), row_len.contiguous()
-    if query.dtype not in _DTYPES or query.stride(2) != 1 or query.stride(1) != head_dim:
-        raise ValueError("query must be float32/bfloat16 [T, H, D] with dense heads")
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if cache.dtype != query.dtype or not cache.is_contiguous() or cache.shape != key_cache.shape:
-            raise ValueError(f"{name} must be a dense [num_blocks, block_size, Hkv, D] tensor of the query's dtype")
-    if block_index.dtype != torch.int64 or num_blocks_per_seq < 1 or block_index.numel() % num_blocks_per_seq:
-        raise ValueError("block_index must hold S * num_blocks_per_seq int64 block ids")
-    num_seqs = block_index.numel() // num_blocks_per_seq
-    for name, t in (("row_seq", row_seq), ("row_len", row_len)):
-        if t.dtype != torch.int64 or t.shape != (rows,):
-            raise ValueError(f"{name} must be [T] = [{rows}] int64")
-    if check_indices and rows and not (0 <= int(row_seq.min()) and int(row_seq.max()) < num_seqs):
-        raise ValueError(f"row_seq must index the {num_seqs} sequences of block_index")
-    if check_indices and rows and int(row_len.max()) > num_blocks_per_seq * block_size:
-        raise ValueError(f"row_len exceeds num_blocks_per_seq * block_size = {num_blocks_per_seq * block_size}")
+    if validate:
+        block_index, row_seq, row_len = block_index.contiguous(), row_seq.contiguous(), row_len.contiguous()
+        _validate(query, key_cache, value_cache, block_index, num_blocks_per_seq, row_seq, row_len, out)
     if out is None:
         out = torch.empty((rows, num_heads, head_dim), dtype=query.dtype)
-    elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
-        raise ValueError("out must be a dense [T, H, D] tensor of the query's dtype")
     status = lib.pagedllm_paged_attention(
         _DTYPES[query.dtype], query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
         block_index.data_ptr(), num_blocks_per_seq, row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), rows,

@@ -457,7 +457,7 @@ def paged_attention(
     if nat is not None and nat.rows is None:  # every row in the C kernel, straight into its output
         return cpu_kernels.paged_attention_rows(
             query, key_cache, value_cache, nat.block_index, nat.num_blocks, nat.row_seq, nat.row_len, scale,
-            check_indices=False,  # built by _native_rows from the step's lengths
+            validate=False,  # built by _native_rows from the step's lengths; supports() checked
         )
     dec = plan.decode
     if dec is not None and isinstance(dec.rows, slice) and dec.num_seqs == plan.num_tokens:
@@ -471,7 +471,7 @@ def paged_attention(
     if nat is not None:
         out.index_copy_(0, nat.rows, cpu_kernels.paged_attention_rows(
             query.index_select(0, nat.rows), key_cache, value_cache, nat.block_index, nat.num_blocks, nat.row_seq,
-            nat.row_len, scale, check_indices=False,
+            nat.row_len, scale, validate=False,
         ))
     if dec is not None:
         out[dec.rows] = _decode(query, key_cache, value_cache, dec, scale, plan)

@@ -177,10 +177,20 @@ def test_negative_slots_are_not_written():
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
-def test_plan_is_shared_across_layers():
+def test_plan_is_built_once_and_shared_across_layers(monkeypatch):
+    from kernels import torch_attention
+
+    built = []
+    build = torch_attention.build_plan
+    monkeypatch.setattr(torch_attention, "build_plan", lambda *a, **k: built.append(1) or build(*a, **k))
     meta = AttentionMetadata.build([1, 3], [5, 3], [[0], [1]], 16)
     backend = TorchBackend()
-    assert backend.plan(meta, 2, 16) is backend.plan(meta, 2, 16)
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.zeros(2, 16, 2, HEAD_DIM)
+    for _ in range(3):  # three layers of one step
+        q, k, v = (torch.randn(4, h, HEAD_DIM, generator=gen) for h in (4, 2, 2))
+        backend.forward(q, k, v, cache, cache.clone(), meta, 0.2)
+    assert len(built) == 1 and len(meta.backend_state) == 1
     assert meta.num_decodes == 1 and meta.max_seq_len == 5 and meta.max_query_len == 3
 
 

@@ -158,32 +158,28 @@ class TorchBackend(AttentionBackend):
 
             cpu_kernels.load()  # build the C kernel now, not during the first step
 
-    def plan(
-        self, meta: AttentionMetadata, num_kv_heads: int, block_size: int, native: bool = False
-    ) -> torch_attn.TorchAttentionPlan:
-        """The plan of this step for a cache with ``num_kv_heads`` and ``block_size``."""
-        key = ("torch", num_kv_heads, block_size, native)
-        plan = meta.backend_state.get(key)
-        if plan is None:
-            plan = torch_attn.build_plan(
-                meta.query_lens, meta.seq_lens_list, meta.block_tables, meta.slot_mapping,
-                block_size, num_kv_heads, native=native,
-            )
-            meta.backend_state[key] = plan
-        return plan
-
     def forward(self, query, key, value, key_cache, value_cache, meta, scale):
+        plan = meta.backend_state.get(("torch", key_cache.shape[2], key_cache.shape[1], self.native))
+        if plan is None:  # first layer of the step: decide and check once
+            plan = self._first_plan(query, key_cache, meta)
+        return torch_attn.paged_attention(query, key, value, key_cache, value_cache, plan, scale)
+
+    def _first_plan(self, query, key_cache, meta) -> torch_attn.TorchAttentionPlan:
+        """Build this step's plan (first layer), deciding once whether the C kernel serves it."""
         from kernels import cpu_kernels
 
         native = self.native and cpu_kernels.supports(query, key_cache)
-        first = ("torch", key_cache.shape[2], key_cache.shape[1], native) not in meta.backend_state
-        plan = self.plan(meta, key_cache.shape[2], key_cache.shape[1], native)
-        if first and plan.native is not None and plan.native.block_index.numel():
+        plan = torch_attn.build_plan(
+            meta.query_lens, meta.seq_lens_list, meta.block_tables, meta.slot_mapping,
+            key_cache.shape[1], key_cache.shape[2], native=native,
+        )
+        if plan.native is not None and plan.native.block_index.numel():
             # the C kernel reads block ids unchecked: refuse a bad plan here, once per step
             top = int(plan.native.block_index.max())
             if top >= key_cache.shape[0] or int(plan.native.block_index.min()) < 0:
                 raise ValueError(f"block table names block {top} outside the cache's {key_cache.shape[0]} blocks")
-        return torch_attn.paged_attention(query, key, value, key_cache, value_cache, plan, scale)
+        meta.backend_state[("torch", key_cache.shape[2], key_cache.shape[1], self.native)] = plan
+        return plan
 
 
 class TritonBackend(AttentionBackend):
