@@ -2,7 +2,7 @@
 FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEDLLM_CACHE_DIR=/models
 WORKDIR /app
-# gcc builds the native CPU paged-attention kernel on first start (kernels/cpu_kernels.py)
+# gcc builds the native CPU kernels (paged attention, RMSNorm) on first start (kernels/cpu_kernels.py)
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./

@@ -8,6 +8,9 @@ decode step 89.7 -> 73.5 ms against the torch path's block gather + batched matm
 one process, 2026-12-01); at ~512 tokens 196 -> 106 ms. The kernel runs at about this VM's
 DRAM read bandwidth.
 
+:func:`add_rms_norm` runs ``cpu_rms_norm.c``: the residual add fused with RMSNorm in bf16
+(one pass instead of torch's add + norm; the model uses it on CPU in bf16).
+
 The shared library is compiled with ``-O3 -march=native -fopenmp -ffast-math`` (then linked
 without ``-ffast-math``) on first use into
 ``$PAGEDLLM_KERNEL_CACHE`` (default ``~/.cache/pagedllm/kernels``), named by a hash of the
@@ -32,7 +35,8 @@ import torch
 
 log = structlog.get_logger("kernels")
 
-SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_rms_norm.c")]
+HEADERS = [Path(__file__).with_name("cpu_bf16.h")]
 # -ffast-math only when compiling (vectorised expf): linking with it would add gcc's
 # crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c"]
@@ -72,16 +76,18 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> Pat
     compile_flags = [*COMPILE_FLAGS, *extra_flags]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(compile_flags + LINK_FLAGS), *version, _cpu_flags(),
-                   torch.__version__]).encode()
+        "\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(compile_flags + LINK_FLAGS), *version,
+                   _cpu_flags(), torch.__version__]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_paged_attention-{key}.so"
+    target = _cache_dir() / f"pagedllm_cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # per builder: concurrent builds are safe
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
-        for cmd in ([cc, *compile_flags, str(SOURCE), "-o", str(obj)], [cc, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"]):
+        objs = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
+        lib = Path(tmp) / "kernels.so"
+        cmds = [[cc, *compile_flags, str(src), "-o", obj] for src, obj in zip(SOURCES, objs, strict=True)]
+        for cmd in [*cmds, [cc, *LINK_FLAGS, *objs, "-o", str(lib), "-lm"]]:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -100,6 +106,9 @@ def bind(path: Path | str) -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                    ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    norm = lib.pagedllm_add_rms_norm_bf16
+    norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    norm.restype = ctypes.c_int
     return lib
 
 
@@ -247,3 +256,40 @@ def paged_decode_attention(
     row_seq = torch.arange(query.shape[0], dtype=torch.int64)
     return paged_attention_rows(query, key_cache, value_cache, block_index, num_blocks_per_seq, row_seq, seq_lens,
                                 scale, out, lib)
+
+
+# Rows x hidden above which the norm runs on every thread (below, one thread: a parallel
+# region costs more than the work; SmolLM2's 64 x 576 decode rows take ~10 us on one).
+NORM_PARALLEL_MIN_ELEMENTS = 1 << 16
+
+
+def add_rms_norm(
+    h: torch.Tensor,  # [T, n] bfloat16, dense; with ``delta``: updated in place to h + delta
+    weight: torch.Tensor,  # [n] bfloat16
+    eps: float,
+    delta: torch.Tensor | None = None,  # [T, n] bfloat16, dense: added to h first (residual add)
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:  # [T, n] bfloat16, RMSNorm(h) * weight
+    """Fused residual add + RMSNorm in bfloat16 (``cpu_rms_norm.c``; vLLM's fused_add_rms_norm).
+
+    Equals ``h.add_(delta)`` then ``F.rms_norm(h, (n,), weight, eps)`` (float32 math, one
+    rounding per output; rare 1-ulp differences from the order of the float32 sum).
+
+    Raises:
+        ValueError: not dense bfloat16 ``[T, n]`` tensors of matching shapes, or no library.
+    """
+    lib = lib or load()
+    if lib is None:
+        raise ValueError("the native CPU kernels are not available (see the cpu_kernels_unavailable log)")
+    tensors = {"h": h, "weight": weight} | ({"delta": delta} if delta is not None else {})
+    for name, t in tensors.items():
+        if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a dense bfloat16 CPU tensor")
+    if h.dim() != 2 or weight.shape != (h.shape[1],) or (delta is not None and delta.shape != h.shape):
+        raise ValueError(f"h must be [T, n], weight [n] and delta [T, n]; got {tuple(h.shape)}, "
+                         f"{tuple(weight.shape)}, {None if delta is None else tuple(delta.shape)}")
+    out = torch.empty_like(h)
+    threads = torch.get_num_threads() if h.numel() >= NORM_PARALLEL_MIN_ELEMENTS else 1
+    lib.pagedllm_add_rms_norm_bf16(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                                   out.data_ptr(), h.shape[0], h.shape[1], eps, threads)
+    return out

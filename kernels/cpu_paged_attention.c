@@ -24,6 +24,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_bf16.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX512_BF16 1
@@ -32,21 +34,6 @@
 #define MAX_GROUP 16   /* query heads per KV head */
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 128  /* block size in tokens */
-
-static inline float bf16_to_f32(uint16_t x) {
-  uint32_t u = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
 
 static inline void load_row(int dtype, const void* base, int64_t offset, int64_t n, float* dst) {
   if (dtype == 0) {

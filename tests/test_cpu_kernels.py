@@ -248,3 +248,24 @@ def test_a_block_id_outside_the_cache_is_refused_before_the_kernel_reads_it():
     q, k, v = (torch.zeros(1, h, 64) for h in (2, 1, 1))
     with pytest.raises(ValueError, match="block 7 outside"):
         TorchBackend(native=True).forward(q, k, v, cache, cache.clone(), meta, 0.125)
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize("rows", [1, 64, 200])  # 200 x 576 > NORM_PARALLEL_MIN_ELEMENTS: all threads
+def test_add_rms_norm_equals_torch_add_then_rms_norm(rows):
+    gen = torch.Generator().manual_seed(rows)
+    h = (torch.randn(rows, 576, generator=gen) * 4).to(torch.bfloat16)
+    delta = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    w = torch.randn(576, generator=gen).to(torch.bfloat16)
+    expected_h = h + delta  # torch's bf16 add: float32 sum, one rounding
+    expected = torch.nn.functional.rms_norm(expected_h, (576,), w, 1e-5)
+    out = cpu_kernels.add_rms_norm(h, w, 1e-5, delta)
+    assert torch.equal(h, expected_h)  # the residual stream, updated in place
+    torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)  # at most 1 ulp
+    assert (out != expected).float().mean() < 1e-3
+    plain = cpu_kernels.add_rms_norm(expected_h.clone(), w, 1e-5)  # no residual
+    torch.testing.assert_close(plain, expected, atol=0, rtol=2**-7)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.add_rms_norm(h.float(), w, 1e-5)
+    with pytest.raises(ValueError, match="delta"):
+        cpu_kernels.add_rms_norm(h, w, 1e-5, delta[:, :100].contiguous())

@@ -331,3 +331,21 @@ def test_missing_weights_are_reported(tmp_path):
         _ours(config, tmp_path)
     with pytest.raises(FileNotFoundError):
         _ours(config, tmp_path / "nothing-here")
+
+
+@pytest.mark.skipif(__import__("kernels.cpu_kernels").cpu_kernels.load() is None, reason="no C compiler")
+@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+def test_bf16_native_norms_match_torch_norms(name, tmp_path):
+    """The C fused residual-add + RMSNorm gives the logits and greedy tokens of the torch norms
+    (prefill, chunk and decodes), and is used only where it applies (bf16 on CPU)."""
+    config, _ = _tiny_checkpoint(name, tmp_path)
+    model = _ours(config, tmp_path, torch.bfloat16)
+    assert not model.native_norms
+    new_t, logits_t = paged_greedy(model, PROMPTS, 6, chunk=5)
+    assert model.use_native_norms(True)
+    assert all(layer.native_norms for layer in model.layers) and model.norm.native
+    new_n, logits_n = paged_greedy(model, PROMPTS, 6, chunk=5)
+    assert new_n == new_t
+    for a, b in zip(logits_n, logits_t, strict=True):
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+    assert not _ours(config, tmp_path).use_native_norms(True)  # float32 keeps F.rms_norm (HF parity)

@@ -12,7 +12,8 @@ go, and layers call the matmuls directly (no per-call module hooks). In bfloat16
 several tokens run on weights prepacked once into oneDNN's blocked layout
 (:class:`PackedWeights`) with SiLU and the gate * up product as epilogues of the MLP's gate and
 up matmuls; single-token steps use torch's GEMV (:func:`reduced_precision_gemv`). RMSNorm in
-bf16/fp16 is one LayerNorm kernel (:func:`rms_norm`), and the best logits of each row are
+bf16 on CPU is the C kernel with the attention residual add fused into it
+(:meth:`LlamaForCausalLM.use_native_norms`), else in bf16/fp16 one LayerNorm kernel (:func:`rms_norm`), and the best logits of each row are
 recomputed in float32 (:func:`refine_top_logits`) so that bf16 rounding does not decide greedy
 ties.
 """
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_kernels
 from services.executor.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 
 
@@ -284,12 +286,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.ln_weight: torch.Tensor | None = None  # set by prepare(): see rms_norm()
+        self.native = False  # set by prepare()
 
-    def prepare(self, use_ln_trick: bool) -> None:
-        """Build (or drop) the LayerNorm-form weight of :func:`rms_norm` after loading."""
-        self.ln_weight = ln_trick_weight(self.weight) if use_ln_trick else None
+    def prepare(self, use_ln_trick: bool, native: bool = False) -> None:
+        """Choose the form after loading: the C kernel (bf16 CPU), the LayerNorm form of
+        :func:`rms_norm`, or ``F.rms_norm``."""
+        self.native = native
+        self.ln_weight = ln_trick_weight(self.weight) if use_ln_trick and not native else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
+        if self.native:
+            return cpu_kernels.add_rms_norm(x.contiguous(), self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps, self.ln_weight)
 
 
@@ -328,13 +335,17 @@ class LlamaDecoderLayer(nn.Module):
         self.register_parameter("down_proj_bias", param(hidden, present=cfg["mlp_bias"]))
         self.packed: PackedWeights | None = None  # set by pack_weights()
         self.ln_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # set by prepare_norms()
+        self.native_norms = False  # set by prepare_norms()
 
-    def prepare_norms(self, use_ln_trick: bool) -> None:
-        """Build (or drop) the LayerNorm-form weights of the two norms (:func:`rms_norm`)."""
+    def prepare_norms(self, use_ln_trick: bool, native: bool = False) -> None:
+        """Choose the norms' form: the C kernel with the residual add fused
+        (:func:`kernels.cpu_kernels.add_rms_norm`, bf16 on CPU), or the LayerNorm-form weights of
+        :func:`rms_norm` (bf16/fp16), or ``F.rms_norm``."""
         p = self._parameters
+        self.native_norms = native
         self.ln_weights = (
             (ln_trick_weight(p["input_layernorm_weight"]), ln_trick_weight(p["post_attention_layernorm_weight"]))
-            if use_ln_trick else None
+            if use_ln_trick and not native else None
         )
 
     def pack_weights(self) -> None:
@@ -377,7 +388,10 @@ class LlamaDecoderLayer(nn.Module):
         t, nh, nkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         w = self.packed if t > 1 else None  # one row: GEMV on the parameters (reduced_precision_gemv)
         ln = self.ln_weights or (None, None)
-        x = rms_norm(h, p["input_layernorm_weight"], self.eps, ln[0])
+        if self.native_norms:
+            x = cpu_kernels.add_rms_norm(h, p["input_layernorm_weight"], self.eps)
+        else:
+            x = rms_norm(h, p["input_layernorm_weight"], self.eps, ln[0])
         if w is None:
             qkv = F.linear(x, p["qkv_proj_weight"], p["qkv_proj_bias"])  # [T, (H + 2 Hkv) D]
         else:
@@ -387,11 +401,15 @@ class LlamaDecoderLayer(nn.Module):
         attn = backend.forward(qk[:, :nh], qk[:, nh:], v, key_cache, value_cache, meta, self.scale)  # [T, H, D]
         attn = attn.reshape(t, nh * d)  # [T, H D]
         if w is None:
-            h = F.linear(attn, p["o_proj_weight"], p["o_proj_bias"]).add_(h)  # h + o_proj(attn)
+            o = F.linear(attn, p["o_proj_weight"], p["o_proj_bias"])  # [T, hidden]
         else:
-            h = packed_linear(attn, w["o"], p["o_proj_bias"]).add_(h)
-
-        x = rms_norm(h, p["post_attention_layernorm_weight"], self.eps, ln[1])
+            o = packed_linear(attn, w["o"], p["o_proj_bias"])
+        if self.native_norms:  # o := o + h (the residual stream), x = norm(o), in one pass
+            x = cpu_kernels.add_rms_norm(o, p["post_attention_layernorm_weight"], self.eps, h)
+            h = o
+        else:
+            h = o.add_(h)  # h + o_proj(attn)
+            x = rms_norm(h, p["post_attention_layernorm_weight"], self.eps, ln[1])
         if w is not None:
             return self._mlp_packed(x).add_(h)
         gate_up = F.linear(x, p["gate_up_proj_weight"], p["gate_up_proj_bias"])  # [T, 2 I]
@@ -458,6 +476,8 @@ class LlamaForCausalLM(nn.Module):
         self.use_packed_weights = mkldnn_packing_supported(device, dtype)
         self._lm_head_packed: torch.Tensor | None = None
         self._gemv_fast_path = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        self._on_cpu = device.type == "cpu"
+        self.native_norms = False  # see use_native_norms()
         if isinstance(attn_backend, str):
             attn_backend = get_attention_backend(attn_backend, device)
         self.attn_backend = attn_backend
@@ -525,15 +545,29 @@ class LlamaForCausalLM(nn.Module):
         (:class:`PackedWeights`, when ``use_packed_weights``) and the LayerNorm-form norm
         weights of :func:`rms_norm` (bf16/fp16). :meth:`load_weights` calls it; call it again
         after changing weights in place."""
-        ln_trick = self.dtype in (torch.bfloat16, torch.float16)
-        for layer in self.layers:
-            layer.prepare_norms(ln_trick)
-        self.norm.prepare(ln_trick)
+        self._prepare_norms()
         if not self.use_packed_weights:
             return
         for layer in self.layers:
             layer.pack_weights()
         self._lm_head_packed = PackedWeights({"lm_head": self.lm_head_weight})["lm_head"]
+
+    def use_native_norms(self, enabled: bool) -> bool:
+        """Run the norms (and the attention residual add) in the C kernel
+        (:func:`kernels.cpu_kernels.add_rms_norm`) when ``enabled``, the model is bf16 on CPU and
+        the kernel library builds. Returns whether they now do. SmolLM2 bf16 decode step, 2
+        cores, A/B in one process: batch 1 14.33 -> 13.65 ms, batch 64 83.2 -> 79.9 ms."""
+        self.native_norms = bool(
+            enabled and self.dtype == torch.bfloat16 and self._on_cpu and cpu_kernels.load() is not None
+        )
+        self._prepare_norms()
+        return self.native_norms
+
+    def _prepare_norms(self) -> None:
+        ln_trick = self.dtype in (torch.bfloat16, torch.float16)
+        for layer in self.layers:
+            layer.prepare_norms(ln_trick, self.native_norms)
+        self.norm.prepare(ln_trick, self.native_norms)
 
     def unpack_weights(self) -> None:
         """Drop the packed copies: back to ``F.linear`` on the parameters (tests, comparisons)."""
