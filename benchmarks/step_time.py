@@ -63,12 +63,7 @@ class Driver:
             new.append(NewRequestData(request_id=rid, prompt_token_ids=ids, sampling_params=GREEDY,
                                       block_ids=self.blocks[rid], num_computed_tokens=0))
         plan = self._plan(new_requests=new, num_scheduled_tokens={r: len(p) for r, p in prompts.items()})
-        t0 = time.perf_counter()
-        out = self.call(plan)
-        elapsed = time.perf_counter() - t0
-        for rid in out:
-            self.num_tokens[rid] += 1
-        return elapsed
+        return self._timed(plan)
 
     def decode(self, rids: list[str]) -> float:
         """One decode step of ``rids`` (new blocks appended as in the scheduler)."""
@@ -81,6 +76,10 @@ class Driver:
                 self.blocks[rid] += extra
             cached.append(CachedRequestData(request_id=rid, new_block_ids=extra, num_computed_tokens=computed - 1))
         plan = self._plan(cached_requests=cached, num_scheduled_tokens={r: 1 for r in rids})
+        return self._timed(plan)
+
+    def _timed(self, plan: StepPlan) -> float:
+        """Run ``plan``, count each sampled token; returns the step's seconds."""
         t0 = time.perf_counter()
         out = self.call(plan)
         elapsed = time.perf_counter() - t0

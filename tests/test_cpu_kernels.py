@@ -18,21 +18,24 @@ NEEDS_KERNEL = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compi
 X86 = platform.machine() in ("x86_64", "AMD64")
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("native", marks=NEEDS_KERNEL),
+        pytest.param("portable", marks=[NEEDS_KERNEL, pytest.mark.skipif(not X86, reason="-mno-avx512bf16 is x86")]),
+    ],
+)
 def lib(request, tmp_path_factory):
     """The library as built for this CPU, and a build without AVX512-BF16 (the portable
     float32 score path every bf16 model takes on CPUs without that extension)."""
-    if cpu_kernels.load() is None:
-        pytest.skip("no C compiler")
     if request.param == "native":
         return cpu_kernels.load()
-    if not X86:
-        pytest.skip("-mno-avx512bf16 is an x86 flag")
     os.environ["PAGEDLLM_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("portable"))
     try:
         return cpu_kernels.bind(cpu_kernels.build(extra_flags=("-mno-avx512bf16",)))
     finally:
         del os.environ["PAGEDLLM_KERNEL_CACHE"]
+
 
 TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 
