@@ -269,6 +269,7 @@ def add_rms_norm(
     eps: float,
     delta: torch.Tensor | None = None,  # [T, n] bfloat16, dense: added to h first (residual add)
     lib: ctypes.CDLL | None = None,
+    validate: bool = True,  # False: the caller vouches for the tensors (the model's hot path)
 ) -> torch.Tensor:  # [T, n] bfloat16, RMSNorm(h) * weight
     """Fused residual add + RMSNorm in bfloat16 (``cpu_rms_norm.c``; vLLM's fused_add_rms_norm).
 
@@ -281,13 +282,14 @@ def add_rms_norm(
     lib = lib or load()
     if lib is None:
         raise ValueError("the native CPU kernels are not available (see the cpu_kernels_unavailable log)")
-    tensors = {"h": h, "weight": weight} | ({"delta": delta} if delta is not None else {})
-    for name, t in tensors.items():
-        if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a dense bfloat16 CPU tensor")
-    if h.dim() != 2 or weight.shape != (h.shape[1],) or (delta is not None and delta.shape != h.shape):
-        raise ValueError(f"h must be [T, n], weight [n] and delta [T, n]; got {tuple(h.shape)}, "
-                         f"{tuple(weight.shape)}, {None if delta is None else tuple(delta.shape)}")
+    if validate:
+        tensors = {"h": h, "weight": weight} | ({"delta": delta} if delta is not None else {})
+        for name, t in tensors.items():
+            if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a dense bfloat16 CPU tensor")
+        if h.dim() != 2 or weight.shape != (h.shape[1],) or (delta is not None and delta.shape != h.shape):
+            raise ValueError(f"h must be [T, n], weight [n] and delta [T, n]; got {tuple(h.shape)}, "
+                             f"{tuple(weight.shape)}, {None if delta is None else tuple(delta.shape)}")
     out = torch.empty_like(h)
     threads = torch.get_num_threads() if h.numel() >= NORM_PARALLEL_MIN_ELEMENTS else 1
     lib.pagedllm_add_rms_norm_bf16(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),

@@ -296,7 +296,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
         if self.native:
-            return cpu_kernels.add_rms_norm(x.contiguous(), self.weight, self.eps)
+            return cpu_kernels.add_rms_norm(x.contiguous(), self.weight, self.eps, validate=False)
         return rms_norm(x, self.weight, self.eps, self.ln_weight)
 
 
@@ -389,7 +389,7 @@ class LlamaDecoderLayer(nn.Module):
         w = self.packed if t > 1 else None  # one row: GEMV on the parameters (reduced_precision_gemv)
         ln = self.ln_weights or (None, None)
         if self.native_norms:
-            x = cpu_kernels.add_rms_norm(h, p["input_layernorm_weight"], self.eps)
+            x = cpu_kernels.add_rms_norm(h, p["input_layernorm_weight"], self.eps, validate=False)
         else:
             x = rms_norm(h, p["input_layernorm_weight"], self.eps, ln[0])
         if w is None:
@@ -405,7 +405,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             o = packed_linear(attn, w["o"], p["o_proj_bias"])
         if self.native_norms:  # o := o + h (the residual stream), x = norm(o), in one pass
-            x = cpu_kernels.add_rms_norm(o, p["post_attention_layernorm_weight"], self.eps, h)
+            x = cpu_kernels.add_rms_norm(o, p["post_attention_layernorm_weight"], self.eps, h, validate=False)
             h = o
         else:
             h = o.add_(h)  # h + o_proj(attn)
