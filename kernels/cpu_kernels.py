@@ -12,9 +12,8 @@ DRAM read bandwidth.
 (one pass instead of torch's add + norm; the model uses it on CPU in bf16).
 
 The shared library is compiled with ``-O3 -march=native -fopenmp -ffast-math`` (then linked
-without ``-ffast-math``) on first use into
-``$PAGEDLLM_KERNEL_CACHE`` (default ``~/.cache/pagedllm/kernels``), named by a hash of the
-source, the flags, the compiler's version and the CPU's feature flags, so a changed source or
+without ``-ffast-math``) on first use into ``$PAGEDLLM_KERNEL_CACHE`` (default ``~/.cache/pagedllm/kernels``), named by a hash of the
+sources, the flags, the compiler's version and the CPU's feature flags, so a changed source or
 another machine builds its own. Without a compiler (or if the build fails) :func:`load`
 returns ``None`` once, logs why, and the caller keeps its torch path.
 """
@@ -130,6 +129,8 @@ def openmp_runtimes() -> set[str]:
 def load() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on first use; ``None`` if it cannot be built."""
     global _lib, _tried
+    if _tried:  # the per-layer path: no lock once decided
+        return _lib
     with _lock:
         if not _tried:
             _tried = True
@@ -231,31 +232,6 @@ def paged_attention_rows(
         raise ValueError(f"cpu paged attention: unsupported shapes (query {tuple(query.shape)}, "
                          f"cache {tuple(key_cache.shape)})")
     return out
-
-
-def paged_decode_attention(
-    query: torch.Tensor,  # [B, H, D]: heads dense, any token stride
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], dense
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], dense, key_cache's dtype
-    block_index: torch.Tensor,  # [B * nblk] or [B, nblk] int64, physical block of each logical block
-    num_blocks_per_seq: int,  # nblk, the row length of block_index
-    seq_lens: torch.Tensor,  # [B] int64, tokens of context of each sequence (its new token included)
-    scale: float,
-    out: torch.Tensor | None = None,  # [B, H, D] dense, query's dtype
-    lib: ctypes.CDLL | None = None,
-) -> torch.Tensor:  # [B, H, D]
-    """One new token per sequence (a decode batch): :func:`paged_attention_rows` with row ``b``
-    on sequence ``b`` attending all its ``seq_lens[b]`` positions.
-
-    Raises:
-        ValueError: as :func:`paged_attention_rows` (``seq_lens`` named as ``row_len``).
-    """
-    seq_lens = seq_lens.contiguous()
-    if seq_lens.dtype != torch.int64 or seq_lens.shape != (query.shape[0],):
-        raise ValueError(f"seq_lens must be [B] = [{query.shape[0]}] int64")
-    row_seq = torch.arange(query.shape[0], dtype=torch.int64)
-    return paged_attention_rows(query, key_cache, value_cache, block_index, num_blocks_per_seq, row_seq, seq_lens,
-                                scale, out, lib)
 
 
 # Rows x hidden above which the norm runs on every thread (below, one thread: a parallel

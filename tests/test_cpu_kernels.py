@@ -40,6 +40,13 @@ def lib(request, tmp_path_factory):
 TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 
 
+def _decode(lib, query, key_cache, value_cache, table, nblk, seq_lens, scale, **kw) -> torch.Tensor:
+    """One new token per sequence: row ``b`` is sequence ``b``, attending all ``seq_lens[b]`` positions."""
+    row_seq = torch.arange(query.shape[0])
+    return cpu_kernels.paged_attention_rows(query, key_cache, value_cache, table, nblk, row_seq, seq_lens, scale,
+                                            lib=lib, **kw)
+
+
 def _shuffled_tables(rng: random.Random, seq_lens: list[int], block_size: int) -> tuple[list[list[int]], int, int]:
     """Block tables in shuffled physical order: (tables, num_blocks in the pool, nblk)."""
     nblk = max(-(-n // block_size) for n in seq_lens)
@@ -81,7 +88,7 @@ def _case(
     padded = torch.tensor([t + [0] * (nblk - len(t)) for t in tables], dtype=torch.int64)  # [B, nblk]
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     assert cpu_kernels.supports(query, key_cache)
-    out = cpu_kernels.paged_decode_attention(query, key_cache, value_cache, padded, nblk, lens, scale, lib=lib)
+    out = _decode(lib, query, key_cache, value_cache, padded, nblk, lens, scale)
 
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     expected = reference.paged_attention(
@@ -118,7 +125,7 @@ def test_decode_long_context_and_large_scores(lib):
     query = torch.randn(1, 2, 64, generator=gen) * 30
     table = torch.tensor([[2, 0, 3]])
     lens = torch.tensor([40])
-    out = cpu_kernels.paged_decode_attention(query, cache, cache, table, 3, lens, 1.0, lib=lib)
+    out = _decode(lib, query, cache, cache, table, 3, lens, 1.0)
     expected = reference.paged_attention(query, cache, cache, table.int(), lens.int(),
                                          torch.tensor([0, 1], dtype=torch.int32), 1.0)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
@@ -173,12 +180,14 @@ def test_bad_arguments_are_refused_by_name():
     query = torch.zeros(2, 2, 64)
     table = torch.tensor([[0, 1], [2, 3]])
     lens = torch.tensor([20, 5])
-    attend = cpu_kernels.paged_decode_attention
+    def attend(*args, **kw):
+        return _decode(None, *args, **kw)
+
     with pytest.raises(ValueError, match="block_index must hold"):
         attend(query, cache, cache, table, 3, lens, 1.0)
     with pytest.raises(ValueError, match="row_seq must index"):
         cpu_kernels.paged_attention_rows(query, cache, cache, table, 2, torch.tensor([0, 2]), lens, 1.0)
-    with pytest.raises(ValueError, match="seq_lens"):
+    with pytest.raises(ValueError, match="row_len must be"):
         attend(query, cache, cache, table, 2, lens.int(), 1.0)
     with pytest.raises(ValueError, match="row_len exceeds"):
         attend(query, cache, cache, table, 2, torch.tensor([33, 5]), 1.0)

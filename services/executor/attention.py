@@ -142,11 +142,13 @@ class ReferenceBackend(AttentionBackend):
 
 
 class TorchBackend(AttentionBackend):
-    """``kernels.torch_attention``: block gathers, batched decode matmuls, batched prefill SDPA; the CPU default.
+    """``kernels.torch_attention``: the CPU default.
 
     With ``native`` (and a C compiler to build it), decodes and short prefills / chunks run in
-    the native C kernel (``kernels.cpu_kernels``), the rest in torch ops. The per-forward plan (gather indices, masks) is cached in ``meta.backend_state`` under
-    ``("torch", num_kv_heads, block_size, native)``, so only the first layer builds it.
+    the native C kernel (``kernels.cpu_kernels``), the rest in torch ops (block gathers and
+    batched decode matmuls, batched prefill SDPA). The per-forward plan (indices, masks) is
+    cached in ``meta.backend_state`` under ``("torch", num_kv_heads, block_size, native)``, so
+    only the first layer builds it.
     """
 
     name = "torch"
@@ -203,15 +205,18 @@ class TritonBackend(AttentionBackend):
         )
 
 
-_BACKENDS: dict[str, Callable[[torch.device], AttentionBackend]] = {
-    "torch": lambda device: TorchBackend(),
-    "reference": lambda device: ReferenceBackend(),
-    "triton": lambda device: TritonBackend(),
+# factory(device, native_cpu_kernels) -> backend
+BackendFactory = Callable[[torch.device, bool], AttentionBackend]
+_BACKENDS: dict[str, BackendFactory] = {
+    "torch": lambda device, native_cpu_kernels: TorchBackend(native=native_cpu_kernels),
+    "reference": lambda device, native_cpu_kernels: ReferenceBackend(),
+    "triton": lambda device, native_cpu_kernels: TritonBackend(),
 }
 
 
-def register_attention_backend(name: str, factory: Callable[[torch.device], AttentionBackend]) -> None:
-    """Make ``get_attention_backend(name, device)`` return ``factory(device)`` (the Triton hook)."""
+def register_attention_backend(name: str, factory: BackendFactory) -> None:
+    """Make ``get_attention_backend(name, device, native)`` return ``factory(device, native)``
+    (the Triton hook)."""
     _BACKENDS[name] = factory
 
 
@@ -221,7 +226,7 @@ def get_attention_backend(
     """The attention backend called ``name`` for ``device``.
 
     ``"auto"`` is ``"torch"`` on CPU and ``"triton"`` on CUDA. ``native_cpu_kernels=False``
-    keeps the torch backend's decodes on torch ops (no C kernel).
+    keeps the torch backend on torch ops (no C kernel).
 
     Raises:
         ValueError: unknown (or not yet available) backend name.
@@ -232,6 +237,4 @@ def get_attention_backend(
     factory = _BACKENDS.get(name)
     if factory is None:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
-    if name == "torch" and not native_cpu_kernels:
-        return TorchBackend(native=False)
-    return factory(device)
+    return factory(device, native_cpu_kernels)

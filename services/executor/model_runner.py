@@ -74,8 +74,7 @@ class ModelRunner:
             self.model = model_cls(self.hf_config, dtype=self.dtype, device=self.device)
         self.model.load_weights(model_info.path)
         self.model.eval()
-        if hasattr(self.model, "use_native_norms"):
-            self.model.use_native_norms(settings.native_cpu_kernels)
+        self.model.use_native_norms(settings.native_cpu_kernels)
         self.attn_backend = get_attention_backend(
             settings.attention_backend, self.device, native_cpu_kernels=settings.native_cpu_kernels
         )

@@ -242,6 +242,23 @@ def ln_trick_weight(weight: torch.Tensor) -> torch.Tensor:  # [n] -> [2 n]
     return torch.cat((weight.detach(), torch.zeros_like(weight)))
 
 
+def add_rms_norm(
+    h: torch.Tensor,  # [T, n] the residual stream (contiguous)
+    weight: torch.Tensor,  # [n]
+    eps: float,
+    ln_weight: torch.Tensor | None,  # see rms_norm()
+    native: bool,  # bf16 CPU: the C kernel (kernels.cpu_kernels.add_rms_norm)
+    delta: torch.Tensor | None = None,  # [T, n] added to h first (a sublayer's output)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (h + delta, RMSNorm(h + delta)), both [T, n]
+    """The residual add (when ``delta``) and RMSNorm, in one C pass when ``native``, else
+    ``h.add_(delta)`` then :func:`rms_norm`. ``h`` is updated in place either way."""
+    if native:
+        return h, cpu_kernels.add_rms_norm(h, weight, eps, delta, validate=False)
+    if delta is not None:
+        h = h.add_(delta)
+    return h, rms_norm(h, weight, eps, ln_weight)
+
+
 def refine_top_logits(
     logits: torch.Tensor,  # [N, V] float32, upcast from a bf16/fp16 matmul (modified in place)
     hidden: torch.Tensor,  # [N, hidden] bf16/fp16, the matmul's input
@@ -295,9 +312,7 @@ class RMSNorm(nn.Module):
         self.ln_weight = ln_trick_weight(self.weight) if use_ln_trick and not native else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
-        if self.native:
-            return cpu_kernels.add_rms_norm(x.contiguous(), self.weight, self.eps, validate=False)
-        return rms_norm(x, self.weight, self.eps, self.ln_weight)
+        return add_rms_norm(x.contiguous(), self.weight, self.eps, self.ln_weight, self.native)[1]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -388,10 +403,7 @@ class LlamaDecoderLayer(nn.Module):
         t, nh, nkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         w = self.packed if t > 1 else None  # one row: GEMV on the parameters (reduced_precision_gemv)
         ln = self.ln_weights or (None, None)
-        if self.native_norms:
-            x = cpu_kernels.add_rms_norm(h, p["input_layernorm_weight"], self.eps, validate=False)
-        else:
-            x = rms_norm(h, p["input_layernorm_weight"], self.eps, ln[0])
+        _, x = add_rms_norm(h, p["input_layernorm_weight"], self.eps, ln[0], self.native_norms)
         if w is None:
             qkv = F.linear(x, p["qkv_proj_weight"], p["qkv_proj_bias"])  # [T, (H + 2 Hkv) D]
         else:
@@ -404,12 +416,8 @@ class LlamaDecoderLayer(nn.Module):
             o = F.linear(attn, p["o_proj_weight"], p["o_proj_bias"])  # [T, hidden]
         else:
             o = packed_linear(attn, w["o"], p["o_proj_bias"])
-        if self.native_norms:  # o := o + h (the residual stream), x = norm(o), in one pass
-            x = cpu_kernels.add_rms_norm(o, p["post_attention_layernorm_weight"], self.eps, h, validate=False)
-            h = o
-        else:
-            h = o.add_(h)  # h + o_proj(attn)
-            x = rms_norm(h, p["post_attention_layernorm_weight"], self.eps, ln[1])
+        # h + o_proj(attn) (summed into o, a fresh tensor), then the post-attention norm
+        h, x = add_rms_norm(o, p["post_attention_layernorm_weight"], self.eps, ln[1], self.native_norms, delta=h)
         if w is not None:
             return self._mlp_packed(x).add_(h)
         gate_up = F.linear(x, p["gate_up_proj_weight"], p["gate_up_proj_bias"])  # [T, 2 I]
