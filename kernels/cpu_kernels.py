@@ -11,6 +11,12 @@ DRAM read bandwidth.
 :func:`add_rms_norm` runs ``cpu_rms_norm.c``: the residual add fused with RMSNorm in bf16
 (one pass instead of torch's add + norm; the model uses it on CPU in bf16).
 
+:func:`gemm_bf16w` runs ``cpu_gemm_bf16.c``: matmuls with bf16 weights (laid out once by
+:func:`pack_bf16_weight`) in float32 AVX2 + FMA register tiles, for CPUs without bf16
+arithmetic, where torch emulates bf16 matmuls at a sixth of its float32 speed
+(:func:`native_bf16_matmul`). On a 2-core AVX2 EPYC: 66-71 GFLOP/s at 16-64 rows (torch
+bf16: 10, torch float32: 19-62) and 24-29 GB/s of weights for one row.
+
 The shared library is compiled with ``-O3 -march=native -fopenmp -ffast-math`` (then linked
 without ``-ffast-math``) on first use into ``$PAGEDLLM_KERNEL_CACHE`` (default ``~/.cache/pagedllm/kernels``), named by a hash of the
 sources, the flags, the compiler's version and the CPU's feature flags, so a changed source or
@@ -34,7 +40,7 @@ import torch
 
 log = structlog.get_logger("kernels")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_rms_norm.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_rms_norm.c", "cpu_gemm_bf16.c")]
 HEADERS = [Path(__file__).with_name("cpu_bf16.h")]
 # -ffast-math only when compiling (vectorised expf): linking with it would add gcc's
 # crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
@@ -98,7 +104,7 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> Pat
 
 
 def bind(path: Path | str) -> ctypes.CDLL:
-    """Load a built library and declare its function's C signature."""
+    """Load a built library and declare its functions' C signatures."""
     lib = ctypes.CDLL(str(path))
     fn = lib.pagedllm_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -108,6 +114,9 @@ def bind(path: Path | str) -> ctypes.CDLL:
     norm = lib.pagedllm_add_rms_norm_bf16
     norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     norm.restype = ctypes.c_int
+    gemm = lib.pagedllm_gemm_bf16w
+    gemm.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, i64, ctypes.c_int]
+    gemm.restype = ctypes.c_int
     return lib
 
 
@@ -270,4 +279,74 @@ def add_rms_norm(
     threads = torch.get_num_threads() if h.numel() >= NORM_PARALLEL_MIN_ELEMENTS else 1
     lib.pagedllm_add_rms_norm_bf16(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
                                    out.data_ptr(), h.shape[0], h.shape[1], eps, threads)
+    return out
+
+
+PANEL = 16  # output columns per weight panel (cpu_gemm_bf16.c)
+# Storage slot of each column inside a panel: AVX2's unpacklo / unpackhi of one 256-bit load
+# then give columns 0-7 and 8-15 (see cpu_gemm_bf16.c).
+_PANEL_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+
+
+def native_bf16_matmul() -> bool:
+    """Whether torch runs bf16 matmuls natively on this CPU (oneDNN with AVX512-BF16 or AMX).
+    Without it, bf16 ``F.linear`` is emulated (10 GFLOP/s against 60 for float32 on a 2-core
+    AVX2 EPYC) and :func:`gemm_bf16w` serves bf16 weights instead."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / 16), K, 16] bf16
+    """Lay a weight ``[N, K]`` (out, in) out for :func:`gemm_bf16w`: panels of 16 output columns,
+    k-major, zero-padded to a multiple of 16 columns, columns permuted inside each panel.
+
+    Raises:
+        ValueError: ``weight`` is not a 2-D CPU tensor.
+    """
+    if weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"weight must be a 2-D [N, K] CPU tensor, got {tuple(weight.shape)} on {weight.device}")
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=torch.bfloat16)
+    padded[:n] = weight.detach()
+    inv = torch.empty_like(_PANEL_ORDER)
+    inv[_PANEL_ORDER] = torch.arange(PANEL)  # slot -> column
+    return padded.view(panels, PANEL, k)[:, inv].transpose(1, 2).contiguous()
+
+
+def gemm_bf16w(
+    x: torch.Tensor,  # [M, K] bfloat16 or float32, unit stride along K
+    packed: torch.Tensor,  # [ceil(N / 16), K, 16] bfloat16, from pack_bf16_weight
+    n: int,  # N, the weight's output columns
+    bias: torch.Tensor | None = None,  # [N] bfloat16
+    out_dtype: torch.dtype = torch.bfloat16,  # bfloat16 or float32
+    lib: ctypes.CDLL | None = None,
+    validate: bool = True,  # False: the caller vouches for the tensors (the model's hot path)
+) -> torch.Tensor:  # [M, N] out_dtype
+    """``F.linear(x, weight, bias)`` for a bf16 ``weight`` on CPUs without bf16 arithmetic
+    (``cpu_gemm_bf16.c``: AVX2 + FMA register tiles, GotoBLAS-style blocking, float32 products
+    and sums, one rounding per output). Runs on ``torch.get_num_threads()`` OpenMP threads.
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit (the message names the parameter), or no library.
+    """
+    lib = lib or load()
+    if lib is None:
+        raise ValueError("the native CPU kernels are not available (see the cpu_kernels_unavailable log)")
+    m, k = x.shape
+    if validate:
+        if x.dtype not in _DTYPES or x.device.type != "cpu" or x.stride(1) != 1:
+            raise ValueError("x must be a float32/bfloat16 [M, K] CPU tensor with unit stride along K")
+        if packed.dtype != torch.bfloat16 or not packed.is_contiguous() or packed.shape[1:] != (k, PANEL) \
+                or not (packed.shape[0] - 1) * PANEL < n <= packed.shape[0] * PANEL:
+            raise ValueError(f"packed must be pack_bf16_weight() of an [{n}, {k}] weight, got {tuple(packed.shape)}")
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.shape != (n,)):
+            raise ValueError(f"bias must be a dense [{n}] bfloat16 tensor")
+        if out_dtype not in _DTYPES:
+            raise ValueError("out_dtype must be torch.float32 or torch.bfloat16")
+    out = torch.empty((m, n), dtype=out_dtype)
+    status = lib.pagedllm_gemm_bf16w(_DTYPES[x.dtype], x.data_ptr(), x.stride(0) if m > 1 else k, packed.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), _DTYPES[out_dtype], out.data_ptr(),
+                                     n, m, n, k, torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"cpu bf16 gemm failed (status {status}) for x {tuple(x.shape)}, weight [{n}, {k}]")
     return out

@@ -349,3 +349,36 @@ def test_bf16_native_norms_match_torch_norms(name, tmp_path):
     for a, b in zip(logits_n, logits_t, strict=True):
         torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
     assert not _ours(config, tmp_path).use_native_norms(True)  # float32 keeps F.rms_norm (HF parity)
+
+
+@pytest.mark.skipif(__import__("kernels.cpu_kernels").cpu_kernels.load() is None, reason="no C compiler")
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "llama_bias"])
+def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
+    """On a CPU without bf16 arithmetic every matmul runs in the native bf16-weight GEMM
+    (biases included, float32 logits): the same greedy tokens and logits as torch's bf16
+    matmuls (prefill, chunk and decodes). With native bf16 (oneDNN) or in float32 it stays off."""
+    from kernels import cpu_kernels
+
+    config, _ = _tiny_checkpoint(name, tmp_path)
+    model = _ours(config, tmp_path, torch.bfloat16)
+    model.unpack_weights()
+    new_t, logits_t = paged_greedy(model, PROMPTS, 6, chunk=5)
+    monkeypatch.setattr(cpu_kernels, "native_bf16_matmul", lambda: True)
+    assert not model.use_native_matmuls(True)
+    monkeypatch.setattr(cpu_kernels, "native_bf16_matmul", lambda: False)
+    assert not _ours(config, tmp_path).use_native_matmuls(True)  # float32: torch's float32 matmuls
+    assert not model.use_native_matmuls(False)
+    assert model.use_native_matmuls(True)
+    assert all(layer.panels is not None for layer in model.layers) and model._lm_head_panels is not None
+    calls = []
+    real = cpu_kernels.gemm_bf16w
+    monkeypatch.setattr(cpu_kernels, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    new_n, logits_n = paged_greedy(model, PROMPTS, 6, chunk=5)
+    layer = model.layers[0]
+    qkv_out = layer.q_size + 2 * layer.kv_size
+    assert set(calls) == {qkv_out, config.hidden_size, 2 * config.intermediate_size, config.vocab_size}
+    assert calls.count(qkv_out) == calls.count(2 * config.intermediate_size)  # every layer of every step
+    assert new_n == new_t
+    for a, b in zip(logits_n, logits_t, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)

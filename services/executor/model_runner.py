@@ -75,6 +75,7 @@ class ModelRunner:
         self.model.load_weights(model_info.path)
         self.model.eval()
         self.model.use_native_norms(settings.native_cpu_kernels)
+        self.model.use_native_matmuls(settings.native_cpu_kernels)
         self.attn_backend = get_attention_backend(
             settings.attention_backend, self.device, native_cpu_kernels=settings.native_cpu_kernels
         )

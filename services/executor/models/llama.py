@@ -11,7 +11,9 @@ cos/sin are computed once per forward and shared by every layer, RoPE rotates q 
 go, and layers call the matmuls directly (no per-call module hooks). In bfloat16, steps of
 several tokens run on weights prepacked once into oneDNN's blocked layout
 (:class:`PackedWeights`) with SiLU and the gate * up product as epilogues of the MLP's gate and
-up matmuls; single-token steps use torch's GEMV (:func:`reduced_precision_gemv`). RMSNorm in
+up matmuls; single-token steps use torch's GEMV (:func:`reduced_precision_gemv`). On CPUs
+without bf16 arithmetic, where torch emulates bf16 matmuls, every matmul runs in the native
+bf16-weight GEMM instead (:class:`PanelWeights`, :meth:`LlamaForCausalLM.use_native_matmuls`). RMSNorm in
 bf16 on CPU is the C kernel with the attention residual add fused into it
 (:meth:`LlamaForCausalLM.use_native_norms`), else in bf16/fp16 one LayerNorm kernel (:func:`rms_norm`), and the best logits of each row are
 recomputed in float32 (:func:`refine_top_logits`) so that bf16 rounding does not decide greedy
@@ -214,6 +216,31 @@ def packed_linear(
     return _linear_pointwise(x, packed, bias, "none", [], "")
 
 
+class PanelWeights:
+    """bf16 weights ``[out, in]`` laid out once for :func:`kernels.cpu_kernels.gemm_bf16w`.
+
+    For CPUs without bf16 arithmetic (no AVX512-BF16 / AMX), where torch emulates bf16
+    matmuls: the native GEMM multiplies in float32 on AVX2 + FMA straight from the bf16
+    weights. SmolLM2 shapes on a 2-core AVX2 EPYC: 66-71 GFLOP/s at 16-64 rows against
+    10 for torch's bf16 and 19-62 for torch's float32, and 24-29 GB/s of weights for one row
+    (torch's bf16 GEMV: 10 GB/s). Held next to the parameters, like :class:`PackedWeights`.
+    """
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.panels = {name: cpu_kernels.pack_bf16_weight(w) for name, w in weights.items()}
+        self.out_features = {name: w.shape[0] for name, w in weights.items()}
+
+    def linear(
+        self,
+        x: torch.Tensor,  # [T, in] bf16, unit stride along in
+        name: str,
+        bias: torch.Tensor | None,  # [out] bf16
+        out_dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:  # [T, out]
+        """``F.linear(x, weight, bias)`` for the weight called ``name``."""
+        return cpu_kernels.gemm_bf16w(x, self.panels[name], self.out_features[name], bias, out_dtype, validate=False)
+
+
 def rms_norm(
     x: torch.Tensor,  # [T, n]
     weight: torch.Tensor,  # [n]
@@ -349,6 +376,7 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj_weight = param(hidden, inter)
         self.register_parameter("down_proj_bias", param(hidden, present=cfg["mlp_bias"]))
         self.packed: PackedWeights | None = None  # set by pack_weights()
+        self.panels: PanelWeights | None = None  # set by pack_panels()
         self.ln_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # set by prepare_norms()
         self.native_norms = False  # set by prepare_norms()
 
@@ -378,6 +406,36 @@ class LlamaDecoderLayer(nn.Module):
         self._gate_bias = None if bias is None else bias[:inter].contiguous()
         self._up_bias = None if bias is None else bias[inter:].contiguous()
 
+    def pack_panels(self) -> None:
+        """Lay this layer's bf16 matmul weights out for the native GEMM (:class:`PanelWeights`)."""
+        p = self._parameters
+        self.panels = PanelWeights({name: p[f"{name}_proj_weight"] for name in ("qkv", "o", "gate_up", "down")})
+
+    def _forward_panels(
+        self,
+        h: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D], sign-folded
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, hidden]
+        """:meth:`forward` with every matmul in the native bf16-weight GEMM (CPUs without bf16
+        arithmetic). Roundings as in HF bf16: each matmul output, SiLU and the product in bf16."""
+        p, w = self._parameters, self.panels
+        t, nh, nkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        _, x = add_rms_norm(h, p["input_layernorm_weight"], self.eps, None, self.native_norms)
+        qkv = w.linear(x, "qkv", p["qkv_proj_bias"])  # [T, (H + 2 Hkv) D]
+        qk = apply_rope(qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d), cos, sin)  # [T, H + Hkv, D]
+        v = qkv[:, (nh + nkv) * d :].view(t, nkv, d)  # [T, Hkv, D]
+        attn = backend.forward(qk[:, :nh], qk[:, nh:], v, key_cache, value_cache, meta, self.scale)  # [T, H, D]
+        o = w.linear(attn.reshape(t, nh * d), "o", p["o_proj_bias"])  # [T, hidden]
+        h, x = add_rms_norm(o, p["post_attention_layernorm_weight"], self.eps, None, self.native_norms, delta=h)
+        gate_up = w.linear(x, "gate_up", p["gate_up_proj_bias"])  # [T, 2 I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
+        return w.linear(F.silu(gate).mul_(up), "down", p["down_proj_bias"]).add_(h)
+
     def _mlp_packed(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden] -> [T, hidden]
         """``down(silu(gate(x)) * up(x))`` with SiLU and the product as epilogues of the gate and
         up matmuls: two fewer passes over ``[T, I]`` than a gate_up matmul, ``F.silu`` and a
@@ -399,6 +457,8 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
+        if self.panels is not None:
+            return self._forward_panels(h, cos, sin, key_cache, value_cache, meta, backend)
         p = self._parameters  # plain dict lookups (see class doc)
         t, nh, nkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         w = self.packed if t > 1 else None  # one row: GEMV on the parameters (reduced_precision_gemv)
@@ -483,6 +543,8 @@ class LlamaForCausalLM(nn.Module):
         # prepack the matmul weights for oneDNN once they are loaded (CPU bf16)
         self.use_packed_weights = mkldnn_packing_supported(device, dtype)
         self._lm_head_packed: torch.Tensor | None = None
+        self._lm_head_panels: PanelWeights | None = None  # see use_native_matmuls()
+        self.native_matmuls = False
         self._gemv_fast_path = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
         self._on_cpu = device.type == "cpu"
         self.native_norms = False  # see use_native_norms()
@@ -538,6 +600,8 @@ class LlamaForCausalLM(nn.Module):
         """Logits ``[N, vocab]`` float32. The matmul runs in the model dtype, as in HF; in
         bf16/fp16 the few best logits of each row are then recomputed with a float32 result
         (:func:`refine_top_logits`)."""
+        if self._lm_head_panels is not None:  # float32 out: no bf16 rounding of the logits to refine
+            return self._lm_head_panels.linear(hidden.contiguous(), "lm_head", None, torch.float32)
         if self._lm_head_packed is not None and hidden.shape[0] > 1:
             logits = packed_linear(hidden.contiguous(), self._lm_head_packed, None)
         else:
@@ -554,11 +618,36 @@ class LlamaForCausalLM(nn.Module):
         weights of :func:`rms_norm` (bf16/fp16). :meth:`load_weights` calls it; call it again
         after changing weights in place."""
         self._prepare_norms()
+        if self.native_matmuls:
+            self._pack_panels()
         if not self.use_packed_weights:
             return
         for layer in self.layers:
             layer.pack_weights()
         self._lm_head_packed = PackedWeights({"lm_head": self.lm_head_weight})["lm_head"]
+
+    def use_native_matmuls(self, enabled: bool) -> bool:
+        """Run every matmul in the native bf16-weight GEMM (:class:`PanelWeights`) when
+        ``enabled``, the model is bf16 on a CPU without bf16 arithmetic (where torch emulates
+        it: :func:`kernels.cpu_kernels.native_bf16_matmul` is False) and the kernel library
+        builds. Returns whether they now do. SmolLM2 bf16 on a 2-core AVX2 EPYC:
+        see benchmarks/RESULTS.md (2026-12-01, third session)."""
+        self.native_matmuls = bool(
+            enabled and self.dtype == torch.bfloat16 and self._on_cpu and not cpu_kernels.native_bf16_matmul()
+            and cpu_kernels.load() is not None
+        )
+        if self.native_matmuls:
+            self._pack_panels()
+        else:
+            for layer in self.layers:
+                layer.panels = None
+            self._lm_head_panels = None
+        return self.native_matmuls
+
+    def _pack_panels(self) -> None:
+        for layer in self.layers:
+            layer.pack_panels()
+        self._lm_head_panels = PanelWeights({"lm_head": self.lm_head_weight})
 
     def use_native_norms(self, enabled: bool) -> bool:
         """Run the norms (and the attention residual add) in the C kernel
@@ -578,10 +667,13 @@ class LlamaForCausalLM(nn.Module):
         self.norm.prepare(ln_trick, self.native_norms)
 
     def unpack_weights(self) -> None:
-        """Drop the packed copies: back to ``F.linear`` on the parameters (tests, comparisons)."""
+        """Drop the packed and panel copies: back to ``F.linear`` on the parameters (tests, comparisons)."""
         for layer in self.layers:
             layer.packed = None
+            layer.panels = None
         self._lm_head_packed = None
+        self._lm_head_panels = None
+        self.native_matmuls = False
 
     # ------------------------------------------------------------------ weights
 

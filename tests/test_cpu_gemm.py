@@ -1,0 +1,137 @@
+"""The native bf16-weight GEMM (kernels/cpu_gemm_bf16.c) against float32 matmuls of the same values."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import pytest
+import torch
+
+from kernels import cpu_kernels
+
+NEEDS_KERNEL = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("native", marks=NEEDS_KERNEL),
+        pytest.param("portable", marks=[NEEDS_KERNEL, pytest.mark.skipif(not X86, reason="-mno-avx2 is x86")]),
+    ],
+)
+def lib(request, tmp_path_factory):
+    """The library as built for this CPU (the AVX2 + FMA tiles on x86), and a build without
+    AVX2 / FMA (the portable C tiles)."""
+    if request.param == "native":
+        return cpu_kernels.load()
+    os.environ["PAGEDLLM_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("portable-gemm"))
+    try:
+        return cpu_kernels.bind(cpu_kernels.build(extra_flags=("-mno-avx2", "-mno-fma")))
+    finally:
+        del os.environ["PAGEDLLM_KERNEL_CACHE"]
+
+
+def _data(m: int, n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    return x, w, bias
+
+
+def _reference(x, w, bias):  # float32 products and sums of the bf16 values
+    out = x.float() @ w.float().t()
+    return out if bias is None else out + bias.float()
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 5, 6, 7, 13, 64, 100])  # 100 rows: three row chunks at k = 576
+@pytest.mark.parametrize("n,k", [(16, 1), (33, 17), (100, 64), (584, 576)])  # 33, 100, 584: a partial last panel
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_gemm_matches_float32_matmul(lib, m, n, k, with_bias):
+    """Float32 output equals the float32 matmul of the bf16 values (up to summation order);
+    bf16 output is that value rounded, within one bf16 ulp (a different summation order can
+    cross a rounding boundary)."""
+    x, w, bias = _data(m, n, k)
+    bias = bias if with_bias else None
+    packed = cpu_kernels.pack_bf16_weight(w)
+    ref = _reference(x, w, bias)
+    out32 = cpu_kernels.gemm_bf16w(x, packed, n, bias, torch.float32, lib=lib)
+    assert out32.shape == (m, n) and out32.dtype == torch.float32
+    torch.testing.assert_close(out32, ref, atol=1e-4 * k**0.5, rtol=1e-5)
+    out16 = cpu_kernels.gemm_bf16w(x, packed, n, bias, lib=lib)
+    assert out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out16.float(), ref, atol=1e-4 * k**0.5, rtol=2**-7)
+    if m:  # most outputs are exactly the correctly rounded value
+        assert (out16 == ref.bfloat16()).float().mean() > 0.95
+
+
+def test_gemm_float32_input_strided_rows_and_threads(lib):
+    """A float32 input, rows with a stride wider than K (a slice of a wider tensor) and any
+    thread count give the same values; each output's sum runs on one thread in one order, so
+    1 and 2 threads agree bit for bit."""
+    x, w, bias = _data(13, 200, 96)
+    packed = cpu_kernels.pack_bf16_weight(w)
+    wide = torch.randn(13, 160).bfloat16()
+    wide[:, 32:128] = x
+    strided = wide[:, 32:128]
+    assert strided.stride(0) == 160
+    ref = _reference(x, w, bias)
+    torch.testing.assert_close(cpu_kernels.gemm_bf16w(strided, packed, 200, bias, torch.float32, lib=lib), ref,
+                               atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(cpu_kernels.gemm_bf16w(x.float(), packed, 200, bias, torch.float32, lib=lib), ref,
+                               atol=1e-3, rtol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.gemm_bf16w(x, packed, 200, bias, torch.float32, lib=lib)
+        torch.set_num_threads(2)
+        two = cpu_kernels.gemm_bf16w(x, packed, 200, bias, torch.float32, lib=lib)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_nan_and_inf_stay_in_their_row(lib):
+    """A NaN in one input row makes that row's outputs NaN (kept NaN through the bf16
+    rounding) and no other; an infinite weight gives +-inf or NaN only in its column."""
+    x, w, _ = _data(7, 40, 32)
+    x[3, 5] = float("nan")
+    w[9, 0] = float("inf")
+    packed = cpu_kernels.pack_bf16_weight(w)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = cpu_kernels.gemm_bf16w(x, packed, 40, None, dtype, lib=lib).float()
+        assert out[3].isnan().all()
+        others = torch.cat([out[:3], out[4:]])
+        assert others[:, 9].isinf().all()
+        assert torch.cat([others[:, :9], others[:, 10:]], dim=1).isfinite().all()
+
+
+def test_pack_layout_is_panels_of_sixteen_permuted_columns():
+    """pack_bf16_weight: [ceil(N / 16), K, 16], zero-padded, columns 0-3, 8-11, 4-7, 12-15."""
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3).bfloat16()
+    packed = cpu_kernels.pack_bf16_weight(w)
+    assert packed.shape == (2, 3, 16)
+    order = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+    assert packed[0, 1].tolist() == [float(3 * c + 1) for c in order]
+    assert packed[1, 2].tolist() == [3 * (16 + c) + 2 if c < 4 else 0 for c in order]
+
+
+def test_bad_arguments_are_refused_by_name():
+    x, w, bias = _data(4, 48, 32)
+    packed = cpu_kernels.pack_bf16_weight(w)
+    with pytest.raises(ValueError, match="packed"):
+        cpu_kernels.gemm_bf16w(x, packed, 20)  # 48 columns were packed
+    with pytest.raises(ValueError, match="packed"):
+        cpu_kernels.gemm_bf16w(x[:, :16], packed, 48)  # K mismatch
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_kernels.gemm_bf16w(x.t(), packed, 48)
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_kernels.gemm_bf16w(x.half(), packed, 48)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_kernels.gemm_bf16w(x, packed, 48, bias.float())
+    with pytest.raises(ValueError, match="out_dtype"):
+        cpu_kernels.gemm_bf16w(x, packed, 48, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="weight must be"):
+        cpu_kernels.pack_bf16_weight(w[0])
