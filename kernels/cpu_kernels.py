@@ -40,7 +40,8 @@ import torch
 
 log = structlog.get_logger("kernels")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_paged_attention.c", "cpu_rms_norm.c", "cpu_gemm_bf16.c")]
+SOURCES = [Path(__file__).with_name(n)
+           for n in ("cpu_paged_attention.c", "cpu_rms_norm.c", "cpu_gemm_bf16.c", "cpu_llama_layers.c")]
 HEADERS = [Path(__file__).with_name("cpu_bf16.h")]
 # -ffast-math only when compiling (vectorised expf): linking with it would add gcc's
 # crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
@@ -103,6 +104,27 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> Pat
     return target
 
 
+_P = ctypes.c_void_p
+_PP = ctypes.POINTER(ctypes.c_void_p)
+
+
+class LlamaLayersArgs(ctypes.Structure):
+    """The argument block of ``pagedllm_llama_layers_bf16`` (``cpu_llama_layers.c``): the
+    model's pointers (per-layer arrays, set once) and the step's (set per forward)."""
+
+    _fields_ = [
+        *[(n, ctypes.c_int64) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter",
+                                        "block_size", "num_slots")],
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        *[(n, _PP) for n in ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
+                             "down_w", "down_b", "k_cache", "v_cache")],
+        ("T", ctypes.c_int64), ("h", _P), ("cos", _P), ("sin", _P), ("slots", _P), ("block_index", _P),
+        ("nblk", ctypes.c_int64), ("row_seq", _P), ("row_len", _P),
+        *[(n, _P) for n in ("x", "qkv", "attn", "gate_up", "act", "delta")],
+        ("num_threads", ctypes.c_int),
+    ]
+
+
 def bind(path: Path | str) -> ctypes.CDLL:
     """Load a built library and declare its functions' C signatures."""
     lib = ctypes.CDLL(str(path))
@@ -117,6 +139,9 @@ def bind(path: Path | str) -> ctypes.CDLL:
     gemm = lib.pagedllm_gemm_bf16w
     gemm.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, i64, ctypes.c_int]
     gemm.restype = ctypes.c_int
+    layers = lib.pagedllm_llama_layers_bf16
+    layers.argtypes = [ctypes.POINTER(LlamaLayersArgs)]
+    layers.restype = ctypes.c_int
     return lib
 
 

@@ -355,9 +355,12 @@ def test_bf16_native_norms_match_torch_norms(name, tmp_path):
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "llama_bias"])
 def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     """On a CPU without bf16 arithmetic every matmul runs in the native bf16-weight GEMM
-    (biases included, float32 logits): the same greedy tokens and logits as torch's bf16
-    matmuls (prefill, chunk and decodes). With native bf16 (oneDNN) or in float32 it stays off."""
+    (biases included, float32 logits), per layer or with all layers in one C call
+    (NativeLayers, when the C attention kernel serves every row): the same greedy tokens and
+    logits as torch's bf16 matmuls (prefill, chunk and decodes). With native bf16 (oneDNN)
+    or in float32 it stays off."""
     from kernels import cpu_kernels
+    from services.executor.models.llama import NativeLayers
 
     config, _ = _tiny_checkpoint(name, tmp_path)
     model = _ours(config, tmp_path, torch.bfloat16)
@@ -370,15 +373,26 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     assert not model.use_native_matmuls(False)
     assert model.use_native_matmuls(True)
     assert all(layer.panels is not None for layer in model.layers) and model._lm_head_panels is not None
-    calls = []
-    real = cpu_kernels.gemm_bf16w
-    monkeypatch.setattr(cpu_kernels, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
-    new_n, logits_n = paged_greedy(model, PROMPTS, 6, chunk=5)
+    calls, fused = [], []
+    real_gemm, real_run = cpu_kernels.gemm_bf16w, NativeLayers.run
+    monkeypatch.setattr(cpu_kernels, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real_gemm(*a, **kw))
+    monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
+    monkeypatch.setattr(NativeLayers, "applies", staticmethod(lambda model, caches: False))  # layer by layer
+    new_l, logits_l = paged_greedy(model, PROMPTS, 6, chunk=5)
     layer = model.layers[0]
     qkv_out = layer.q_size + 2 * layer.kv_size
     assert set(calls) == {qkv_out, config.hidden_size, 2 * config.intermediate_size, config.vocab_size}
     assert calls.count(qkv_out) == calls.count(2 * config.intermediate_size)  # every layer of every step
-    assert new_n == new_t
-    for a, b in zip(logits_n, logits_t, strict=True):
-        assert a.dtype == torch.float32
-        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+    assert not fused
+    monkeypatch.undo()  # the C attention kernel serves every row: all layers in one C call (NativeLayers)
+    monkeypatch.setattr(cpu_kernels, "native_bf16_matmul", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real_gemm(*a, **kw))
+    monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
+    calls.clear()
+    new_n, logits_n = paged_greedy(model, PROMPTS, 6, chunk=5)
+    assert fused and set(calls) == {config.vocab_size}  # only the logits outside the C layers
+    assert new_l == new_t and new_n == new_t
+    for a, b, c in zip(logits_n, logits_l, logits_t, strict=True):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(b, c, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)  # same kernels but for SiLU's exp

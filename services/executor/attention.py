@@ -161,10 +161,16 @@ class TorchBackend(AttentionBackend):
             cpu_kernels.load()  # build the C kernel now, not during the first step
 
     def forward(self, query, key, value, key_cache, value_cache, meta, scale):
+        return torch_attn.paged_attention(query, key, value, key_cache, value_cache,
+                                          self.plan(query, key_cache, meta), scale)
+
+    def plan(self, query, key_cache, meta) -> torch_attn.TorchAttentionPlan:
+        """This step's plan for queries shaped like ``query`` ``[T, H, D]``: built by the
+        first layer (or the model, to see whether the C kernel serves every row), then reused."""
         plan = meta.backend_state.get(("torch", key_cache.shape[2], key_cache.shape[1], self.native))
         if plan is None:  # first layer of the step: decide and check once
             plan = self._first_plan(query, key_cache, meta)
-        return torch_attn.paged_attention(query, key, value, key_cache, value_cache, plan, scale)
+        return plan
 
     def _first_plan(self, query, key_cache, meta) -> torch_attn.TorchAttentionPlan:
         """Build this step's plan (first layer), deciding once whether the C kernel serves it."""

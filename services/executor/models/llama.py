@@ -23,6 +23,7 @@ ties.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import math
 from collections.abc import Iterator
@@ -239,6 +240,85 @@ class PanelWeights:
     ) -> torch.Tensor:  # [T, out]
         """``F.linear(x, weight, bias)`` for the weight called ``name``."""
         return cpu_kernels.gemm_bf16w(x, self.panels[name], self.out_features[name], bias, out_dtype, validate=False)
+
+
+class NativeLayers:
+    """All decoder layers of a bf16 model in one C call per forward pass
+    (``kernels/cpu_llama_layers.c``) on the layers' :class:`PanelWeights`: the same kernels
+    and roundings as :meth:`LlamaDecoderLayer._forward_panels`, without ~25 Python-level
+    calls per layer. Holds the model's pointer arrays for one set of KV cache tensors.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        layers = list(model.layers)
+        first = layers[0]
+        a = cpu_kernels.LlamaLayersArgs()
+        a.num_layers, a.hidden, a.inter = len(layers), model.hidden_size, first.intermediate_size
+        a.num_heads, a.num_kv_heads, a.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        key_cache = kv_caches[0][0]
+        a.block_size, a.num_slots = key_cache.shape[1], key_cache.shape[0] * key_cache.shape[1]
+        a.eps, a.scale = first.eps, first.scale
+        self._arrays = []  # keeps the ctypes pointer arrays alive
+
+        def pointers(values: list[torch.Tensor | None]) -> ctypes.Array:
+            arr = (ctypes.c_void_p * len(values))(*[None if v is None else v.data_ptr() for v in values])
+            self._arrays.append(arr)
+            return ctypes.cast(arr, ctypes.POINTER(ctypes.c_void_p))
+
+        params = [layer._parameters for layer in layers]
+        a.in_norm = pointers([p["input_layernorm_weight"] for p in params])
+        a.post_norm = pointers([p["post_attention_layernorm_weight"] for p in params])
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(a, f"{name}_w", pointers([layer.panels.panels[name] for layer in layers]))
+            setattr(a, f"{name}_b", pointers([p[f"{name}_proj_bias"] for p in params]))
+        a.k_cache = pointers([k for k, _ in kv_caches])
+        a.v_cache = pointers([v for _, v in kv_caches])
+        self.args = a
+        self.cache_ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
+        self._widths = {"x": a.hidden, "qkv": (a.num_heads + 2 * a.num_kv_heads) * a.head_dim,
+                        "attn": a.num_heads * a.head_dim, "gate_up": 2 * a.inter, "act": a.inter, "delta": a.hidden}
+
+    @staticmethod
+    def applies(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether this model and cache can run here: bf16 panels on every layer, dense bf16
+        caches, head_dim even and <= 512."""
+        return (
+            model.native_matmuls
+            and all(layer.panels is not None for layer in model.layers)
+            and model.head_dim % 2 == 0 and model.head_dim <= 512
+            and all(t.dtype == torch.bfloat16 and t.is_contiguous() for kv in kv_caches for t in kv)
+        )
+
+    def run(
+        self,
+        h: torch.Tensor,  # [T, hidden] bf16, dense (updated in place: the last layer's residual)
+        cos: torch.Tensor,  # [T, 1, D] bf16, dense
+        sin: torch.Tensor,  # [T, 1, D] bf16, dense, sign-folded
+        slots: torch.Tensor,  # [T] int64 cache slots (< 0: not written)
+        rows: Any,  # kernels.torch_attention.NativeRows covering every row in order
+    ) -> torch.Tensor:  # h
+        """Run every layer over the step's ``T`` tokens.
+
+        Raises:
+            ValueError: a slot outside the cache, or a kernel refused its shapes.
+        """
+        a, t = self.args, h.shape[0]
+        scratch = torch.empty(t * sum(self._widths.values()), dtype=torch.bfloat16)
+        base, offset = scratch.data_ptr(), 0
+        for name, width in self._widths.items():
+            setattr(a, name, base + offset * 2)
+            offset += t * width
+        slots = slots.contiguous()
+        a.T, a.h, a.cos, a.sin, a.slots = t, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
+        a.block_index, a.nblk = rows.block_index.data_ptr(), rows.num_blocks
+        a.row_seq, a.row_len = rows.row_seq.data_ptr(), rows.row_len.data_ptr()
+        a.num_threads = torch.get_num_threads()
+        status = cpu_kernels.load().pagedllm_llama_layers_bf16(ctypes.byref(a))
+        if status == 2:
+            raise ValueError(f"slot_mapping names a slot outside the cache's {a.num_slots} slots")
+        if status:
+            raise ValueError(f"native decoder layers failed (status {status}) for {t} tokens")
+        return h
 
 
 def rms_norm(
@@ -545,6 +625,7 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_packed: torch.Tensor | None = None
         self._lm_head_panels: PanelWeights | None = None  # see use_native_matmuls()
         self.native_matmuls = False
+        self._native_layers: NativeLayers | None = None  # built at the first forward on a cache
         self._gemv_fast_path = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
         self._on_cpu = device.type == "cpu"
         self.native_norms = False  # see use_native_norms()
@@ -591,10 +672,34 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rope_cos_sin(positions)  # [T, 1, D], shared by all layers
         backend = self.attn_backend
+        if self.native_matmuls:
+            rows = self._native_rows(kv_caches, attn_metadata)
+            if rows is not None:  # every row in the C attention kernel: all layers in one C call
+                self._native_layers.run(h, cos, sin, attn_metadata.slot_mapping.long(), rows)
+                return self.norm(h)
         with reduced_precision_gemv(self._gemv_fast_path and h.shape[0] == 1):
             for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
                 h = layer(h, cos, sin, key_cache, value_cache, attn_metadata, backend)
         return self.norm(h)
+
+    def _native_rows(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> Any:
+        """The step's attention rows when :class:`NativeLayers` can run the whole step (the
+        torch backend's C kernel serves every row), else ``None`` (the per-layer path)."""
+        backend = self.attn_backend
+        if not getattr(backend, "native", False) or not hasattr(backend, "plan"):
+            return None
+        if self._native_layers is None or self._native_layers.cache_ptrs != [
+                (k.data_ptr(), v.data_ptr()) for k, v in kv_caches]:
+            self._native_layers = NativeLayers(self, kv_caches) if NativeLayers.applies(self, kv_caches) else None
+            if self._native_layers is None:
+                return None
+        first = self.layers[0]
+        probe = torch.empty((1, first.num_heads, first.head_dim), dtype=self.dtype)  # for the plan's checks
+        plan = backend.plan(probe, kv_caches[0][0], meta)
+        rows = plan.native
+        if rows is None or rows.rows is not None or plan.decode is not None or plan.prefills or plan.chunks:
+            return None
+        return rows
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden: [N, hidden]
         """Logits ``[N, vocab]`` float32. The matmul runs in the model dtype, as in HF; in
@@ -642,9 +747,11 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 layer.panels = None
             self._lm_head_panels = None
+            self._native_layers = None
         return self.native_matmuls
 
     def _pack_panels(self) -> None:
+        self._native_layers = None
         for layer in self.layers:
             layer.pack_panels()
         self._lm_head_panels = PanelWeights({"lm_head": self.lm_head_weight})
@@ -674,6 +781,7 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_packed = None
         self._lm_head_panels = None
         self.native_matmuls = False
+        self._native_layers = None
 
     # ------------------------------------------------------------------ weights
 

@@ -1,0 +1,156 @@
+/*
+ * The decoder layers of a Llama-family model in bfloat16 on the CPU, in one call per forward
+ * pass: for CPUs without bf16 arithmetic, whose matmuls run in the bf16-weight GEMM
+ * (cpu_gemm_bf16.c). It strings together the library's kernels with the three small steps
+ * between them, so a step pays one ctypes call instead of ~25 torch / ctypes calls per layer
+ * (each 4-15 us of Python on a 2-core EPYC: ~9 ms of a 23 ms single-token step).
+ *
+ * Per layer, with the roundings of the torch path (services/executor/models/llama.py,
+ * LlamaDecoderLayer._forward_panels), every intermediate in bf16:
+ *   x = RMSNorm(h)                      (cpu_rms_norm.c; fused with the previous layer's residual add)
+ *   qkv = x . Wqkv^T (+ b)              (cpu_gemm_bf16.c)
+ *   q, k = RoPE(q, k)                   rotate_half form: bf16(bf16(rot(x) * sin) + bf16(x * cos))
+ *   k, v -> cache at slots[t]           (reshape_and_cache; slots < 0 are skipped)
+ *   a = PagedAttention(q, cache)        (cpu_paged_attention.c, rows as planned by the caller)
+ *   h = h + a . Wo^T (+ b); x = RMSNorm(h)
+ *   g | u = x . Wgu^T (+ b);  m = bf16(bf16(silu(g)) * u)
+ *   h = h + m . Wdown^T (+ b)
+ * The final norm and the logits stay with the caller. Layouts: h [T, hidden]; cos, sin [T, D]
+ * (sin sign-folded: (-sin, +sin) halves); caches [num_blocks, block_size, Hkv, D]; weights as
+ * packed by kernels/cpu_kernels.py (pack_bf16_weight); scratch buffers sized by the caller.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_bf16.h"
+
+int pagedllm_add_rms_norm_bf16(uint16_t* h, const uint16_t* delta, const uint16_t* w, uint16_t* out, int64_t rows,
+                               int64_t n, float eps, int num_threads);
+int pagedllm_gemm_bf16w(int a_dtype, const void* a, int64_t lda, const uint16_t* wp, const uint16_t* bias,
+                        int out_dtype, void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads);
+int pagedllm_paged_attention(int dtype, const void* q, int64_t q_row_stride, const void* k_cache,
+                             const void* v_cache, const int64_t* block_index, int64_t nblk,
+                             const int64_t* row_seq, const int64_t* row_len, void* out, int64_t T, int64_t H,
+                             int64_t Hkv, int64_t D, int64_t bs, float scale, int num_threads);
+
+#define MAX_ROPE_DIM 512
+#define PARALLEL_MIN_ELEMENTS (1 << 16) /* below: one thread (a parallel region costs more) */
+
+typedef struct {
+  /* the model (set once) */
+  int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, block_size, num_slots;
+  float eps, scale;
+  const uint16_t* const* in_norm;   /* [L] -> [hidden] */
+  const uint16_t* const* post_norm; /* [L] -> [hidden] */
+  const uint16_t* const* qkv_w;     /* [L] -> panels of [(H + 2 Hkv) D, hidden] */
+  const uint16_t* const* qkv_b;     /* [L] -> [(H + 2 Hkv) D] or NULL */
+  const uint16_t* const* o_w;       /* [L] -> panels of [hidden, H D] */
+  const uint16_t* const* o_b;
+  const uint16_t* const* gate_up_w; /* [L] -> panels of [2 I, hidden] (rows gate | up) */
+  const uint16_t* const* gate_up_b;
+  const uint16_t* const* down_w;    /* [L] -> panels of [hidden, I] */
+  const uint16_t* const* down_b;
+  uint16_t* const* k_cache;         /* [L] -> [num_blocks, block_size, Hkv, D] */
+  uint16_t* const* v_cache;
+  /* the step */
+  int64_t T;
+  uint16_t* h;                      /* [T, hidden] in: embeddings; out: the last layer's residual */
+  const uint16_t* cos;              /* [T, D] */
+  const uint16_t* sin;              /* [T, D], sign-folded */
+  const int64_t* slots;             /* [T] cache slot of each token's K/V, < 0: not written */
+  const int64_t* block_index;       /* [S * nblk] */
+  int64_t nblk;
+  const int64_t* row_seq;           /* [T] */
+  const int64_t* row_len;           /* [T] */
+  /* scratch, [T, n] each */
+  uint16_t* x;                      /* n = hidden */
+  uint16_t* qkv;                    /* n = (H + 2 Hkv) D */
+  uint16_t* attn;                   /* n = H D */
+  uint16_t* gate_up;                /* n = 2 I */
+  uint16_t* act;                    /* n = I */
+  uint16_t* delta;                  /* n = hidden */
+  int num_threads;
+} pagedllm_llama_args;
+
+static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* RoPE of the q and k heads of each token (in place in qkv) and the K/V cache write. */
+static void rope_and_cache(const pagedllm_llama_args* a, int64_t layer, int num_threads) {
+  const int64_t H = a->num_heads, Hkv = a->num_kv_heads, D = a->head_dim, half = D / 2;
+  const int64_t width = (H + 2 * Hkv) * D;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+  for (int64_t t = 0; t < a->T; ++t) {
+    uint16_t* row = a->qkv + t * width;
+    const uint16_t* c = a->cos + t * D;
+    const uint16_t* s = a->sin + t * D;
+    for (int64_t head = 0; head < H + Hkv; ++head) {
+      uint16_t* x = row + head * D;
+      float xf[MAX_ROPE_DIM];
+      for (int64_t i = 0; i < D; ++i) xf[i] = bf16_to_f32(x[i]);
+      for (int64_t i = 0; i < D; ++i) {
+        const float swapped = xf[i < half ? i + half : i - half];
+        x[i] = f32_to_bf16(rnd(swapped * bf16_to_f32(s[i])) + rnd(xf[i] * bf16_to_f32(c[i])));
+      }
+    }
+    const int64_t slot = a->slots[t];
+    if (slot >= 0) {
+      memcpy(a->k_cache[layer] + slot * Hkv * D, row + H * D, (size_t)(Hkv * D) * 2);
+      memcpy(a->v_cache[layer] + slot * Hkv * D, row + (H + Hkv) * D, (size_t)(Hkv * D) * 2);
+    }
+  }
+}
+
+static void silu_mul(const pagedllm_llama_args* a, int num_threads) {
+  const int64_t I = a->inter;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+  for (int64_t t = 0; t < a->T; ++t) {
+    const uint16_t* g = a->gate_up + t * 2 * I;
+    const uint16_t* u = g + I;
+    uint16_t* m = a->act + t * I;
+    for (int64_t i = 0; i < I; ++i) {
+      const float gf = bf16_to_f32(g[i]);
+      m[i] = f32_to_bf16(rnd(gf / (1.f + expf(-gf))) * bf16_to_f32(u[i]));
+    }
+  }
+}
+
+static void residual_add(uint16_t* h, const uint16_t* delta, int64_t n, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+  for (int64_t i = 0; i < n; ++i) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(delta[i]));
+}
+
+/* Returns 0, or 1 for bad sizes, 2 for a slot outside the cache, 10 + k for kernel k failing. */
+int pagedllm_llama_layers_bf16(const pagedllm_llama_args* a) {
+  const int64_t T = a->T, hidden = a->hidden, H = a->num_heads, Hkv = a->num_kv_heads, D = a->head_dim;
+  const int64_t qkv_n = (H + 2 * Hkv) * D, I = a->inter;
+  const int nt = a->num_threads < 1 ? 1 : a->num_threads;
+  if (T < 1 || D > MAX_ROPE_DIM || D % 2 || a->num_layers < 1) return 1;
+  for (int64_t t = 0; t < T; ++t)
+    if (a->slots[t] >= a->num_slots) return 2;
+  const int nt_hidden = T * hidden >= PARALLEL_MIN_ELEMENTS ? nt : 1;
+  const int nt_qkv = T * qkv_n >= PARALLEL_MIN_ELEMENTS ? nt : 1;
+  const int nt_inter = T * I >= PARALLEL_MIN_ELEMENTS ? nt : 1;
+  for (int64_t l = 0; l < a->num_layers; ++l) {
+    /* x = RMSNorm(h), with the previous layer's MLP residual add fused in */
+    if (pagedllm_add_rms_norm_bf16(a->h, l ? a->delta : 0, a->in_norm[l], a->x, T, hidden, a->eps, nt_hidden))
+      return 11;
+    if (pagedllm_gemm_bf16w(1, a->x, hidden, a->qkv_w[l], a->qkv_b[l], 1, a->qkv, qkv_n, T, qkv_n, hidden, nt))
+      return 12;
+    rope_and_cache(a, l, nt_qkv);
+    if (pagedllm_paged_attention(1, a->qkv, qkv_n, a->k_cache[l], a->v_cache[l], a->block_index, a->nblk,
+                                 a->row_seq, a->row_len, a->attn, T, H, Hkv, D, a->block_size, a->scale, nt))
+      return 13;
+    if (pagedllm_gemm_bf16w(1, a->attn, H * D, a->o_w[l], a->o_b[l], 1, a->delta, hidden, T, hidden, H * D, nt))
+      return 14;
+    if (pagedllm_add_rms_norm_bf16(a->h, a->delta, a->post_norm[l], a->x, T, hidden, a->eps, nt_hidden)) return 15;
+    if (pagedllm_gemm_bf16w(1, a->x, hidden, a->gate_up_w[l], a->gate_up_b[l], 1, a->gate_up, 2 * I, T, 2 * I,
+                            hidden, nt))
+      return 16;
+    silu_mul(a, nt_inter);
+    if (pagedllm_gemm_bf16w(1, a->act, I, a->down_w[l], a->down_b[l], 1, a->delta, hidden, T, hidden, I, nt))
+      return 17;
+  }
+  residual_add(a->h, a->delta, T * hidden, nt_hidden);
+  return 0;
+}
