@@ -135,3 +135,20 @@ def test_bad_arguments_are_refused_by_name():
         cpu_kernels.gemm_bf16w(x, packed, 48, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="weight must be"):
         cpu_kernels.pack_bf16_weight(w[0])
+
+
+@NEEDS_KERNEL
+def test_benchmark_prints_a_line_per_shape_and_row_count():
+    """benchmarks/cpu_gemm.py runs (small settings) and prints GFLOP/s for ours and torch's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "cpu_gemm.py"), "--rows", "1,3", "--repeats", "1",
+                           "--skip-torch-bf16"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if " M=" in line]
+    assert len(lines) == 10, proc.stdout  # 5 shapes x 2 row counts
+    assert all("ours (bf16 weights)" in line and "torch fp32" in line and "GFLOP/s" in line for line in lines)
+    assert all("GB/s" in line for line in lines if " M=1 " in line)
