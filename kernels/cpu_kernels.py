@@ -314,8 +314,9 @@ _PANEL_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 1
 
 
 def native_bf16_matmul() -> bool:
-    """Whether torch runs bf16 matmuls natively on this CPU (oneDNN with AVX512-BF16 or AMX).
-    Without it, bf16 ``F.linear`` is emulated (10 GFLOP/s against 60 for float32 on a 2-core
+    """Whether oneDNN serves bf16 matmuls on this CPU (``torch.ops.mkldnn._is_mkldnn_bf16_supported``:
+    AVX512-BF16 / AMX, or AVX-512 alone, where oneDNN converts on the fly). Without it (AVX2
+    CPUs), bf16 ``F.linear`` is emulated (10 GFLOP/s against 60 for float32 on a 2-core
     AVX2 EPYC) and :func:`gemm_bf16w` serves bf16 weights instead."""
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -325,10 +326,11 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N
     k-major, zero-padded to a multiple of 16 columns, columns permuted inside each panel.
 
     Raises:
-        ValueError: ``weight`` is not a 2-D CPU tensor.
+        ValueError: ``weight`` is not a 2-D bfloat16 CPU tensor.
     """
-    if weight.dim() != 2 or weight.device.type != "cpu":
-        raise ValueError(f"weight must be a 2-D [N, K] CPU tensor, got {tuple(weight.shape)} on {weight.device}")
+    if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        raise ValueError(f"weight must be a 2-D [N, K] bfloat16 CPU tensor, got {tuple(weight.shape)} "
+                         f"{weight.dtype} on {weight.device}")
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = torch.zeros(panels * PANEL, k, dtype=torch.bfloat16)
@@ -361,11 +363,13 @@ def gemm_bf16w(
     if validate:
         if x.dtype not in _DTYPES or x.device.type != "cpu" or x.stride(1) != 1:
             raise ValueError("x must be a float32/bfloat16 [M, K] CPU tensor with unit stride along K")
-        if packed.dtype != torch.bfloat16 or not packed.is_contiguous() or packed.shape[1:] != (k, PANEL) \
+        if packed.dtype != torch.bfloat16 or not packed.is_contiguous() or packed.device.type != "cpu" \
+                or packed.shape[1:] != (k, PANEL) \
                 or not (packed.shape[0] - 1) * PANEL < n <= packed.shape[0] * PANEL:
             raise ValueError(f"packed must be pack_bf16_weight() of an [{n}, {k}] weight, got {tuple(packed.shape)}")
-        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.shape != (n,)):
-            raise ValueError(f"bias must be a dense [{n}] bfloat16 tensor")
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.shape != (n,)
+                                 or bias.device.type != "cpu"):
+            raise ValueError(f"bias must be a dense [{n}] bfloat16 CPU tensor")
         if out_dtype not in _DTYPES:
             raise ValueError("out_dtype must be torch.float32 or torch.bfloat16")
     out = torch.empty((m, n), dtype=out_dtype)

@@ -118,6 +118,7 @@ def test_pack_layout_is_panels_of_sixteen_permuted_columns():
     assert packed[1, 2].tolist() == [3 * (16 + c) + 2 if c < 4 else 0 for c in order]
 
 
+@NEEDS_KERNEL
 def test_bad_arguments_are_refused_by_name():
     x, w, bias = _data(4, 48, 32)
     packed = cpu_kernels.pack_bf16_weight(w)
@@ -135,6 +136,8 @@ def test_bad_arguments_are_refused_by_name():
         cpu_kernels.gemm_bf16w(x, packed, 48, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="weight must be"):
         cpu_kernels.pack_bf16_weight(w[0])
+    with pytest.raises(ValueError, match="weight must be"):
+        cpu_kernels.pack_bf16_weight(w.float())
 
 
 @NEEDS_KERNEL

@@ -365,6 +365,7 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     config, _ = _tiny_checkpoint(name, tmp_path)
     model = _ours(config, tmp_path, torch.bfloat16)
     model.unpack_weights()
+    assert model.use_native_norms(True)  # as the runner sets it: NativeLayers runs the C norms
     new_t, logits_t = paged_greedy(model, PROMPTS, 6, chunk=5)
     monkeypatch.setattr(cpu_kernels, "native_bf16_matmul", lambda: True)
     assert not model.use_native_matmuls(True)
@@ -396,3 +397,43 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(b, c, atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)  # same kernels but for SiLU's exp
+    # steps whose prompt chunks go to torch's SDPA (here: chunks over 3 tokens) run layer by
+    # layer; the decode-only steps still run in NativeLayers
+    from kernels import torch_attention
+
+    monkeypatch.setattr(torch_attention, "NATIVE_MAX_QUERY_LEN", 3)
+    steps = len(fused)  # every step of the run above
+    fused.clear()
+    new_m, logits_m = paged_greedy(model, PROMPTS, 6, chunk=5)
+    assert 0 < len(fused) < steps and len(PROMPTS) in fused  # the decode steps, not the 5-token chunks
+    assert new_m == new_t
+    for a, b in zip(logits_m, logits_t, strict=True):
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(__import__("kernels.cpu_kernels").cpu_kernels.load() is None, reason="no C compiler")
+def test_native_layers_refuse_bad_slots_and_lengths(tmp_path, monkeypatch):
+    """NativeLayers checks what the C code would otherwise read unchecked: a slot outside the
+    cache and slot / row arrays that do not have T rows raise ValueError, the cache intact."""
+    from kernels import cpu_kernels
+    from services.executor.models.llama import NativeLayers
+
+    monkeypatch.setattr(cpu_kernels, "native_bf16_matmul", lambda: False)
+    config, _ = _tiny_checkpoint("llama3", tmp_path)
+    model = _ours(config, tmp_path, torch.bfloat16)
+    assert model.use_native_norms(True) and model.use_native_matmuls(True)
+    caches = [(torch.zeros(kv_cache_shape(config, 4, 16), dtype=torch.bfloat16),
+               torch.zeros(kv_cache_shape(config, 4, 16), dtype=torch.bfloat16))
+              for _ in range(config.num_hidden_layers)]
+    meta = AttentionMetadata.build([3], [3], [[2]], 16)
+    rows = model._native_rows(caches, meta)
+    assert rows is not None and isinstance(model._native_layers, NativeLayers)
+    h = model.embed_tokens(torch.tensor([5, 6, 7]))
+    cos, sin = model.rope_cos_sin(torch.arange(3))
+    with pytest.raises(ValueError, match="outside the cache"):
+        model._native_layers.run(h.clone(), cos, sin, torch.tensor([32, 33, 4 * 16]), rows)
+    with pytest.raises(ValueError, match="3 rows"):
+        model._native_layers.run(h.clone(), cos, sin, torch.tensor([32, 33]), rows)
+    assert all(not t.any() for kv in caches for t in kv)  # nothing was written
+    out = model._native_layers.run(h.clone(), cos, sin, meta.slot_mapping, rows)
+    assert out.isfinite().all() and caches[0][0][2, :3].any() and not caches[0][0][2, 3:].any()

@@ -274,20 +274,28 @@ class NativeLayers:
         a.k_cache = pointers([k for k, _ in kv_caches])
         a.v_cache = pointers([v for _, v in kv_caches])
         self.args = a
-        self.cache_ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
+        self.key = self.cache_key(kv_caches)
         self._widths = {"x": a.hidden, "qkv": (a.num_heads + 2 * a.num_kv_heads) * a.head_dim,
                         "attn": a.num_heads * a.head_dim, "gate_up": 2 * a.inter, "act": a.inter, "delta": a.hidden}
 
     @staticmethod
     def applies(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Whether this model and cache can run here: bf16 panels on every layer, dense bf16
-        caches, head_dim even and <= 512."""
+        """Whether this model and cache can run here: bf16 panels and the C norms on every
+        layer (the per-layer path's kernels), one dense bf16 cache pair per layer, all of one
+        shape, head_dim even and <= 512."""
+        shape = kv_caches[0][0].shape if kv_caches else None
         return (
-            model.native_matmuls
-            and all(layer.panels is not None for layer in model.layers)
+            model.native_matmuls and model.native_norms
+            and len(kv_caches) == len(model.layers)
+            and all(layer.panels is not None and layer.native_norms for layer in model.layers)
             and model.head_dim % 2 == 0 and model.head_dim <= 512
-            and all(t.dtype == torch.bfloat16 and t.is_contiguous() for kv in kv_caches for t in kv)
+            and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape == shape for kv in kv_caches for t in kv)
         )
+
+    @staticmethod
+    def cache_key(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, int, tuple[int, ...]]]:
+        """What the pointer arrays depend on: each cache pair's addresses and shape."""
+        return [(k.data_ptr(), v.data_ptr(), tuple(k.shape)) for k, v in kv_caches]
 
     def run(
         self,
@@ -300,9 +308,12 @@ class NativeLayers:
         """Run every layer over the step's ``T`` tokens.
 
         Raises:
-            ValueError: a slot outside the cache, or a kernel refused its shapes.
+            ValueError: a slot outside the cache, lengths that differ from ``T``, or a kernel
+                refused its shapes.
         """
         a, t = self.args, h.shape[0]
+        if not (slots.shape == (t,) and rows.row_seq.shape == (t,) and rows.row_len.shape == (t,)):
+            raise ValueError(f"slots, row_seq and row_len must have the {t} rows of h")
         scratch = torch.empty(t * sum(self._widths.values()), dtype=torch.bfloat16)
         base, offset = scratch.data_ptr(), 0
         for name, width in self._widths.items():
@@ -688,8 +699,7 @@ class LlamaForCausalLM(nn.Module):
         backend = self.attn_backend
         if not getattr(backend, "native", False) or not hasattr(backend, "plan"):
             return None
-        if self._native_layers is None or self._native_layers.cache_ptrs != [
-                (k.data_ptr(), v.data_ptr()) for k, v in kv_caches]:
+        if self._native_layers is None or self._native_layers.key != NativeLayers.cache_key(kv_caches):
             self._native_layers = NativeLayers(self, kv_caches) if NativeLayers.applies(self, kv_caches) else None
             if self._native_layers is None:
                 return None
@@ -704,7 +714,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden: [N, hidden]
         """Logits ``[N, vocab]`` float32. The matmul runs in the model dtype, as in HF; in
         bf16/fp16 the few best logits of each row are then recomputed with a float32 result
-        (:func:`refine_top_logits`)."""
+        (:func:`refine_top_logits`). The native bf16-weight GEMM (:class:`PanelWeights`)
+        returns float32 logits directly (no bf16 rounding to refine)."""
         if self._lm_head_panels is not None:  # float32 out: no bf16 rounding of the logits to refine
             return self._lm_head_panels.linear(hidden.contiguous(), "lm_head", None, torch.float32)
         if self._lm_head_packed is not None and hidden.shape[0] > 1:
