@@ -51,14 +51,14 @@ def bench_pagedllm(
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def bench_hf(args, prompts: list[str]) -> tuple[float, int]:
+def bench_hf(args, prompts: list[str], hf_dtype: str) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shared.config import Settings
     from shared.model_source import load_model_info
 
     path = load_model_info(Settings(model=args.model)).path
-    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[hf_dtype]
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     total, elapsed = 0, 0.0
@@ -85,6 +85,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--hf-dtypes", default=None,
+                   help="comma-separated dtypes to run Hugging Face in (default: --dtype); e.g. bfloat16,float32 "
+                        "on a CPU where torch emulates bf16 and HF is faster in float32")
     p.add_argument("--prefix-words", type=int, default=0,
                    help="shared-prefix workload: every prompt starts with this many common words")
     p.add_argument("--compare-prefix-caching", action="store_true",
@@ -108,11 +111,11 @@ def main() -> None:
         t_tc, n_tc = bench_pagedllm(args, prompts, native_cpu_kernels=False)
         print(f"pagedllm  LLM.generate: {n_tc} tokens in {t_tc:.2f} s = {n_tc / t_tc:.1f} generated "
               f"tokens/s (native CPU kernels off); on/off = {(n / t) / (n_tc / t_tc):.2f}x")
-    if not args.skip_hf:
-        th, nh = bench_hf(args, prompts)
+    for hf_dtype in [] if args.skip_hf else (args.hf_dtypes or args.dtype).split(","):
+        th, nh = bench_hf(args, prompts, hf_dtype)
         print(f"HF        generate    : {nh} tokens in {th:.2f} s = {nh / th:.1f} generated tokens/s "
-              f"(batch {args.hf_batch_size})")
-        print(f"ratio pagedllm / HF   : {(n / t) / (nh / th):.2f}x")
+              f"(batch {args.hf_batch_size}, {hf_dtype})")
+        print(f"ratio pagedllm / HF   : {(n / t) / (nh / th):.2f}x ({args.dtype} / {hf_dtype})")
 
 
 if __name__ == "__main__":
