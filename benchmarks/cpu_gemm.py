@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,10 +58,10 @@ def main() -> None:
             x32 = x.float()
             flop = 2 * m * n * k
             reps = max(1, args.repeats // (4 if flop > 2e9 else 1))
-            runs = {"ours (bf16 weights)": lambda: cpu_kernels.gemm_bf16w(x, packed, n, validate=False),
-                    "torch fp32": lambda: F.linear(x32, w32)}
+            runs = {"ours (bf16 weights)": partial(cpu_kernels.gemm_bf16w, x, packed, n, validate=False),
+                    "torch fp32": partial(F.linear, x32, w32)}
             if not args.skip_torch_bf16:
-                runs["torch bf16"] = lambda: F.linear(x, w)
+                runs["torch bf16"] = partial(F.linear, x, w)
             cells = []
             for label, fn in runs.items():
                 s = seconds(fn, reps)
