@@ -14,8 +14,9 @@ DRAM read bandwidth.
 :func:`gemm_bf16w` runs ``cpu_gemm_bf16.c``: matmuls with bf16 weights (laid out once by
 :func:`pack_bf16_weight`) in float32 AVX2 + FMA register tiles, for CPUs without bf16
 arithmetic, where torch emulates bf16 matmuls at a sixth of its float32 speed
-(:func:`native_bf16_matmul`). On a 2-core AVX2 EPYC: 66-71 GFLOP/s at 16-64 rows (torch
-bf16: 10, torch float32: 19-62) and 24-29 GB/s of weights for one row.
+(:func:`native_bf16_matmul`). On a 2-core AVX2 EPYC (``benchmarks/cpu_gemm.py``): 51-72
+GFLOP/s at 16-64 rows (torch bf16: 8-11, torch float32: 5-59) and 15-33 GB/s of weights for
+one row.
 
 The shared library is compiled with ``-O3 -march=native -fopenmp -ffast-math`` (then linked
 without ``-ffast-math``) on first use into ``$PAGEDLLM_KERNEL_CACHE`` (default ``~/.cache/pagedllm/kernels``), named by a hash of the

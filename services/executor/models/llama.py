@@ -222,9 +222,10 @@ class PanelWeights:
 
     For CPUs without bf16 arithmetic (no AVX512-BF16 / AMX), where torch emulates bf16
     matmuls: the native GEMM multiplies in float32 on AVX2 + FMA straight from the bf16
-    weights. SmolLM2 shapes on a 2-core AVX2 EPYC: 66-71 GFLOP/s at 16-64 rows against
-    10 for torch's bf16 and 19-62 for torch's float32, and 24-29 GB/s of weights for one row
-    (torch's bf16 GEMV: 10 GB/s). Held next to the parameters, like :class:`PackedWeights`.
+    weights. SmolLM2 shapes on a 2-core AVX2 EPYC (``benchmarks/cpu_gemm.py``): 51-72 GFLOP/s
+    at 16-64 rows against 8-11 for torch's bf16 and 5-59 for torch's float32, and 15-33 GB/s
+    of weights for one row (torch's bf16: 4-10 GB/s). Held next to the parameters, like
+    :class:`PackedWeights`.
     """
 
     def __init__(self, weights: dict[str, torch.Tensor]) -> None:
