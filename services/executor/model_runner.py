@@ -92,6 +92,8 @@ class ModelRunner:
             device=str(self.device),
             num_blocks=self.num_blocks,
             block_size=self.block_size,
+            native_matmuls=self.model.native_matmuls,
+            native_norms=self.model.native_norms,
             load_s=round(time.perf_counter() - t0, 2),
         )
 
