@@ -341,6 +341,12 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N
     return padded.view(panels, PANEL, k)[:, inv].transpose(1, 2).contiguous()
 
 
+def unpack_bf16_weight(packed: torch.Tensor, n: int) -> torch.Tensor:  # -> [n, K] bf16
+    """The weight ``[n, K]`` that :func:`pack_bf16_weight` laid out as ``packed``."""
+    panels, k, _ = packed.shape
+    return packed.transpose(1, 2)[:, _PANEL_ORDER].reshape(panels * PANEL, k)[:n].contiguous()
+
+
 def gemm_bf16w(
     x: torch.Tensor,  # [M, K] bfloat16 or float32, unit stride along K
     packed: torch.Tensor,  # [ceil(N / 16), K, 16] bfloat16, from pack_bf16_weight

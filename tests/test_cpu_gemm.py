@@ -119,6 +119,14 @@ def test_pack_layout_is_panels_of_sixteen_permuted_columns():
 
 
 @NEEDS_KERNEL
+def test_unpack_gives_back_the_weight():
+    """unpack_bf16_weight inverts pack_bf16_weight (padding dropped), bit for bit."""
+    for n, k in ((20, 3), (16, 5), (584, 576)):
+        w = torch.randn(n, k).bfloat16()
+        assert torch.equal(cpu_kernels.unpack_bf16_weight(cpu_kernels.pack_bf16_weight(w), n), w)
+
+
+@NEEDS_KERNEL
 def test_bad_arguments_are_refused_by_name():
     x, w, bias = _data(4, 48, 32)
     packed = cpu_kernels.pack_bf16_weight(w)

@@ -372,8 +372,16 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "native_bf16_matmul", lambda: False)
     assert not _ours(config, tmp_path).use_native_matmuls(True)  # float32: torch's float32 matmuls
     assert not model.use_native_matmuls(False)
+    weights = {n: t.clone() for n, t in model.named_parameters()}
     assert model.use_native_matmuls(True)
     assert all(layer.panels is not None for layer in model.layers) and model._lm_head_panels is not None
+    # the panels hold the matmul weights alone: the parameters' storage is released ...
+    assert all(layer.qkv_proj_weight.numel() == 0 and layer.down_proj_weight.numel() == 0 for layer in model.layers)
+    assert not model.use_native_matmuls(False)  # ... and rebuilt, bit for bit, when switched off
+    assert all(torch.equal(t, weights[n]) for n, t in model.named_parameters())
+    assert model.use_native_matmuls(True)
+    model.load_weights(tmp_path)  # a reload refills the parameters, then packs and releases them again
+    assert model.native_matmuls and model.layers[0].gate_up_proj_weight.numel() == 0
     calls, fused = [], []
     real_gemm, real_run = cpu_kernels.gemm_bf16w, NativeLayers.run
     monkeypatch.setattr(cpu_kernels, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real_gemm(*a, **kw))

@@ -217,6 +217,9 @@ def packed_linear(
     return _linear_pointwise(x, packed, bias, "none", [], "")
 
 
+PANEL_WEIGHTS = ("qkv", "o", "gate_up", "down")  # a layer's matmuls, as ``<name>_proj_weight``
+
+
 class PanelWeights:
     """bf16 weights ``[out, in]`` laid out once for :func:`kernels.cpu_kernels.gemm_bf16w`.
 
@@ -469,6 +472,7 @@ class LlamaDecoderLayer(nn.Module):
         self.register_parameter("down_proj_bias", param(hidden, present=cfg["mlp_bias"]))
         self.packed: PackedWeights | None = None  # set by pack_weights()
         self.panels: PanelWeights | None = None  # set by pack_panels()
+        self._released: dict[str, int] = {}  # weights held only by the panels: name -> rows
         self.ln_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # set by prepare_norms()
         self.native_norms = False  # set by prepare_norms()
 
@@ -499,9 +503,25 @@ class LlamaDecoderLayer(nn.Module):
         self._up_bias = None if bias is None else bias[inter:].contiguous()
 
     def pack_panels(self) -> None:
-        """Lay this layer's bf16 matmul weights out for the native GEMM (:class:`PanelWeights`)."""
+        """Lay this layer's bf16 matmul weights out for the native GEMM (:class:`PanelWeights`)
+        and release the parameters' storage (the panels hold the same values, so the weights
+        are not held twice; :meth:`restore_weights` rebuilds them). The oneDNN copies, unused
+        while the panels serve, are dropped too."""
+        self.restore_weights()
         p = self._parameters
-        self.panels = PanelWeights({name: p[f"{name}_proj_weight"] for name in ("qkv", "o", "gate_up", "down")})
+        self.panels = PanelWeights({name: p[f"{name}_proj_weight"] for name in PANEL_WEIGHTS})
+        self.packed = None
+        for name in PANEL_WEIGHTS:
+            param = p[f"{name}_proj_weight"]
+            self._released[name] = param.shape[0]
+            param.data = torch.empty((0, param.shape[1]), dtype=param.dtype)
+
+    def restore_weights(self) -> None:
+        """Put back the matmul weights that :meth:`pack_panels` released (from the panels)."""
+        p = self._parameters
+        for name, rows in self._released.items():
+            p[f"{name}_proj_weight"].data = cpu_kernels.unpack_bf16_weight(self.panels.panels[name], rows)
+        self._released = {}
 
     def _forward_panels(
         self,
@@ -735,8 +755,9 @@ class LlamaForCausalLM(nn.Module):
         weights of :func:`rms_norm` (bf16/fp16). :meth:`load_weights` calls it; call it again
         after changing weights in place."""
         self._prepare_norms()
-        if self.native_matmuls:
+        if self.native_matmuls:  # the panels serve every matmul: no oneDNN copies
             self._pack_panels()
+            return
         if not self.use_packed_weights:
             return
         for layer in self.layers:
@@ -756,17 +777,22 @@ class LlamaForCausalLM(nn.Module):
         if self.native_matmuls:
             self._pack_panels()
         else:
-            for layer in self.layers:
-                layer.panels = None
-            self._lm_head_panels = None
-            self._native_layers = None
+            self._drop_panels()
         return self.native_matmuls
+
+    def _drop_panels(self) -> None:
+        for layer in self.layers:
+            layer.restore_weights()
+            layer.panels = None
+        self._lm_head_panels = None
+        self._native_layers = None
 
     def _pack_panels(self) -> None:
         self._native_layers = None
         for layer in self.layers:
             layer.pack_panels()
         self._lm_head_panels = PanelWeights({"lm_head": self.lm_head_weight})
+        self._lm_head_packed = None  # oneDNN's copy: unused while the panels serve
 
     def use_native_norms(self, enabled: bool) -> bool:
         """Run the norms (and the attention residual add) in the C kernel
@@ -787,13 +813,11 @@ class LlamaForCausalLM(nn.Module):
 
     def unpack_weights(self) -> None:
         """Drop the packed and panel copies: back to ``F.linear`` on the parameters (tests, comparisons)."""
+        self._drop_panels()
         for layer in self.layers:
             layer.packed = None
-            layer.panels = None
         self._lm_head_packed = None
-        self._lm_head_panels = None
         self.native_matmuls = False
-        self._native_layers = None
 
     # ------------------------------------------------------------------ weights
 
@@ -844,6 +868,8 @@ class LlamaForCausalLM(nn.Module):
         from safetensors import safe_open
 
         model_dir = Path(model_dir)
+        for layer in self.layers:  # the parameters must have their shapes to be loaded into
+            layer.restore_weights()
         index = model_dir / "model.safetensors.index.json"
         if index.exists():
             files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
