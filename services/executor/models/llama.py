@@ -227,8 +227,9 @@ class PanelWeights:
     matmuls: the native GEMM multiplies in float32 on AVX2 + FMA straight from the bf16
     weights. SmolLM2 shapes on a 2-core AVX2 EPYC (``benchmarks/cpu_gemm.py``): 51-72 GFLOP/s
     at 16-64 rows against 8-11 for torch's bf16 and 5-59 for torch's float32, and 15-33 GB/s
-    of weights for one row (torch's bf16: 4-10 GB/s). Held next to the parameters, like
-    :class:`PackedWeights`.
+    of weights for one row (torch's bf16: 4-10 GB/s). A layer's panels replace its matmul
+    parameters' storage (:meth:`LlamaDecoderLayer.pack_panels`); the lm_head's are a copy
+    of the embedding matrix, which the lookup still needs.
     """
 
     def __init__(self, weights: dict[str, torch.Tensor]) -> None:
