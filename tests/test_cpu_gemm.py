@@ -2,35 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import platform
-
 import pytest
 import torch
+from native_builds import NEEDS_KERNEL, build_library, library_params
 
 from kernels import cpu_kernels
 
-NEEDS_KERNEL = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
-X86 = platform.machine() in ("x86_64", "AMD64")
 
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param("native", marks=NEEDS_KERNEL),
-        pytest.param("portable", marks=[NEEDS_KERNEL, pytest.mark.skipif(not X86, reason="-mno-avx2 is x86")]),
-    ],
-)
+@pytest.fixture(scope="module", params=library_params(("-mno-avx2", "-mno-fma")))
 def lib(request, tmp_path_factory):
     """The library as built for this CPU (the AVX2 + FMA tiles on x86), and a build without
     AVX2 / FMA (the portable C tiles)."""
-    if request.param == "native":
-        return cpu_kernels.load()
-    os.environ["PAGEDLLM_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("portable-gemm"))
-    try:
-        return cpu_kernels.bind(cpu_kernels.build(extra_flags=("-mno-avx2", "-mno-fma")))
-    finally:
-        del os.environ["PAGEDLLM_KERNEL_CACHE"]
+    return build_library(request.param, tmp_path_factory)
 
 
 def _data(m: int, n: int, k: int, seed: int = 0):

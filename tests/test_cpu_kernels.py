@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import random
 import stat
 import subprocess
@@ -11,30 +10,16 @@ import sys
 
 import pytest
 import torch
+from native_builds import NEEDS_KERNEL, build_library, library_params
 
 from kernels import cpu_kernels, reference
 
-NEEDS_KERNEL = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
-X86 = platform.machine() in ("x86_64", "AMD64")
 
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param("native", marks=NEEDS_KERNEL),
-        pytest.param("portable", marks=[NEEDS_KERNEL, pytest.mark.skipif(not X86, reason="-mno-avx512bf16 is x86")]),
-    ],
-)
+@pytest.fixture(scope="module", params=library_params(("-mno-avx512bf16",)))
 def lib(request, tmp_path_factory):
     """The library as built for this CPU, and a build without AVX512-BF16 (the portable
     float32 score path every bf16 model takes on CPUs without that extension)."""
-    if request.param == "native":
-        return cpu_kernels.load()
-    os.environ["PAGEDLLM_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("portable"))
-    try:
-        return cpu_kernels.bind(cpu_kernels.build(extra_flags=("-mno-avx512bf16",)))
-    finally:
-        del os.environ["PAGEDLLM_KERNEL_CACHE"]
+    return build_library(request.param, tmp_path_factory)
 
 
 TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
