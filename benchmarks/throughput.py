@@ -100,6 +100,10 @@ def main() -> None:
     print(f"# {args.num_prompts} prompts ({args.min_words}-{args.max_words} random words"
           f"{f' after a {args.prefix_words}-word shared prefix' if args.prefix_words else ''}) x "
           f"{args.output_len} generated tokens, dtype={args.dtype}, torch threads={torch.get_num_threads()}")
+    from kernels import cpu_kernels
+
+    print(f"# CPU: {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16: {cpu_kernels.native_bf16_matmul()} "
+          "(False: pagedllm's bf16 matmuls run in kernels/cpu_gemm_bf16.c; HF's bf16 is emulated)")
     t, n = bench_pagedllm(args, prompts)
     print(f"pagedllm  LLM.generate: {n} tokens in {t:.2f} s = {n / t:.1f} generated tokens/s"
           " (prefix caching on)")
