@@ -102,8 +102,10 @@ def main() -> None:
           f"{args.output_len} generated tokens, dtype={args.dtype}, torch threads={torch.get_num_threads()}")
     from kernels import cpu_kernels
 
+    ours = ("kernels/cpu_gemm_bf16.c, " + ("AVX512-BF16 tiles" if cpu_kernels.hardware_bf16_gemm() else "FMA tiles")
+            if cpu_kernels.prefer_native_gemm() else "oneDNN")
     print(f"# CPU: {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16: {cpu_kernels.native_bf16_matmul()} "
-          "(False: pagedllm's bf16 matmuls run in kernels/cpu_gemm_bf16.c; HF's bf16 is emulated)")
+          f"(False: HF's bf16 is emulated); pagedllm's bf16 matmuls: {ours}")
     t, n = bench_pagedllm(args, prompts)
     print(f"pagedllm  LLM.generate: {n} tokens in {t:.2f} s = {n / t:.1f} generated tokens/s"
           " (prefix caching on)")

@@ -12,11 +12,13 @@ DRAM read bandwidth.
 (one pass instead of torch's add + norm; the model uses it on CPU in bf16).
 
 :func:`gemm_bf16w` runs ``cpu_gemm_bf16.c``: matmuls with bf16 weights (laid out once by
-:func:`pack_bf16_weight`) in float32 AVX2 + FMA register tiles, for CPUs without bf16
-arithmetic, where torch emulates bf16 matmuls at a sixth of its float32 speed
-(:func:`native_bf16_matmul`). On a 2-core AVX2 EPYC (``benchmarks/cpu_gemm.py``): 51-72
-GFLOP/s at 16-64 rows (torch bf16: 8-11, torch float32: 5-59) and 15-33 GB/s of weights for
-one row.
+:func:`pack_bf16_weight` in the layout of :func:`gemm_layout`). With AVX512-BF16, vdpbf16ps
+register tiles: on a 2-core Zen 4 (``benchmarks/cpu_gemm.py``) 340-440 GFLOP/s at 16-512 rows
+against oneDNN's 130-420, and 70-120 GB/s of weights for one row. Elsewhere float32 AVX2 + FMA
+tiles, for CPUs where torch emulates bf16 matmuls at a sixth of its float32 speed
+(:func:`native_bf16_matmul`): on a 2-core AVX2 EPYC 51-72 GFLOP/s at 16-64 rows (torch bf16:
+8-11, torch float32: 5-59) and 15-33 GB/s of weights for one row. :func:`prefer_native_gemm`
+says where the model uses it.
 
 The shared library is compiled with ``-O3 -march=native -fopenmp -ffast-math`` (then linked
 without ``-ffast-math``) on first use into ``$PAGEDLLM_KERNEL_CACHE`` (default ``~/.cache/pagedllm/kernels``), named by a hash of the
@@ -140,6 +142,8 @@ def bind(path: Path | str) -> ctypes.CDLL:
     gemm = lib.pagedllm_gemm_bf16w
     gemm.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, i64, ctypes.c_int]
     gemm.restype = ctypes.c_int
+    lib.pagedllm_gemm_bf16_layout.argtypes = []
+    lib.pagedllm_gemm_bf16_layout.restype = ctypes.c_int
     layers = lib.pagedllm_llama_layers_bf16
     layers.argtypes = [ctypes.POINTER(LlamaLayersArgs)]
     layers.restype = ctypes.c_int
@@ -322,18 +326,66 @@ def native_bf16_matmul() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / 16), K, 16] bf16
-    """Lay a weight ``[N, K]`` (out, in) out for :func:`gemm_bf16w`: panels of 16 output columns,
-    k-major, zero-padded to a multiple of 16 columns, columns permuted inside each panel.
+LAYOUT_FMA = 0  # [P, K, 16], columns permuted: float32 FMA tiles (AVX2 or portable C)
+LAYOUT_PAIRS = 1  # [P, ceil(K / 2), 32]: k-pairs side by side for AVX512-BF16's vdpbf16ps
+
+
+def gemm_layout(lib: ctypes.CDLL | None = None) -> int:
+    """The weight layout the library's GEMM reads (``LAYOUT_FMA`` or ``LAYOUT_PAIRS``, fixed
+    when it was compiled for this CPU); ``LAYOUT_FMA`` when there is no library."""
+    lib = lib or load()
+    return LAYOUT_FMA if lib is None else int(lib.pagedllm_gemm_bf16_layout())
+
+
+def hardware_bf16_gemm(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether :func:`gemm_bf16w` multiplies in bf16 hardware (AVX512-BF16 dot products):
+    then it serves bf16 models even where oneDNN has bf16 too (one C call for all the decoder
+    layers beats ~25 torch calls per layer); on CPUs with AMX, oneDNN's tiles are faster."""
+    return gemm_layout(lib) == LAYOUT_PAIRS and "amx_bf16" not in _cpu_flags().split()
+
+
+def prefer_native_gemm() -> bool:
+    """Whether a bf16 model on this CPU should run its matmuls in :func:`gemm_bf16w` rather than
+    torch's: where torch emulates bf16 (no :func:`native_bf16_matmul`), and where our GEMM has
+    bf16 hardware (:func:`hardware_bf16_gemm`). On a 2-core Zen 4 (AVX512-BF16, no AMX) with
+    SmolLM2's shapes at 16-64 rows: 340-430 GFLOP/s against oneDNN's 130-315
+    (``benchmarks/cpu_gemm.py``, 2026-12-01)."""
+    return load() is not None and (not native_bf16_matmul() or hardware_bf16_gemm())
+
+
+def packed_shape(n: int, k: int, layout: int) -> tuple[int, int, int]:
+    """The shape of an ``[n, k]`` weight packed in ``layout``."""
+    panels = -(-n // PANEL)
+    return (panels, k, PANEL) if layout == LAYOUT_FMA else (panels, -(-k // 2), 2 * PANEL)
+
+
+def pack_bf16_weight(weight: torch.Tensor, layout: int | None = None) -> torch.Tensor:
+    """Lay a weight ``[N, K]`` (out, in) out for :func:`gemm_bf16w` in panels of 16 output
+    columns, zero-padded to a multiple of 16 columns (``packed_shape``). ``layout`` (default:
+    the loaded library's, :func:`gemm_layout`):
+
+    - ``LAYOUT_FMA``: ``[P, K, 16]``, k-major, columns stored 0-3, 8-11, 4-7, 12-15 (AVX2's
+      unpacklo / unpackhi then give columns 0-7 and 8-15);
+    - ``LAYOUT_PAIRS``: ``[P, ceil(K / 2), 32]``, each k-pair's 16 columns as (W[c, 2j],
+      W[c, 2j + 1]) pairs, an odd K padded with a zero k.
 
     Raises:
-        ValueError: ``weight`` is not a 2-D bfloat16 CPU tensor.
+        ValueError: ``weight`` is not a 2-D bfloat16 CPU tensor, or an unknown ``layout``.
     """
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         raise ValueError(f"weight must be a 2-D [N, K] bfloat16 CPU tensor, got {tuple(weight.shape)} "
                          f"{weight.dtype} on {weight.device}")
+    layout = gemm_layout() if layout is None else layout
+    if layout not in (LAYOUT_FMA, LAYOUT_PAIRS):
+        raise ValueError(f"layout must be LAYOUT_FMA or LAYOUT_PAIRS, got {layout}")
     n, k = weight.shape
     panels = -(-n // PANEL)
+    if layout == LAYOUT_PAIRS:
+        kp = -(-k // 2)
+        padded = torch.zeros(panels * PANEL, 2 * kp, dtype=torch.bfloat16)
+        padded[:n, :k] = weight.detach()
+        # [P, 16, KP, 2] -> [P, KP, 16, 2]
+        return padded.view(panels, PANEL, kp, 2).transpose(1, 2).reshape(panels, kp, 2 * PANEL).contiguous()
     padded = torch.zeros(panels * PANEL, k, dtype=torch.bfloat16)
     padded[:n] = weight.detach()
     inv = torch.empty_like(_PANEL_ORDER)
@@ -341,24 +393,31 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N
     return padded.view(panels, PANEL, k)[:, inv].transpose(1, 2).contiguous()
 
 
-def unpack_bf16_weight(packed: torch.Tensor, n: int) -> torch.Tensor:  # -> [n, K] bf16
-    """The weight ``[n, K]`` that :func:`pack_bf16_weight` laid out as ``packed``."""
-    panels, k, _ = packed.shape
-    return packed.transpose(1, 2)[:, _PANEL_ORDER].reshape(panels * PANEL, k)[:n].contiguous()
+def unpack_bf16_weight(packed: torch.Tensor, n: int, k: int | None = None) -> torch.Tensor:  # -> [n, k] bf16
+    """The weight ``[n, k]`` that :func:`pack_bf16_weight` laid out as ``packed`` (the layout
+    read from its last dimension; ``k`` is needed only for an odd K in ``LAYOUT_PAIRS``)."""
+    panels, rows, width = packed.shape
+    if width == 2 * PANEL:  # LAYOUT_PAIRS
+        k = 2 * rows if k is None else k
+        full = packed.view(panels, rows, PANEL, 2).transpose(1, 2).reshape(panels * PANEL, 2 * rows)
+        return full[:n, :k].contiguous()
+    return packed.transpose(1, 2)[:, _PANEL_ORDER].reshape(panels * PANEL, rows)[:n].contiguous()
 
 
 def gemm_bf16w(
     x: torch.Tensor,  # [M, K] bfloat16 or float32, unit stride along K
-    packed: torch.Tensor,  # [ceil(N / 16), K, 16] bfloat16, from pack_bf16_weight
+    packed: torch.Tensor,  # bfloat16, pack_bf16_weight() in the library's layout (packed_shape)
     n: int,  # N, the weight's output columns
     bias: torch.Tensor | None = None,  # [N] bfloat16
     out_dtype: torch.dtype = torch.bfloat16,  # bfloat16 or float32
     lib: ctypes.CDLL | None = None,
     validate: bool = True,  # False: the caller vouches for the tensors (the model's hot path)
 ) -> torch.Tensor:  # [M, N] out_dtype
-    """``F.linear(x, weight, bias)`` for a bf16 ``weight`` on CPUs without bf16 arithmetic
-    (``cpu_gemm_bf16.c``: AVX2 + FMA register tiles, GotoBLAS-style blocking, float32 products
-    and sums, one rounding per output). Runs on ``torch.get_num_threads()`` OpenMP threads.
+    """``F.linear(x, weight, bias)`` for a bf16 ``weight`` (``cpu_gemm_bf16.c``, GotoBLAS-style
+    blocking, float32 sums, one rounding per output): AVX512-BF16 dot products where the CPU
+    has them (``LAYOUT_PAIRS``; a float32 ``x`` is split into bf16 high and low halves, exact
+    to about 2^-17), else float32 AVX2 + FMA tiles (``LAYOUT_FMA``). ``packed`` must be in the
+    library's layout. Runs on ``torch.get_num_threads()`` OpenMP threads.
 
     Raises:
         ValueError: shapes or dtypes that do not fit (the message names the parameter), or no library.
@@ -370,10 +429,11 @@ def gemm_bf16w(
     if validate:
         if x.dtype not in _DTYPES or x.device.type != "cpu" or x.stride(1) != 1:
             raise ValueError("x must be a float32/bfloat16 [M, K] CPU tensor with unit stride along K")
+        expected = packed_shape(n, k, gemm_layout(lib))
         if packed.dtype != torch.bfloat16 or not packed.is_contiguous() or packed.device.type != "cpu" \
-                or packed.shape[1:] != (k, PANEL) \
-                or not (packed.shape[0] - 1) * PANEL < n <= packed.shape[0] * PANEL:
-            raise ValueError(f"packed must be pack_bf16_weight() of an [{n}, {k}] weight, got {tuple(packed.shape)}")
+                or tuple(packed.shape) != expected:
+            raise ValueError(f"packed must be pack_bf16_weight() of an [{n}, {k}] weight in this library's layout "
+                             f"{gemm_layout(lib)}: shape {expected}, got {tuple(packed.shape)}")
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.shape != (n,)
                                  or bias.device.type != "cpu"):
             raise ValueError(f"bias must be a dense [{n}] bfloat16 CPU tensor")

@@ -1,7 +1,7 @@
 /*
  * The decoder layers of a Llama-family model in bfloat16 on the CPU, in one call per forward
- * pass: for CPUs without bf16 arithmetic, whose matmuls run in the bf16-weight GEMM
- * (cpu_gemm_bf16.c). It strings together the library's kernels with the three small steps
+ * pass, where the model's matmuls run in the bf16-weight GEMM (cpu_gemm_bf16.c:
+ * AVX512-BF16 or AVX2 CPUs; kernels/cpu_kernels.py: prefer_native_gemm). It strings together the library's kernels with the three small steps
  * between them, so a step pays one ctypes call instead of ~25 torch / ctypes calls per layer
  * (each 4-15 us of Python on a 2-core EPYC: ~9 ms of a 23 ms single-token step).
  *

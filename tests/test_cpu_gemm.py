@@ -8,12 +8,23 @@ from native_builds import NEEDS_KERNEL, build_library, library_params
 
 from kernels import cpu_kernels
 
+HAS_AVX512_BF16 = "avx512_bf16" in cpu_kernels._cpu_flags().split()
 
-@pytest.fixture(scope="module", params=library_params(("-mno-avx2", "-mno-fma")))
+
+@pytest.fixture(scope="module", params=[
+    *library_params(("-mno-avx2", "-mno-fma")),
+    pytest.param(("fma", ("-mno-avx512bf16",)), id="fma", marks=[NEEDS_KERNEL, pytest.mark.skipif(
+        not HAS_AVX512_BF16, reason="without AVX512-BF16 the native build is the AVX2 + FMA one")]),
+])
 def lib(request, tmp_path_factory):
-    """The library as built for this CPU (the AVX2 + FMA tiles on x86), and a build without
-    AVX2 / FMA (the portable C tiles)."""
+    """The library as built for this CPU (AVX512-BF16 dot-product tiles where the CPU has them,
+    else AVX2 + FMA tiles on x86), a build without AVX512-BF16 on such CPUs (the AVX2 + FMA
+    tiles), and a build without AVX2 / FMA (the portable C tiles)."""
     return build_library(request.param, tmp_path_factory)
+
+
+def _pack(w, lib):  # in the layout this library reads
+    return cpu_kernels.pack_bf16_weight(w, cpu_kernels.gemm_layout(lib))
 
 
 def _data(m: int, n: int, k: int, seed: int = 0):
@@ -38,7 +49,7 @@ def test_gemm_matches_float32_matmul(lib, m, n, k, with_bias):
     cross a rounding boundary)."""
     x, w, bias = _data(m, n, k)
     bias = bias if with_bias else None
-    packed = cpu_kernels.pack_bf16_weight(w)
+    packed = _pack(w, lib)
     ref = _reference(x, w, bias)
     out32 = cpu_kernels.gemm_bf16w(x, packed, n, bias, torch.float32, lib=lib)
     assert out32.shape == (m, n) and out32.dtype == torch.float32
@@ -55,7 +66,7 @@ def test_gemm_float32_input_strided_rows_and_threads(lib):
     thread count give the same values; each output's sum runs on one thread in one order, so
     1 and 2 threads agree bit for bit."""
     x, w, bias = _data(13, 200, 96)
-    packed = cpu_kernels.pack_bf16_weight(w)
+    packed = _pack(w, lib)
     wide = torch.randn(13, 160).bfloat16()
     wide[:, 32:128] = x
     strided = wide[:, 32:128]
@@ -82,7 +93,7 @@ def test_nan_and_inf_stay_in_their_row(lib):
     x, w, _ = _data(7, 40, 32)
     x[3, 5] = float("nan")
     w[9, 0] = float("inf")
-    packed = cpu_kernels.pack_bf16_weight(w)
+    packed = _pack(w, lib)
     for dtype in (torch.float32, torch.bfloat16):
         out = cpu_kernels.gemm_bf16w(x, packed, 40, None, dtype, lib=lib).float()
         assert out[3].isnan().all()
@@ -91,22 +102,57 @@ def test_nan_and_inf_stay_in_their_row(lib):
         assert torch.cat([others[:, :9], others[:, 10:]], dim=1).isfinite().all()
 
 
+def test_gemm_float32_input_with_low_bits(lib):
+    """A float32 input whose values are not bf16 numbers: its low bits count (AVX512-BF16 tiles
+    split it into bf16 high and low halves; the FMA tiles use it as is), to about 2^-16 of
+    sum |x| |w| against a float64 matmul, far below bf16's 2^-8."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 301, generator=gen)  # odd K: padded pairs
+    w = torch.randn(70, 301, generator=gen).bfloat16()
+    ref = x.double() @ w.double().t()
+    out = cpu_kernels.gemm_bf16w(x, _pack(w, lib), 70, None, torch.float32, lib=lib).double()
+    bound = (x.double().abs() @ w.double().abs().t()) * 2.0**-16
+    assert ((out - ref).abs() <= bound).all()
+    rounded = x.bfloat16().double() @ w.double().t()  # what rounding x to bf16 first would give
+    assert (rounded - ref).abs().max() > 10 * (out - ref).abs().max()
+
+
 def test_pack_layout_is_panels_of_sixteen_permuted_columns():
-    """pack_bf16_weight: [ceil(N / 16), K, 16], zero-padded, columns 0-3, 8-11, 4-7, 12-15."""
+    """LAYOUT_FMA: [ceil(N / 16), K, 16], zero-padded, columns 0-3, 8-11, 4-7, 12-15."""
     w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3).bfloat16()
-    packed = cpu_kernels.pack_bf16_weight(w)
-    assert packed.shape == (2, 3, 16)
+    packed = cpu_kernels.pack_bf16_weight(w, cpu_kernels.LAYOUT_FMA)
+    assert packed.shape == (2, 3, 16) == cpu_kernels.packed_shape(20, 3, cpu_kernels.LAYOUT_FMA)
     order = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
     assert packed[0, 1].tolist() == [float(3 * c + 1) for c in order]
     assert packed[1, 2].tolist() == [3 * (16 + c) + 2 if c < 4 else 0 for c in order]
 
 
-@NEEDS_KERNEL
-def test_unpack_gives_back_the_weight():
-    """unpack_bf16_weight inverts pack_bf16_weight (padding dropped), bit for bit."""
-    for n, k in ((20, 3), (16, 5), (584, 576)):
+def test_pack_layout_pairs_holds_k_pairs_side_by_side():
+    """LAYOUT_PAIRS: [ceil(N / 16), ceil(K / 2), 32]: per k-pair j, (W[c, 2j], W[c, 2j + 1]) for
+    c = 0..15, an odd K and the missing columns padded with zero."""
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3).bfloat16()
+    packed = cpu_kernels.pack_bf16_weight(w, cpu_kernels.LAYOUT_PAIRS)
+    assert packed.shape == (2, 2, 32) == cpu_kernels.packed_shape(20, 3, cpu_kernels.LAYOUT_PAIRS)
+    assert packed[0, 0].tolist() == [float(v) for c in range(16) for v in (3 * c, 3 * c + 1)]
+    assert packed[0, 1].tolist() == [float(v) for c in range(16) for v in (3 * c + 2, 0)]
+    assert packed[1, 0].tolist() == [float(v) for c in range(16, 32)
+                                     for v in ((3 * c, 3 * c + 1) if c < 20 else (0, 0))]
+
+
+@pytest.mark.parametrize("layout", [0, 1], ids=["fma", "pairs"])
+def test_unpack_gives_back_the_weight(layout):
+    """unpack_bf16_weight inverts pack_bf16_weight in either layout (padding dropped), bit for bit."""
+    for n, k in ((20, 3), (16, 5), (16, 6), (584, 576)):
         w = torch.randn(n, k).bfloat16()
-        assert torch.equal(cpu_kernels.unpack_bf16_weight(cpu_kernels.pack_bf16_weight(w), n), w)
+        assert torch.equal(cpu_kernels.unpack_bf16_weight(cpu_kernels.pack_bf16_weight(w, layout), n, k), w)
+
+
+@NEEDS_KERNEL
+def test_a_weight_packed_for_the_other_layout_is_refused(lib):
+    x, w, _ = _data(4, 48, 32)
+    other = 1 - cpu_kernels.gemm_layout(lib)
+    with pytest.raises(ValueError, match="packed must be"):
+        cpu_kernels.gemm_bf16w(x, cpu_kernels.pack_bf16_weight(w, other), 48, lib=lib)
 
 
 @NEEDS_KERNEL

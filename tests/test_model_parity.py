@@ -367,9 +367,9 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     model.unpack_weights()
     assert model.use_native_norms(True)  # as the runner sets it: NativeLayers runs the C norms
     new_t, logits_t = paged_greedy(model, PROMPTS, 6, chunk=5)
-    monkeypatch.setattr(cpu_kernels, "native_bf16_matmul", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "prefer_native_gemm", lambda: False)
     assert not model.use_native_matmuls(True)
-    monkeypatch.setattr(cpu_kernels, "native_bf16_matmul", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "prefer_native_gemm", lambda: True)
     assert not _ours(config, tmp_path).use_native_matmuls(True)  # float32: torch's float32 matmuls
     assert not model.use_native_matmuls(False)
     weights = {n: t.clone() for n, t in model.named_parameters()}
@@ -394,7 +394,7 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     assert calls.count(qkv_out) == calls.count(2 * config.intermediate_size)  # every layer of every step
     assert not fused
     monkeypatch.undo()  # the C attention kernel serves every row: all layers in one C call (NativeLayers)
-    monkeypatch.setattr(cpu_kernels, "native_bf16_matmul", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "prefer_native_gemm", lambda: True)
     monkeypatch.setattr(cpu_kernels, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real_gemm(*a, **kw))
     monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
     calls.clear()
@@ -426,7 +426,7 @@ def test_native_layers_refuse_bad_slots_and_lengths(tmp_path, monkeypatch):
     from kernels import cpu_kernels
     from services.executor.models.llama import NativeLayers
 
-    monkeypatch.setattr(cpu_kernels, "native_bf16_matmul", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "prefer_native_gemm", lambda: True)
     config, _ = _tiny_checkpoint("llama3", tmp_path)
     model = _ours(config, tmp_path, torch.bfloat16)
     assert model.use_native_norms(True) and model.use_native_matmuls(True)

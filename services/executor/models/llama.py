@@ -12,8 +12,8 @@ go, and layers call the matmuls directly (no per-call module hooks). In bfloat16
 several tokens run on weights prepacked once into oneDNN's blocked layout
 (:class:`PackedWeights`) with SiLU and the gate * up product as epilogues of the MLP's gate and
 up matmuls; single-token steps use torch's GEMV (:func:`reduced_precision_gemv`). On CPUs
-without bf16 arithmetic, where torch emulates bf16 matmuls, every matmul runs in the native
-bf16-weight GEMM instead (:class:`PanelWeights`, :meth:`LlamaForCausalLM.use_native_matmuls`). RMSNorm in
+with AVX512-BF16 but no AMX, and on CPUs without bf16 arithmetic (where torch emulates bf16
+matmuls), every matmul runs in the native bf16-weight GEMM instead (:class:`PanelWeights`, :meth:`LlamaForCausalLM.use_native_matmuls`). RMSNorm in
 bf16 on CPU is the C kernel with the attention residual add fused into it
 (:meth:`LlamaForCausalLM.use_native_norms`), else in bf16/fp16 one LayerNorm kernel (:func:`rms_norm`), and the best logits of each row are
 recomputed in float32 (:func:`refine_top_logits`) so that bf16 rounding does not decide greedy
@@ -223,11 +223,13 @@ PANEL_WEIGHTS = ("qkv", "o", "gate_up", "down")  # a layer's matmuls, as ``<name
 class PanelWeights:
     """bf16 weights ``[out, in]`` laid out once for :func:`kernels.cpu_kernels.gemm_bf16w`.
 
-    For CPUs without bf16 arithmetic (no AVX512-BF16 / AMX), where torch emulates bf16
-    matmuls: the native GEMM multiplies in float32 on AVX2 + FMA straight from the bf16
-    weights. SmolLM2 shapes on a 2-core AVX2 EPYC (``benchmarks/cpu_gemm.py``): 51-72 GFLOP/s
-    at 16-64 rows against 8-11 for torch's bf16 and 5-59 for torch's float32, and 15-33 GB/s
-    of weights for one row (torch's bf16: 4-10 GB/s). A layer's panels replace its matmul
+    Used where :func:`kernels.cpu_kernels.prefer_native_gemm`. On CPUs without bf16
+    arithmetic the native GEMM multiplies in float32 on AVX2 + FMA straight from the bf16
+    weights; SmolLM2 shapes on a 2-core AVX2 EPYC (``benchmarks/cpu_gemm.py``): 51-72 GFLOP/s
+    at 16-64 rows against 8-11 for torch's emulated bf16 and 5-59 for torch's float32, and
+    15-33 GB/s of weights for one row. With AVX512-BF16 (2-core Zen 4) it runs vdpbf16ps tiles:
+    340-430 GFLOP/s at 16-64 rows against oneDNN's 130-315, and 70-120 GB/s of weights for
+    one row (oneDNN: 12-23 GFLOP/s). A layer's panels replace its matmul
     parameters' storage (:meth:`LlamaDecoderLayer.pack_panels`); the lm_head's are a copy
     of the embedding matrix, which the lookup still needs.
     """
@@ -521,7 +523,8 @@ class LlamaDecoderLayer(nn.Module):
         """Put back the matmul weights that :meth:`pack_panels` released (from the panels)."""
         p = self._parameters
         for name, rows in self._released.items():
-            p[f"{name}_proj_weight"].data = cpu_kernels.unpack_bf16_weight(self.panels.panels[name], rows)
+            param = p[f"{name}_proj_weight"]
+            param.data = cpu_kernels.unpack_bf16_weight(self.panels.panels[name], rows, param.shape[1])
         self._released = {}
 
     def _forward_panels(
@@ -534,8 +537,8 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
-        """:meth:`forward` with every matmul in the native bf16-weight GEMM (CPUs without bf16
-        arithmetic). Roundings as in HF bf16: each matmul output, SiLU and the product in bf16."""
+        """:meth:`forward` with every matmul in the native bf16-weight GEMM (where
+        :func:`kernels.cpu_kernels.prefer_native_gemm`). Roundings as in HF bf16: each matmul output, SiLU and the product in bf16."""
         p, w = self._parameters, self.panels
         t, nh, nkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         _, x = add_rms_norm(h, p["input_layernorm_weight"], self.eps, None, self.native_norms)
@@ -767,13 +770,12 @@ class LlamaForCausalLM(nn.Module):
 
     def use_native_matmuls(self, enabled: bool) -> bool:
         """Run every matmul in the native bf16-weight GEMM (:class:`PanelWeights`) when
-        ``enabled``, the model is bf16 on a CPU without bf16 arithmetic (where torch emulates
-        it: :func:`kernels.cpu_kernels.native_bf16_matmul` is False) and the kernel library
-        builds. Returns whether they now do. SmolLM2 bf16 on a 2-core AVX2 EPYC:
-        see benchmarks/RESULTS.md (2026-12-01, third session)."""
+        ``enabled``, the model is bf16 on a CPU and :func:`kernels.cpu_kernels.prefer_native_gemm`
+        (torch emulates bf16 there, or our GEMM has AVX512-BF16 and the CPU no AMX). Returns
+        whether they now do. SmolLM2 bf16 on 2-core EPYCs: see benchmarks/RESULTS.md
+        (2026-12-01, third and fourth sessions)."""
         self.native_matmuls = bool(
-            enabled and self.dtype == torch.bfloat16 and self._on_cpu and not cpu_kernels.native_bf16_matmul()
-            and cpu_kernels.load() is not None
+            enabled and self.dtype == torch.bfloat16 and self._on_cpu and cpu_kernels.prefer_native_gemm()
         )
         if self.native_matmuls:
             self._pack_panels()
