@@ -72,6 +72,20 @@ static inline void score_row(int dtype, const void* k_cache, int64_t offset, int
   }
 }
 
+/* Ask for the K and V of n tokens from slot0 (every KV head: one contiguous range each) ahead
+   of use. A row's head-0 item asks for the block after the one it computes; the row's other
+   heads, next on the same thread, then find their strided rows in cache. Blocks sit in
+   shuffled physical order, where the hardware prefetchers do not follow. A/B on 64 rows x 150
+   tokens of context, 30 SmolLM2 layers, 2-core Zen 4: 19.65 -> 18.71 ms. */
+static inline void prefetch_block(const void* k_cache, const void* v_cache, int64_t slot0, int64_t n, int64_t Hkv,
+                                  int64_t row_bytes) {
+  const int64_t start = slot0 * Hkv * row_bytes, end = (slot0 + n) * Hkv * row_bytes;
+  for (int64_t c = start; c < end; c += 64) {
+    __builtin_prefetch((const char*)k_cache + c);
+    __builtin_prefetch((const char*)v_cache + c);
+  }
+}
+
 /* One (row, KV head) pair. always_inline: the dispatcher below calls it with constant
  * dtype, G and D for the common shapes, so the compiler unrolls the head-dim loops and keeps
  * the accumulators in registers. */
@@ -113,9 +127,14 @@ static inline __attribute__((always_inline)) void attend_row(
     l[g] = 0.f;
   }
   const float score_scale = bf16_scores ? scale : 1.f; /* bf16 path scores the unscaled query */
+  const int64_t row_bytes = D * (dtype == 1 ? 2 : 4);
+  if (L > 0 && h == 0) prefetch_block(k_cache, v_cache, block_index[b * nblk] * bs, L < bs ? L : bs, Hkv, row_bytes);
   for (int64_t start = 0; start < L; start += bs) {
     const int64_t n = L - start < bs ? L - start : bs;
     const int64_t slot0 = block_index[b * nblk + start / bs] * bs;
+    if (h == 0 && start + bs < L) /* the next block, while this one is computed */
+      prefetch_block(k_cache, v_cache, block_index[b * nblk + start / bs + 1] * bs,
+                     L - start - bs < bs ? L - start - bs : bs, Hkv, row_bytes);
     for (int64_t t = 0; t < n; ++t)
       score_row(dtype, k_cache, ((slot0 + t) * Hkv + h) * D, D, G, qf, qbf, &s[0][t], MAX_BLOCK);
     for (int64_t g = 0; g < G; ++g) {
