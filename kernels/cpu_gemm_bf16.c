@@ -23,14 +23,14 @@
  *         k-major, padded with zero columns; inside a panel the columns are stored in the order
  *         0-3, 8-11, 4-7, 12-15 so that AVX2's unpacklo / unpackhi of one 256-bit load against
  *         zero give float32 columns 0-7 and 8-15 (kernels/cpu_kernels.py: pack_bf16_weight);
-         with AVX512-BF16 instead [P, ceil(K / 2), 16, 2], k-pairs side by side (see gemm_dp).
+ *         with AVX512-BF16 instead [P, ceil(K / 2), 16, 2], k-pairs side by side (see gemm_dp).
  *   bias  [N] bf16 or NULL
  *   out   [M, N]   out[m * ldo + n], bf16 (out_dtype 1) or float32 (0)
  *
  * Blocking (the GotoBLAS / BLIS scheme: Goto & van de Geijn 2008, Van Zee & van de Geijn
  * 2015): each OpenMP thread owns a contiguous range of panels. Rows are taken in chunks of
  * about 96 KiB of float32 A, which each thread converts into its own buffer (kept in L2;
- * 256 KiB of bf16 A, read in place, for the dot-product tiles); for each of its panel groups it
+ * 256 KiB of bf16 A for the dot-product tiles, read in place when K is even); for each of its panel groups it
  * runs register tiles of MR rows x NR panels (6 x 1, 2 x 2 or 1 x 4: 12, 8 or 8 accumulators of
  * 8 floats; 6 x 4 accumulators of 16 floats with AVX512-BF16) over the whole K, so a panel group is read from
  * memory once per chunk and from cache for every tile. One row (decode at batch 1) streams the
@@ -191,8 +191,8 @@ static inline __m512bh pair_of(const uint16_t* p) { /* A[k], A[k + 1] broadcast 
 }
 
 /* acc[MR][NR] = A[MR rows] x (NR panels) over all k-pairs, then a second pass over a_lo when
-   given (the low halves of a float32 A); then bias, rounding and store. a: row stride lda
-   (even), padded with zero to 2 KP columns. */
+   given (the low halves of a float32 A); then bias, rounding and store. a: row stride lda, 2 KP
+   readable columns (an odd K padded with zero by the caller). */
 static inline __attribute__((always_inline)) void dtile(const int MR, const int NR, const uint16_t* a,
                                                          const uint16_t* a_lo, int64_t lda, const uint16_t* w,
                                                          int64_t KP, int64_t n0, int64_t N, const uint16_t* bias,
@@ -400,6 +400,23 @@ int pagedllm_gemm_bf16_layout(void) {
 #ifdef PAGEDLLM_DPBF16
 #define CHUNK_BYTES_DP (256 * 1024) /* bf16 A per row chunk (L2: 1 MiB per Zen 4 core) */
 
+/* a = hi + lo in bf16 (to about 2^-17 relative). inf and NaN keep lo = 0 (inf - inf would be
+   NaN); a finite value that rounds to inf takes the truncated hi, so hi + lo stays finite. The
+   tests are on the bits: the library is compiled with -ffast-math, where isfinite() is folded. */
+static inline void split_bf16(float a, uint16_t* hi, uint16_t* lo) {
+  uint32_t u;
+  memcpy(&u, &a, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u) { /* inf or NaN */
+    *hi = f32_to_bf16(a);
+    *lo = 0;
+    return;
+  }
+  uint16_t h = f32_to_bf16(a);
+  if ((h & 0x7f80u) == 0x7f80u) h = (uint16_t)(u >> 16); /* rounded up to inf: truncate */
+  *hi = h;
+  *lo = f32_to_bf16(a - bf16_to_f32(h));
+}
+
 /* The pairs-layout GEMM: bf16 A with an even K is read in place; an odd K is copied with a
    zero column appended; a float32 A is split into bf16 high and low halves (a = hi + lo to
    about 2^-17 relative), each multiplied in turn into the same accumulators. */
@@ -432,10 +449,7 @@ static int gemm_dp(int a_dtype, const void* a, int64_t lda, const uint16_t* wp, 
             memcpy(dst, (const uint16_t*)a + (m0 + r) * lda, (size_t)K * 2);
           } else {
             const float* src = (const float*)a + (m0 + r) * lda;
-            for (int64_t k = 0; k < K; ++k) {
-              dst[k] = f32_to_bf16(src[k]);
-              lo[r * lda2 + k] = f32_to_bf16(src[k] - bf16_to_f32(dst[k]));
-            }
+            for (int64_t k = 0; k < K; ++k) split_bf16(src[k], dst + k, lo + r * lda2 + k);
             if (K < lda2) lo[r * lda2 + K] = 0;
           }
           if (K < lda2) dst[K] = 0;

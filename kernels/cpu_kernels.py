@@ -22,7 +22,8 @@ says where the model uses it.
 
 The shared library is compiled with ``-O3 -march=native -fopenmp -ffast-math`` (then linked
 without ``-ffast-math``) on first use into ``$PAGEDLLM_KERNEL_CACHE`` (default ``~/.cache/pagedllm/kernels``), named by a hash of the
-sources, the flags, the compiler's version and the CPU's feature flags, so a changed source or
+sources, the flags, the compiler's version, its predefined macros under those flags (what
+``-march=native`` enables) and the CPU's feature flags, so a changed source or
 another machine builds its own. Without a compiler (or if the build fails) :func:`load`
 returns ``None`` once, logs why, and the caller keeps its torch path.
 """
@@ -84,9 +85,13 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> Pat
         raise RuntimeError(f"no C compiler found ({cc or 'gcc/cc'}; set CC or install gcc)")
     compile_flags = [*COMPILE_FLAGS, *extra_flags]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    # what -march=native turns on here (AVX512-BF16 or not ...): a shared cache never hands one
+    # CPU's build to another, even where /proc/cpuinfo cannot be read
+    macros = subprocess.run([cc, *(f for f in compile_flags if f != "-c"), "-E", "-dM", "-x", "c", os.devnull],
+                            capture_output=True, text=True).stdout
     key = hashlib.sha256(
         "\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(compile_flags + LINK_FLAGS), *version,
-                   _cpu_flags(), torch.__version__]).encode()
+                   macros, _cpu_flags(), torch.__version__]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"pagedllm_cpu_kernels-{key}.so"
     if target.exists():
@@ -395,12 +400,20 @@ def pack_bf16_weight(weight: torch.Tensor, layout: int | None = None) -> torch.T
 
 def unpack_bf16_weight(packed: torch.Tensor, n: int, k: int | None = None) -> torch.Tensor:  # -> [n, k] bf16
     """The weight ``[n, k]`` that :func:`pack_bf16_weight` laid out as ``packed`` (the layout
-    read from its last dimension; ``k`` is needed only for an odd K in ``LAYOUT_PAIRS``)."""
+    read from its last dimension). ``k`` (K) is required for ``LAYOUT_PAIRS``, where an odd K
+    was padded by one.
+
+    Raises:
+        ValueError: ``k`` missing or not one the packed shape can hold.
+    """
     panels, rows, width = packed.shape
     if width == 2 * PANEL:  # LAYOUT_PAIRS
-        k = 2 * rows if k is None else k
+        if k is None or not 2 * rows - 1 <= k <= 2 * rows:
+            raise ValueError(f"k must be the weight's K ({2 * rows - 1} or {2 * rows} for {rows} k-pairs), got {k}")
         full = packed.view(panels, rows, PANEL, 2).transpose(1, 2).reshape(panels * PANEL, 2 * rows)
         return full[:n, :k].contiguous()
+    if k is not None and k != rows:
+        raise ValueError(f"k must be the weight's K = {rows}, got {k}")
     return packed.transpose(1, 2)[:, _PANEL_ORDER].reshape(panels * PANEL, rows)[:n].contiguous()
 
 

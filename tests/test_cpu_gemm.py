@@ -40,7 +40,7 @@ def _reference(x, w, bias):  # float32 products and sums of the bf16 values
     return out if bias is None else out + bias.float()
 
 
-@pytest.mark.parametrize("m", [0, 1, 2, 3, 5, 6, 7, 13, 64, 100])  # 100 rows: three row chunks at k = 576
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 5, 6, 7, 13, 64, 100])  # 100 rows: 3 row chunks at k = 576 (FMA tiles)
 @pytest.mark.parametrize("n,k", [(16, 1), (33, 17), (100, 64), (584, 576)])  # 33, 100, 584: a partial last panel
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 def test_gemm_matches_float32_matmul(lib, m, n, k, with_bias):
@@ -102,6 +102,36 @@ def test_nan_and_inf_stay_in_their_row(lib):
         assert torch.cat([others[:, :9], others[:, 10:]], dim=1).isfinite().all()
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_tile_shape_thread_count_and_row_chunk(lib, threads):
+    """6 panels (the last one partial) on 1-3 threads give each thread 6, 3 or 2 panels, so every
+    panel-group width meets the partial panel; 250 rows x K = 576 take more than one row chunk in
+    every build (bf16 and float32 input); rows 1-6 cover every row-tile height. All against the
+    float32 matmul."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m, n, k in ((7, 81, 40), (250, 81, 576), (6, 90, 3)):
+            x, w, bias = _data(m, n, k, seed=m)
+            packed = _pack(w, lib)
+            ref = _reference(x, w, bias)
+            for a in (x, x.float()):
+                out = cpu_kernels.gemm_bf16w(a, packed, n, bias, torch.float32, lib=lib)
+                torch.testing.assert_close(out, ref, atol=1e-4 * k**0.5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_float32_input_inf_and_overflow(lib):
+    """Float32 inputs beyond bf16's range: an infinite input times a positive weight gives inf,
+    and 3.4e38 (which rounds up to inf in bf16) stays finite, as in a float32 matmul."""
+    w = torch.ones(16, 2).bfloat16()
+    x = torch.tensor([[float("inf"), 1.0], [3.4e38, 0.0], [-3.4e38, 1.0]])
+    out = cpu_kernels.gemm_bf16w(x, _pack(w, lib), 16, None, torch.float32, lib=lib)
+    assert out[0].isposinf().all()
+    torch.testing.assert_close(out[1:], (x.double() @ w.double().t()).float()[1:], rtol=1e-5, atol=0)
+
+
 def test_gemm_float32_input_with_low_bits(lib):
     """A float32 input whose values are not bf16 numbers: its low bits count (AVX512-BF16 tiles
     split it into bf16 high and low halves; the FMA tiles use it as is), to about 2^-16 of
@@ -145,6 +175,36 @@ def test_unpack_gives_back_the_weight(layout):
     for n, k in ((20, 3), (16, 5), (16, 6), (584, 576)):
         w = torch.randn(n, k).bfloat16()
         assert torch.equal(cpu_kernels.unpack_bf16_weight(cpu_kernels.pack_bf16_weight(w, layout), n, k), w)
+
+
+def test_unpack_needs_a_k_the_packed_shape_can_hold():
+    w = torch.randn(20, 5).bfloat16()
+    pairs = cpu_kernels.pack_bf16_weight(w, cpu_kernels.LAYOUT_PAIRS)  # 3 k-pairs: K is 5 or 6
+    for k in (None, 4, 7):
+        with pytest.raises(ValueError, match="k must be"):
+            cpu_kernels.unpack_bf16_weight(pairs, 20, k)
+    with pytest.raises(ValueError, match="k must be"):
+        cpu_kernels.unpack_bf16_weight(cpu_kernels.pack_bf16_weight(w, cpu_kernels.LAYOUT_FMA), 20, 6)
+
+
+def test_which_cpus_use_the_native_gemm(monkeypatch):
+    """prefer_native_gemm: where torch emulates bf16 (no oneDNN bf16), or where our GEMM has
+    AVX512-BF16 and the CPU no AMX; never without the library."""
+    layouts = {"pairs": cpu_kernels.LAYOUT_PAIRS, "fma": cpu_kernels.LAYOUT_FMA}
+    cases = [  # (oneDNN bf16, our layout, cpu flags) -> prefer
+        ((False, "fma", "avx2 fma"), True),
+        ((True, "fma", "avx512f avx2"), False),
+        ((True, "pairs", "avx512f avx512_bf16"), True),
+        ((True, "pairs", "avx512f avx512_bf16 amx_bf16 amx_tile"), False),
+    ]
+    monkeypatch.setattr(cpu_kernels, "load", lambda: object())
+    for (onednn, layout, flags), prefer in cases:
+        monkeypatch.setattr(cpu_kernels, "native_bf16_matmul", lambda v=onednn: v)
+        monkeypatch.setattr(cpu_kernels, "gemm_layout", lambda lib=None, v=layouts[layout]: v)
+        monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda v=flags: f"flags\t: {v}")
+        assert cpu_kernels.prefer_native_gemm() is prefer, (onednn, layout, flags)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    assert not cpu_kernels.prefer_native_gemm()
 
 
 @NEEDS_KERNEL

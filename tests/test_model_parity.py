@@ -354,11 +354,11 @@ def test_bf16_native_norms_match_torch_norms(name, tmp_path):
 @pytest.mark.skipif(__import__("kernels.cpu_kernels").cpu_kernels.load() is None, reason="no C compiler")
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "llama_bias"])
 def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
-    """On a CPU without bf16 arithmetic every matmul runs in the native bf16-weight GEMM
-    (biases included, float32 logits), per layer or with all layers in one C call
-    (NativeLayers, when the C attention kernel serves every row): the same greedy tokens and
-    logits as torch's bf16 matmuls (prefill, chunk and decodes). With native bf16 (oneDNN)
-    or in float32 it stays off."""
+    """Where prefer_native_gemm (AVX2 CPUs, AVX512-BF16 without AMX) every matmul runs in the
+    native bf16-weight GEMM (biases included, float32 logits), per layer or with all layers in
+    one C call (NativeLayers, when the C attention kernel serves every row): the same greedy
+    tokens and logits as torch's bf16 matmuls (prefill, chunk and decodes). Elsewhere, or in
+    float32, it stays off."""
     from kernels import cpu_kernels
     from services.executor.models.llama import NativeLayers
 
