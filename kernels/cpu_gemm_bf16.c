@@ -406,12 +406,12 @@ int pagedllm_gemm_bf16_layout(void) {
 static inline void split_bf16(float a, uint16_t* hi, uint16_t* lo) {
   uint32_t u;
   memcpy(&u, &a, 4);
+  uint16_t h = f32_to_bf16(a);
   if ((u & 0x7f800000u) == 0x7f800000u) { /* inf or NaN */
-    *hi = f32_to_bf16(a);
+    *hi = h;
     *lo = 0;
     return;
   }
-  uint16_t h = f32_to_bf16(a);
   if ((h & 0x7f80u) == 0x7f80u) h = (uint16_t)(u >> 16); /* rounded up to inf: truncate */
   *hi = h;
   *lo = f32_to_bf16(a - bf16_to_f32(h));
@@ -462,18 +462,10 @@ static int gemm_dp(int a_dtype, const void* a, int64_t lda, const uint16_t* wp, 
 }
 #endif
 
-int pagedllm_gemm_bf16w(int a_dtype, const void* a, int64_t lda, const uint16_t* wp, const uint16_t* bias,
-                        int out_dtype, void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads) {
-  if (M < 0 || N < 1 || K < 1 || lda < K || ldo < N || (a_dtype != 0 && a_dtype != 1) ||
-      (out_dtype != 0 && out_dtype != 1))
-    return 1;
-  if (M == 0) return 0;
+/* The FMA-layout GEMM (AVX2 or portable tiles): A converted to float32 row chunks per thread. */
+static int gemm_fma(int a_dtype, const void* a, int64_t lda, const uint16_t* wp, const uint16_t* bias, int out_dtype,
+                    void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads) {
   const int64_t P = (N + PANEL - 1) / PANEL;
-  if (num_threads < 1) num_threads = 1;
-  if (num_threads > P) num_threads = (int)P;
-#ifdef PAGEDLLM_DPBF16
-  return gemm_dp(a_dtype, a, lda, wp, bias, out_dtype, out, ldo, M, N, K, num_threads);
-#endif
   const int64_t chunk = row_chunk(CHUNK_FLOATS / K, M);
   int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
@@ -500,4 +492,20 @@ int pagedllm_gemm_bf16w(int a_dtype, const void* a, int64_t lda, const uint16_t*
     }
   }
   return failed ? 2 : 0;
+}
+
+int pagedllm_gemm_bf16w(int a_dtype, const void* a, int64_t lda, const uint16_t* wp, const uint16_t* bias,
+                        int out_dtype, void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads) {
+  if (M < 0 || N < 1 || K < 1 || lda < K || ldo < N || (a_dtype != 0 && a_dtype != 1) ||
+      (out_dtype != 0 && out_dtype != 1))
+    return 1;
+  if (M == 0) return 0;
+  const int64_t P = (N + PANEL - 1) / PANEL;
+  if (num_threads < 1) num_threads = 1;
+  if (num_threads > P) num_threads = (int)P;
+#ifdef PAGEDLLM_DPBF16
+  return gemm_dp(a_dtype, a, lda, wp, bias, out_dtype, out, ldo, M, N, K, num_threads);
+#else
+  return gemm_fma(a_dtype, a, lda, wp, bias, out_dtype, out, ldo, M, N, K, num_threads);
+#endif
 }
