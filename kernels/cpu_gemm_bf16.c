@@ -172,18 +172,6 @@ TILE_FN(1, 1)
  * instruction treats bf16 denormals as zero (DAZ) and flushes denormal results (FTZ); products
  * are exact and each of the two additions rounds to nearest even, as an FMA chain does. */
 
-/* 16 float32 -> 16 bf16, rounded as f32_to_bf16 (nearest even, NaN kept quiet, denormals kept,
-   unlike vcvtneps2bf16). */
-static inline __m256i bf16x16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i hi = _mm512_srli_epi32(u, 16);
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)),
-                                                   _mm512_set1_epi32(0x7fff)));
-  r = _mm512_srli_epi32(r, 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_or_si512(hi, _mm512_set1_epi32(64)));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 static inline __m512bh pair_of(const uint16_t* p) { /* A[k], A[k + 1] broadcast to 16 lanes */
   int32_t v;
   memcpy(&v, p, 4);

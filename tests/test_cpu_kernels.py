@@ -212,27 +212,44 @@ def test_the_kernel_shares_torchs_openmp_runtime():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rows_of_prefills_chunks_and_decodes_match_reference(lib, dtype):
+@pytest.mark.parametrize(
+    ("hkv", "group", "d", "bs", "shuffle"),
+    [(3, 3, 64, 16, False), (3, 3, 64, 16, True), (2, 8, 128, 32, False), (1, 5, 96, 8, True),
+     (2, 1, 32, 128, False), (4, 4, 64, 16, True)],
+    ids=lambda v: str(v),
+)
+def test_rows_of_prefills_chunks_and_decodes_match_reference(lib, dtype, hkv, group, d, bs, shuffle):
     """Query rows of several kinds in one call, each row attending causally: prefills (no
-    context), chunks over cached context (on and one past block boundaries), decodes."""
+    context), chunks over cached context (on and one past block boundaries), decodes. The
+    bf16 kernel reads each K/V chunk once for a tile of up to 8 rows of one sequence: runs of
+    1..30 rows, tiles cut at 8, group 8 x head_dim 128 (accumulators beyond the registers),
+    a shape without a specialised kernel (group 5 x 96) and, shuffled, rows of one sequence
+    out of order and apart."""
     gen = torch.Generator().manual_seed(5)
-    bs, hkv, group, d = 16, 3, 3, 64
     kinds = [(0, 7), (0, 16), (16, 16), (17, 3), (40, 1), (0, 1), (5, 30), (100, 1)]  # (context, new tokens)
     seq_lens = [c + n for c, n in kinds]
     tables, num_blocks, nblk = _shuffled_tables(random.Random(5), seq_lens, bs)
     shape = (num_blocks, bs, hkv, d)
     key_cache = torch.randn(shape, generator=gen).to(dtype)  # every new token's K/V already written
     value_cache = torch.randn(shape, generator=gen).to(dtype)
+    unused = torch.ones(num_blocks, bs, dtype=torch.bool)  # NaN there: the kernel must never read it
+    for table, n in zip(tables, seq_lens, strict=True):
+        unused.view(-1)[torch.tensor(table).repeat_interleave(bs) * bs + torch.arange(len(table) * bs).remainder(bs)
+                        ] = torch.arange(len(table) * bs) >= n
+    key_cache[unused], value_cache[unused] = float("nan"), float("nan")
     t = sum(n for _, n in kinds)
     query = torch.randn(t, hkv * group, d, generator=gen).to(dtype)
     row_seq = torch.tensor([b for b, (_, n) in enumerate(kinds) for _ in range(n)])
     row_len = torch.tensor([c + i + 1 for c, n in kinds for i in range(n)])
     padded = torch.tensor([tb + [0] * (nblk - len(tb)) for tb in tables])
-    out = cpu_kernels.paged_attention_rows(query, key_cache, value_cache, padded, nblk, row_seq, row_len, 0.125,
-                                           lib=lib)
     qsl = torch.tensor([0] + [sum(n for _, n in kinds[: i + 1]) for i in range(len(kinds))], dtype=torch.int32)
     expected = reference.paged_attention(query, key_cache, value_cache, padded.int(),
                                          torch.tensor(seq_lens, dtype=torch.int32), qsl, 0.125)
+    if shuffle:  # the kernel takes rows in any order
+        perm = torch.randperm(t, generator=gen)
+        query, row_seq, row_len, expected = query[perm], row_seq[perm], row_len[perm], expected[perm]
+    out = cpu_kernels.paged_attention_rows(query, key_cache, value_cache, padded, nblk, row_seq, row_len, 0.125,
+                                           lib=lib)
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 
 
