@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(8192, ge=1, description="Token budget of one step")
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of common prefixes")
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    async_scheduling: bool = Field(
+        True, description="Plan step N + 1 while the executor runs step N (hides the scheduler round trip)"
+    )
     seed: int = 0
     tensor_parallel_size: int = 1
     attention_backend: Literal["auto", "torch", "triton", "reference"] = Field(

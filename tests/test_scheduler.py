@@ -3,13 +3,25 @@ exactly as the real ModelRunner does, and 'samples' a deterministic function of 
 
 from __future__ import annotations
 
+import functools
 import random
+import sys
 
 import pytest
 
+from services.scheduler import scheduler as scheduler_module
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.messages import SamplingParams, StepPlan, StepResult
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
+def async_scheduling(request, monkeypatch) -> bool:
+    """Every test runs with one step in flight and with async scheduling (two in flight:
+    ``run`` plans step N + 1 before it executes step N)."""
+    monkeypatch.setattr(sys.modules[__name__], "SchedulerConfig",
+                        functools.partial(scheduler_module.SchedulerConfig, async_scheduling=request.param))
+    return request.param
 
 VOCAB = 1000
 EOS = 999
@@ -27,6 +39,7 @@ class FakeExecutor:
         self.num_blocks = num_blocks
         self.state: dict[str, dict] = {}
         self.slots: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix whose K/V it holds
+        self.queue: list[StepPlan] = []  # plans received, not yet executed (see run)
 
     def execute(self, plan: StepPlan) -> StepResult:
         for rid in plan.finished_request_ids:
@@ -100,14 +113,29 @@ def make_request(
     )
 
 
-def run(sched: Scheduler, ex: FakeExecutor, group: str = "g0", max_steps: int = 10_000, on_step=None):
-    outputs: dict[str, list[int]] = {}
-    plans = []
-    for _ in range(max_steps):
+def plan_ahead(sched: Scheduler, group: str, queue: list[StepPlan]) -> list[StepPlan]:
+    """Plan as the scheduler service does, while the group has room in flight; the plans
+    join ``queue`` (the executor's, executed in order)."""
+    planned = []
+    while sched.can_schedule(group):
         plan = sched.schedule(group)
         if plan is None:
             break
-        plans.append(plan)
+        planned.append(plan)
+    queue.extend(planned)
+    return planned
+
+
+def run(sched: Scheduler, ex: FakeExecutor, group: str = "g0", max_steps: int = 10_000, on_step=None):
+    """Plan, execute the oldest plan in flight, apply its result; until nothing is left."""
+    outputs: dict[str, list[int]] = {}
+    plans: list[StepPlan] = []
+    queue = ex.queue  # plans in flight outlive one call (run(..., max_steps=2), then run again)
+    for _ in range(max_steps):
+        plans += plan_ahead(sched, group, queue)
+        if not queue:
+            break
+        plan = queue.pop(0)
         outcome = sched.update_from_output(ex.execute(plan))
         for req in outcome.finished:
             outputs[req.request_id] = list(req.output_token_ids)
@@ -203,13 +231,14 @@ def test_aborts_at_any_moment_free_every_block(seed):
         r = make_request(f"r{i}", prompt_len=rng.randrange(1, 60), max_tokens=rng.randrange(1, 40), seed=i)
         sched.add_request(r)
         ids.append(r.request_id)
+    queue: list[StepPlan] = []
     for _ in range(200):
-        plan = sched.schedule("g0")
-        if plan is None:
+        plan_ahead(sched, "g0", queue)
+        if not queue:
             break
-        if rng.random() < 0.3:
+        if rng.random() < 0.3:  # between planning and the result: with steps in flight
             sched.abort([rng.choice(ids)])
-        sched.update_from_output(ex.execute(plan))
+        sched.update_from_output(ex.execute(queue.pop(0)))
     sched.abort(ids)
     assert sched.groups["g0"].kv.num_free_blocks == 20
     assert not sched.requests and not sched.waiting and not sched.groups["g0"].running
@@ -394,3 +423,28 @@ def test_cache_salt_separates_prefix_caches():
     waves[1][1].cache_extra_keys = ("s2",)
     _, cached, _ = run_workload(waves, True)
     assert cached == {"a": 0, "same-salt": 48, "salted": 0}
+
+
+def test_async_scheduling_keeps_two_steps_in_flight_and_drops_the_token_after_a_stop(async_scheduling):
+    """Decodes are planned on output placeholders (step N + 1 before N's result); a request
+    that stops on a stop token computes at most one token more, which is dropped, and one at
+    max_tokens is not planned past it."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256))
+    sched.add_group("g0", num_blocks=32, block_size=16)
+    ex = FakeExecutor(32, 16)
+    stopper = make_request("stop", prompt_len=10, max_tokens=50, seed=1)
+    stop_at = expected(make_request("stop", prompt_len=10, max_tokens=50, seed=1))[3]
+    stopper.sampling_params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, stop_token_ids=[stop_at])
+    capped = make_request("cap", prompt_len=7, max_tokens=6, seed=2)
+    for r in (stopper, capped):
+        assert sched.add_request(r) is None
+    depth = []
+    outputs, plans = run(sched, ex, on_step=lambda plan: depth.append(len(sched.groups["g0"].in_flight)))
+    full = expected(make_request("stop", prompt_len=10, max_tokens=50, seed=1))
+    assert outputs == {"stop": full[: full.index(stop_at) + 1], "cap": expected(capped)}
+    computed = [p.num_scheduled_tokens.get("stop", 0) for p in plans]
+    sampled_steps = sum(1 for n in computed[1:] if n)  # decodes after the prefill
+    assert sampled_steps == full.index(stop_at) + (1 if async_scheduling else 0)  # one wasted in flight
+    assert sum(p.num_scheduled_tokens.get("cap", 0) for p in plans) == 7 + 6 - 1  # never past max_tokens
+    assert max(depth) == (1 if async_scheduling else 0)  # one more plan waits while a step runs
+    assert sched.groups["g0"].kv.num_free_blocks == 32 and not sched.requests

@@ -54,6 +54,7 @@ class ExecutorService:
         # thread, and teams of several threads spin against each other on a small CPU.
         self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-torch")
         self._pinging = False
+        self._recovering = False  # after a failed step, until registered again: drop plans
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -94,6 +95,7 @@ class ExecutorService:
                 self._pinging = True
                 await answer_pings(self.bus, self.model_info.name, self.name)
             self.registered.set()
+            self._recovering = False
             return
 
     async def _register_and_heartbeat(self) -> None:
@@ -103,6 +105,11 @@ class ExecutorService:
             await self.bus.publish(self.subjects.heartbeat, Heartbeat(group_id=self.group_id, time=time.time()))
 
     async def _on_step(self, plan: StepPlan) -> None:
+        if self._recovering:
+            # planned before the scheduler dropped this group for a failed step (async
+            # scheduling keeps one more in flight): its requests are gone from both sides
+            log.info("stale_step_dropped", step_id=plan.step_id)
+            return
         t0 = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
@@ -122,4 +129,5 @@ class ExecutorService:
             # clean and join again.
             self.runner.requests.clear()
             self.registered.clear()
+            self._recovering = True
             self._tasks.append(asyncio.create_task(self._register()))

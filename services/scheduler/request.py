@@ -54,6 +54,9 @@ class Request:
     index: int = 0
     child_ids: list[str] = field(default_factory=list)
     fork_pending: bool = False  # the step in flight forks this request
+    # async scheduling: tokens sampled by steps in flight whose results have not arrived
+    num_output_placeholders: int = 0
+    epoch: int = 0  # bumped when preempted or requeued: results of earlier steps are stale
 
     @property
     def needs_fork(self) -> bool:

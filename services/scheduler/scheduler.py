@@ -11,6 +11,13 @@ applies its ``StepResult``. Per step, as in vLLM V1:
    (``max_num_batched_tokens``) and free blocks allow, reusing their longest cached prefix;
    a prompt longer than the budget left is prefilled in chunks.
 Prefills and decodes share the step.
+
+With ``async_scheduling`` (vLLM's async scheduling) a group may have two steps in flight: step
+N + 1 is planned while the executor runs step N. A request that samples in a step in flight
+holds an output placeholder; its next decode is scheduled on it (the executor feeds back the
+token it sampled itself), and its stop checks happen when the result arrives, so a request
+that stops on EOS may compute one token that is dropped. ``num_computed_tokens`` advances
+when a step is planned (as in vLLM V1).
 """
 
 from __future__ import annotations
@@ -39,6 +46,20 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # tokens per step
     policy: str = "fcfs"  # "fcfs" or "priority"
     enable_prefix_caching: bool = True
+    async_scheduling: bool = False  # plan step N + 1 while step N runs (two steps in flight)
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        return 2 if self.async_scheduling else 1
+
+
+@dataclass
+class InFlightStep:
+    """A plan sent to a group and not yet answered."""
+
+    plan: StepPlan
+    epochs: dict[str, int]  # request id -> Request.epoch when planned (a later epoch: stale)
+    samplers: set[str]  # requests that sample a token in this step (one placeholder each)
 
 
 @dataclass
@@ -51,7 +72,7 @@ class GroupState:
     waiting: list[Request] = field(default_factory=list)
     known: set[str] = field(default_factory=set)  # request ids the executor holds state for
     to_forget: list[str] = field(default_factory=list)  # finished/preempted, not yet told
-    in_flight: StepPlan | None = None
+    in_flight: list[InFlightStep] = field(default_factory=list)  # oldest first
     last_heartbeat: float = field(default_factory=time.monotonic)
 
     @property
@@ -113,6 +134,8 @@ class Scheduler:
             group.kv.free(req)
         for req in moved:
             req.num_computed_tokens = 0
+            req.num_output_placeholders = 0
+            req.epoch += 1  # results of its steps in flight are stale
             req.group_id = None
             req.block_hashes.clear()
             req.num_cached_blocks = 0
@@ -182,6 +205,23 @@ class Scheduler:
         group = self.groups.get(group_id)
         return group is not None and bool(group.running or group.waiting)
 
+    def can_schedule(self, group_id: str) -> bool:
+        """Whether the group may get another plan now: it has work and fewer steps in flight
+        than ``max_steps_in_flight`` (none past a step that forks n > 1 samples, whose
+        children join once it is answered)."""
+        group = self.groups.get(group_id)
+        if group is None or not (group.running or group.waiting):
+            return False
+        if len(group.in_flight) >= self.config.max_steps_in_flight:
+            return False
+        return not any(step.plan.forks for step in group.in_flight)
+
+    def is_in_flight(self, group_id: str, step_id: int) -> bool:
+        """Whether ``step_id`` is the oldest unanswered step of the group (the one a result
+        must answer; anything else is stale: a dropped or re-registered group's)."""
+        group = self.groups.get(group_id)
+        return group is not None and bool(group.in_flight) and group.in_flight[0].plan.step_id == step_id
+
     # ------------------------------------------------------------------ step
 
     def schedule(self, group_id: str) -> StepPlan | None:
@@ -197,7 +237,11 @@ class Scheduler:
         i = 0
         while i < len(group.running) and budget > 0:
             req = group.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            # tokens known or sampled in flight, not yet computed (0: waiting for a result)
+            num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
+            if num_new <= 0 or self._done_when_answered(req):
+                i += 1
+                continue
             while True:
                 blocks = self._allocate_running(group, req, num_new, copies)
                 if blocks is not None:
@@ -219,6 +263,17 @@ class Scheduler:
         if not scheduled:
             return None
         return self._make_plan(group, scheduled, new_blocks, copies)
+
+    @staticmethod
+    def _done_when_answered(req: Request) -> bool:
+        """The tokens in flight take the request to max_tokens or max_model_len: nothing more
+        to schedule for it."""
+        if req.num_output_placeholders == 0:
+            return False
+        max_tokens = req.sampling_params.max_tokens
+        total = req.num_tokens + req.num_output_placeholders
+        done_by_max_tokens = max_tokens is not None and len(req.output_token_ids) + req.num_output_placeholders >= max_tokens
+        return done_by_max_tokens or total >= req.max_model_len
 
     def _allocate_running(
         self, group: GroupState, req: Request, num_new: int, copies: dict[str, tuple[int, int]]
@@ -300,22 +355,37 @@ class Scheduler:
                 req.fork_pending = True  # the prefill completes this step: fork the n - 1 others
                 plan.forks[req.request_id] = [f"{req.request_id}#{i}" for i in range(1, req.sampling_params.n)]
         plan.num_scheduled_tokens = scheduled
-        group.in_flight = plan
+        epochs: dict[str, int] = {}
+        samplers: set[str] = set()
+        for req in group.running:
+            num = scheduled.get(req.request_id)
+            if num is None:
+                continue
+            req.num_computed_tokens += num
+            epochs[req.request_id] = req.epoch
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:  # reaches its last token
+                req.num_output_placeholders += 1
+                samplers.add(req.request_id)
+        group.in_flight.append(InFlightStep(plan, epochs, samplers))
         return plan
 
     def update_from_output(self, result: StepResult) -> StepOutcome:
-        """Apply a group's ``StepResult``: advance computed tokens, append samples, finish."""
+        """Apply a group's ``StepResult`` to the oldest step it has in flight (anything else is
+        stale and ignored): append the sampled tokens, check stops, finish."""
         outcome = StepOutcome()
-        group = self.groups.get(result.group_id)
-        if group is None or group.in_flight is None or group.in_flight.step_id != result.step_id:
+        if not self.is_in_flight(result.group_id, result.step_id):
             return outcome
-        plan, group.in_flight = group.in_flight, None
+        group = self.groups[result.group_id]
+        step = group.in_flight.pop(0)
+        plan = step.plan
         group.last_heartbeat = time.monotonic()
-        for rid, num in plan.num_scheduled_tokens.items():
+        for rid in plan.num_scheduled_tokens:
             req = self.requests.get(rid)
-            if req is None or req.status is not RequestStatus.RUNNING or req.group_id != group.group_id:
-                continue  # aborted or preempted meanwhile
-            req.num_computed_tokens += num
+            if (req is None or req.epoch != step.epochs[rid] or req.status is not RequestStatus.RUNNING
+                    or req.group_id != group.group_id):
+                continue  # finished, aborted or preempted meanwhile
+            if rid in step.samplers:
+                req.num_output_placeholders -= 1
             token = result.sampled_token_ids.get(rid)
             if token is None:
                 continue
@@ -376,6 +446,8 @@ class Scheduler:
         group.known.discard(req.request_id)
         group.to_forget.append(req.request_id)
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
+        req.epoch += 1  # results of its steps in flight are stale
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

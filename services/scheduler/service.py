@@ -57,12 +57,13 @@ class SchedulerService:
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 policy=settings.scheduling_policy,
                 enable_prefix_caching=settings.enable_prefix_caching,
+                async_scheduling=settings.async_scheduling,
             )
         )
         self.bus = bus
         self._own_bus = bus is None
         self._tasks: list[asyncio.Task] = []
-        self._step_sent_at: dict[str, float] = {}
+        self._step_sent_at: dict[str, list[float]] = {}  # group -> send times of its steps in flight
 
     async def start(self) -> None:
         if self.bus is None:
@@ -117,7 +118,7 @@ class SchedulerService:
             return RegisterAck(
                 group_id=msg.group_id, accepted=False, error=ServiceError(message="empty KV cache pool")
             )
-        requeued = self.scheduler.remove_group(msg.group_id)
+        requeued = self._remove_group(msg.group_id)
         self.scheduler.add_group(msg.group_id, msg.num_blocks, msg.block_size)
         log.info("group_registered", group_id=msg.group_id, num_blocks=msg.num_blocks,
                  block_size=msg.block_size, requeued=len(requeued))
@@ -130,7 +131,12 @@ class SchedulerService:
             group.last_heartbeat = time.monotonic()
 
     async def _on_result(self, result: StepResult) -> None:
-        self._step_sent_at.pop(result.group_id, None)
+        if not self.scheduler.is_in_flight(result.group_id, result.step_id):
+            log.info("stale_step_result", group_id=result.group_id, step_id=result.step_id)
+            return  # a dropped group's, or sent before it registered again
+        sent = self._step_sent_at.get(result.group_id)
+        if sent:
+            sent.pop(0)
         if result.error is not None:
             log.error("step_failed", group_id=result.group_id, error=result.error.message)
             await self._fail_group(result.group_id, result.error)
@@ -148,15 +154,16 @@ class SchedulerService:
     # ------------------------------------------------------------------ step loop
 
     async def _kick(self) -> None:
-        """Send the next plan to every idle group that has work."""
-        for group_id, group in list(self.scheduler.groups.items()):
-            if group.in_flight is not None or not self.scheduler.has_work(group_id):
-                continue
-            plan = self.scheduler.schedule(group_id)
-            if plan is None:
-                continue
-            self._step_sent_at[group_id] = time.monotonic()
-            await self.bus.publish(self.subjects.step(group_id), plan)
+        """Send every group that has work and room in flight its next plans (one at a time, or
+        with async scheduling up to two: the executor finds step N + 1 queued when it finishes
+        step N)."""
+        for group_id in list(self.scheduler.groups):
+            while self.scheduler.can_schedule(group_id):
+                plan = self.scheduler.schedule(group_id)
+                if plan is None:
+                    break
+                self._step_sent_at.setdefault(group_id, []).append(time.monotonic())
+                await self.bus.publish(self.subjects.step(group_id), plan)
 
     async def _publish_outputs(self, outcome: StepOutcome) -> None:
         shards: dict[int, DetokStep] = defaultdict(DetokStep)
@@ -196,9 +203,15 @@ class SchedulerService:
         delta = RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error)
         await self.bus.publish(subj.gateway(gateway_id), GatewayStep(outputs=[delta]))
 
+    def _remove_group(self, group_id: str) -> list[Request]:
+        """Drop a group and its steps in flight (their results are then stale); returns its
+        requests, routed again."""
+        self._step_sent_at.pop(group_id, None)
+        return self.scheduler.remove_group(group_id)
+
     async def _fail_group(self, group_id: str, error: ServiceError) -> None:
         """A group failed a step: drop it; its requests are requeued for another group."""
-        moved = self.scheduler.remove_group(group_id)
+        moved = self._remove_group(group_id)
         log.warning("group_dropped", group_id=group_id, requeued=len(moved), reason=error.message)
         if not self.scheduler.groups:
             # Nobody left to run them: fail the waiting requests rather than hang clients.
@@ -215,12 +228,11 @@ class SchedulerService:
             now = time.monotonic()
             for group_id, group in list(self.scheduler.groups.items()):
                 if now - group.last_heartbeat > self.settings.heartbeat_timeout_s:
-                    moved = self.scheduler.remove_group(group_id)
+                    moved = self._remove_group(group_id)
                     log.warning("group_heartbeat_lost", group_id=group_id, requeued=len(moved))
                     await self._kick()
                 sent = self._step_sent_at.get(group_id)
-                if sent is not None and now - sent > self.settings.step_timeout_s:
-                    self._step_sent_at.pop(group_id, None)
+                if sent and now - sent[0] > self.settings.step_timeout_s:  # the oldest step in flight
                     await self._fail_group(group_id, ServiceError(message="executor step timed out", status=500))
 
     async def _publish_stats(self) -> None:
