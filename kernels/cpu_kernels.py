@@ -277,6 +277,8 @@ def paged_attention_rows(
         block_index.data_ptr(), num_blocks_per_seq, row_seq.data_ptr(), row_len.data_ptr(), out.data_ptr(), rows,
         num_heads, key_cache.shape[2], head_dim, block_size, scale, torch.get_num_threads(),
     )
+    if status == 3:
+        raise MemoryError("cpu paged attention: out of memory for the tile list")
     if status != 0:
         raise ValueError(f"cpu paged attention: unsupported shapes (query {tuple(query.shape)}, "
                          f"cache {tuple(key_cache.shape)})")

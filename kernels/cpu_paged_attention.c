@@ -29,7 +29,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX512_BF16 1
 #endif
@@ -146,6 +146,9 @@ static inline void pf_advance(prefetch_cursor* c) {
 #define TILE_ROWS 8      /* rows of one sequence per item */
 #define ACC_FLOATS 16384 /* an item's float32 accumulators, TILE_ROWS x heads x G x D (64 KiB) */
 #define CHUNK 16         /* tokens per score vector */
+#ifndef TRANSPOSE_MIN_HEADS
+#define TRANSPOSE_MIN_HEADS 6 /* query heads sharing a chunk (rows x group) from which K is transposed */
+#endif
 
 /* e^x for x <= 0 (Cody-Waite reduction, degree-7 Taylor polynomial, 2^n by vscalefps):
    relative error ~1e-7; x below -87 gives about 1.6e-38. */
@@ -213,6 +216,53 @@ static inline __attribute__((always_inline)) __m512 chunk_scores(const int64_t D
   const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
   /* z: tokens 0 8 1 9 | 4 12 5 13 | 2 10 3 11 | 6 14 7 15 */
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 8, 10, 4, 6, 12, 14, 1, 3, 9, 11, 5, 7, 13, 15), z);
+}
+
+/* A 16-token chunk of one KV head's K (bf16, token stride ts; tokens from n on read as 0)
+   transposed to kt[D / 2]: kt[p] holds the bf16 pair (2 p, 2 p + 1) of the 16 tokens, one token
+   per 32-bit lane (four rounds of unpack / 128-bit shuffles per 16 x 16 block). */
+static inline __attribute__((always_inline)) void transpose_chunk(const int64_t D, const uint16_t* k,
+                                                                  const int64_t ts, const int n, __m512i* kt) {
+  for (int64_t blk = 0; blk < D / 32; ++blk) {
+    __m512i r[16], t[16], u[16];
+    for (int i = 0; i < 16; ++i)
+      r[i] = i < n ? _mm512_loadu_si512(k + i * ts + 32 * blk) : _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) { /* per 128-bit lane: rows 2i, 2i + 1 interleaved */
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) { /* u[4 i + m], lane L: rows 4 i .. 4 i + 3 of pair 4 L + m */
+      u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int m = 0; m < 4; ++m) { /* gather lane L of u[m], u[4 + m], u[8 + m], u[12 + m] */
+      const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+      const __m512i w0 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+      const __m512i w1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+      kt[16 * blk + m] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+      kt[16 * blk + 4 + m] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+      kt[16 * blk + 8 + m] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+      kt[16 * blk + 12 + m] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+    }
+  }
+}
+
+/* The 16 scores of one query head (bf16 [D]) against a transposed chunk: one vdpbf16ps per
+   head-dim pair, no horizontal sums (cheaper than chunk_scores once several query heads share
+   the transpose: a prefill tile's rows times the GQA group). */
+static inline __attribute__((always_inline)) __m512 transposed_scores(const int64_t D, const uint16_t* q,
+                                                                      const __m512i* kt) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (int64_t j = 0; j < D / 2; j += 2) {
+    int32_t p0, p1;
+    memcpy(&p0, q + 2 * j, 4);
+    memcpy(&p1, q + 2 * j + 2, 4);
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(p0), (__m512bh)kt[j]);
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32(p1), (__m512bh)kt[j + 1]);
+  }
+  return _mm512_add_ps(a0, a1);
 }
 
 /* acc += P V for n <= 16 tokens of one KV head (v bf16, token stride ts) and its G query heads,
@@ -290,6 +340,7 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(const int64_t
   float acc[ACC_FLOATS] __attribute__((aligned(64))); /* [nr][nh * G][D] */
   float m[ACC_FLOATS / 32];                           /* [nr][nh * G] running max */
   __m512 l[ACC_FLOATS / 32];                          /* [nr][nh * G] running sum, per lane */
+  uint8_t bad[ACC_FLOATS / 32];                       /* [nr][nh * G]: a NaN or infinite score */
   uint32_t pp[MAX_GROUP][CHUNK / 2] __attribute__((aligned(32))); /* bf16 probabilities, token pairs */
   int64_t Lmax = 0;
   for (int64_t i = 0; i < nr; ++i) Lmax = row_len[r0 + i] > Lmax ? row_len[r0 + i] : Lmax;
@@ -297,6 +348,7 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(const int64_t
   for (int64_t i = 0; i < nr * heads; ++i) {
     m[i] = -FLT_MAX;
     l[i] = _mm512_setzero_ps();
+    bad[i] = 0;
   }
   const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t row_bytes = 2 * D * Hkv; /* one token, every KV head */
@@ -326,6 +378,9 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(const int64_t
         const int64_t h = h0 + hh;
         const uint16_t* kb = k_cache + (slot0 + c) * ts + h * D;
         const uint16_t* vb = v_cache + (slot0 + c) * ts + h * D;
+        const int transposed = nr * G >= TRANSPOSE_MIN_HEADS;
+        __m512i kt[MAX_HEAD_DIM / 2];
+        if (transposed) transpose_chunk(D, kb, ts, nb - c < CHUNK ? (int)(nb - c) : CHUNK, kt);
         for (int64_t i = 0; i < nr; ++i) {
           int64_t left = row_len[r0 + i] - pos; /* this row's tokens from pos on, within the chunk */
           if (left > nb - c) left = nb - c;
@@ -336,7 +391,11 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(const int64_t
           for (int64_t g = 0; g < G; ++g) {
             const uint16_t* qg = q + (r0 + i) * q_row_stride + (h * G + g) * D;
             pf_advance(&pf);
-            const __m512 s = _mm512_mul_ps(chunk_scores(D, qg, kb, ts, n), vscale);
+            const __m512 s = _mm512_mul_ps(transposed ? transposed_scores(D, qg, kt) : chunk_scores(D, qg, kb, ts, n),
+                                           vscale);
+            /* NaN or inf in q or K: the output is NaN, as the float32 math's (a class test: the
+               max and exp below would swallow them) */
+            bad[base + g] |= _mm512_mask_fpclass_ps_mask(valid, s, 0x99) != 0; /* QNaN, SNaN, +-inf */
             const float bm = _mm512_mask_reduce_max_ps(valid, s);
             if (bm > m[base + g]) { /* rescale what was accumulated under the old maximum */
               if (m[base + g] != -FLT_MAX) { /* something was accumulated */
@@ -347,7 +406,14 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(const int64_t
               }
               m[base + g] = bm;
             }
+#ifdef PV_EXACT_ROUND
             const __m256i e = bf16x16(_mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(m[base + g])))));
+#else
+            /* probabilities in [0, 1]: vcvtneps2bf16 rounds to nearest even like f32_to_bf16 and
+               only differs on denormals (flushed), which weigh nothing */
+            const __m256i e = (__m256i)_mm512_cvtneps_pbh(
+                _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(m[base + g])))));
+#endif
             /* the sum of the rounded probabilities that weight V: the output stays a convex combination */
             l[base + g] = _mm512_add_ps(l[base + g], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e), 16)));
             _mm256_store_si256((__m256i*)pp[g], e);
@@ -361,7 +427,11 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(const int64_t
     for (int64_t hh = 0; hh < heads; ++hh) {
       const int64_t idx = i * heads + hh;
       const float sum = _mm512_reduce_add_ps(l[idx]);
-      store_acc_row(D, acc + idx * D, sum > 0.f ? 1.f / sum : 0.f, out + ((r0 + i) * H + h0 * G + hh) * D);
+      uint16_t* o = out + ((r0 + i) * H + h0 * G + hh) * D;
+      if (bad[idx])
+        for (int64_t d = 0; d < D; ++d) o[d] = 0x7fc0; /* bf16 quiet NaN */
+      else
+        store_acc_row(D, acc + idx * D, sum > 0.f ? 1.f / sum : 0.f, o);
     }
 }
 
@@ -411,13 +481,15 @@ static int attention_bf16(const uint16_t* q, int64_t q_row_stride, const uint16_
   const int64_t G = H / Hkv;
   int64_t* tile0 = (int64_t*)malloc((size_t)(T + 1) * sizeof(int64_t));
   if (!tile0) return 3;
+  /* rows per tile: as many as the accumulators hold for one KV head (G D <= 4096: >= 4) */
+  const int64_t tile_rows = ACC_FLOATS / (G * D) < TILE_ROWS ? ACC_FLOATS / (G * D) : TILE_ROWS;
   int64_t ntiles = 0;
   for (int64_t r = 0; r < T; ++r)
-    if (r == 0 || row_seq[r] != row_seq[r - 1] || r - tile0[ntiles - 1] == TILE_ROWS) tile0[ntiles++] = r;
+    if (r == 0 || row_seq[r] != row_seq[r - 1] || r - tile0[ntiles - 1] == tile_rows) tile0[ntiles++] = r;
   tile0[ntiles] = T;
   /* all KV heads in an item when there is work enough for every thread (and room for the
      accumulators), else one KV head per item */
-  int64_t hg = ACC_FLOATS / (TILE_ROWS * G * D);
+  int64_t hg = ACC_FLOATS / (tile_rows * G * D);
   if (hg > Hkv) hg = Hkv;
   if (hg < 1 || ntiles < 2 * num_threads) hg = 1;
   const int64_t ngroups = (Hkv + hg - 1) / hg;
@@ -539,6 +611,7 @@ int pagedllm_paged_attention(int dtype, const void* q, int64_t q_row_stride, con
   if (dtype < 0 || dtype > 1 || Hkv < 1 || H % Hkv || H / Hkv > MAX_GROUP || D > MAX_HEAD_DIM ||
       bs > MAX_BLOCK || D < 1 || bs < 1 || num_threads < 1)
     return 1;
+  if (T < 1 || H < 1) return 0; /* nothing to attend */
 #ifdef PAGEDLLM_AVX512_BF16
   if (dtype == 1 && D % 32 == 0)
     return attention_bf16((const uint16_t*)q, q_row_stride, (const uint16_t*)k_cache, (const uint16_t*)v_cache,

@@ -215,7 +215,7 @@ def test_the_kernel_shares_torchs_openmp_runtime():
 @pytest.mark.parametrize(
     ("hkv", "group", "d", "bs", "shuffle"),
     [(3, 3, 64, 16, False), (3, 3, 64, 16, True), (2, 8, 128, 32, False), (1, 5, 96, 8, True),
-     (2, 1, 32, 128, False), (4, 4, 64, 16, True)],
+     (2, 1, 32, 128, False), (4, 4, 64, 16, True), (1, 16, 256, 16, False), (1, 12, 192, 32, True)],
     ids=lambda v: str(v),
 )
 def test_rows_of_prefills_chunks_and_decodes_match_reference(lib, dtype, hkv, group, d, bs, shuffle):
@@ -223,8 +223,9 @@ def test_rows_of_prefills_chunks_and_decodes_match_reference(lib, dtype, hkv, gr
     context), chunks over cached context (on and one past block boundaries), decodes. The
     bf16 kernel reads each K/V chunk once for a tile of up to 8 rows of one sequence: runs of
     1..30 rows, tiles cut at 8, group 8 x head_dim 128 (accumulators beyond the registers),
-    a shape without a specialised kernel (group 5 x 96) and, shuffled, rows of one sequence
-    out of order and apart."""
+    a shape without a specialised kernel (group 5 x 96), group x head_dim past 2,048 (fewer
+    rows per tile: 8 would overflow the accumulators) and, shuffled, rows of one sequence out
+    of order and apart."""
     gen = torch.Generator().manual_seed(5)
     kinds = [(0, 7), (0, 16), (16, 16), (17, 3), (40, 1), (0, 1), (5, 30), (100, 1)]  # (context, new tokens)
     seq_lens = [c + n for c, n in kinds]
@@ -283,3 +284,36 @@ def test_add_rms_norm_equals_torch_add_then_rms_norm(rows):
         cpu_kernels.add_rms_norm(h.float(), w, 1e-5)
     with pytest.raises(ValueError, match="delta"):
         cpu_kernels.add_rms_norm(h, w, 1e-5, delta[:, :100].contiguous())
+
+
+def test_no_query_heads_and_no_rows_return_empty(lib):
+    cache = torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16)
+    table, lens = torch.tensor([[0], [1]]), torch.tensor([5, 3])
+    out = _decode(lib, torch.zeros(2, 0, 64, dtype=torch.bfloat16), cache, cache, table, 1, lens, 0.125)
+    assert out.shape == (2, 0, 64)
+    out = _decode(lib, torch.zeros(0, 2, 64, dtype=torch.bfloat16), cache, cache, table[:0], 1, lens[:0], 0.125)
+    assert out.shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("poison", ["k_nan", "q_nan", "k_inf"])
+def test_nan_and_inf_inputs_give_nan_rows_like_the_reference(lib, dtype, poison):
+    """A NaN or infinite score makes that row's output NaN (as the float32 math does) and
+    leaves the other rows alone; the bf16 kernel's max and exp would otherwise hide it."""
+    gen = torch.Generator().manual_seed(11)
+    cache = torch.randn(4, 16, 1, 64, generator=gen).to(dtype)
+    values = torch.randn(4, 16, 1, 64, generator=gen).to(dtype)
+    query = torch.randn(2, 3, 64, generator=gen).to(dtype)
+    table, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([20, 30])
+    if poison == "k_nan":
+        cache[1, 2, 0, 5] = float("nan")  # sequence 0, position 18
+    elif poison == "q_nan":
+        query[0, 1, 7] = float("nan")  # row 0, head 1
+    else:
+        cache[1, 2, 0] = float("inf")
+    out = _decode(lib, query, cache, values, table, 2, lens, 0.125)
+    expected = reference.paged_attention(query, cache, values, table.int(), lens.int(),
+                                         torch.tensor([0, 1, 2], dtype=torch.int32), 0.125)
+    assert torch.equal(out.isnan().any(-1), expected.isnan().any(-1))
+    assert expected[0].isnan().any() and not expected[1].isnan().any()
+    torch.testing.assert_close(out[1], expected[1], **TOLERANCES[dtype])
