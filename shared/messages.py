@@ -160,6 +160,9 @@ class RegisterAck(Message):
     group_id: str
     accepted: bool
     error: ServiceError | None = None
+    # the first step id planned for this registration: a re-registering executor drops the
+    # plans of its previous registration still queued (async scheduling keeps two in flight)
+    next_step_id: int = 0
 
 
 class Heartbeat(Message):

@@ -54,7 +54,8 @@ class ExecutorService:
         # thread, and teams of several threads spin against each other on a small CPU.
         self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-torch")
         self._pinging = False
-        self._recovering = False  # after a failed step, until registered again: drop plans
+        self._plans: asyncio.Queue[StepPlan] = asyncio.Queue()  # received, run in order by _run_steps
+        self._first_step_id = 0  # of this registration (RegisterAck.next_step_id): older plans are stale
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -63,7 +64,7 @@ class ExecutorService:
             self.bus = await Bus.connect(self.settings.nats_url, name=f"executor-{self.group_id}")
         await self.bus.subscribe(self.subjects.step(self.group_id), StepPlan, self._on_step)
         await self.bus.flush()
-        self._tasks = [asyncio.create_task(self._register_and_heartbeat())]
+        self._tasks = [asyncio.create_task(self._register_and_heartbeat()), asyncio.create_task(self._run_steps())]
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -91,11 +92,11 @@ class ExecutorService:
             if not ack.accepted:
                 raise RuntimeError(f"scheduler refused group {self.group_id}: {ack.error}")
             log.info("group_registered", group_id=self.group_id, num_blocks=msg.num_blocks)
+            self._first_step_id = ack.next_step_id
             if not self.registered.is_set() and not self._pinging:
                 self._pinging = True
                 await answer_pings(self.bus, self.model_info.name, self.name)
             self.registered.set()
-            self._recovering = False
             return
 
     async def _register_and_heartbeat(self) -> None:
@@ -105,11 +106,23 @@ class ExecutorService:
             await self.bus.publish(self.subjects.heartbeat, Heartbeat(group_id=self.group_id, time=time.time()))
 
     async def _on_step(self, plan: StepPlan) -> None:
-        if self._recovering:
-            # planned before the scheduler dropped this group for a failed step (async
-            # scheduling keeps one more in flight): its requests are gone from both sides
-            log.info("stale_step_dropped", step_id=plan.step_id)
-            return
+        self._plans.put_nowait(plan)
+
+    async def _run_steps(self) -> None:
+        """Run the received plans one at a time, in order. While the group registers again
+        after a failed step, plans wait; then those planned for the previous registration
+        (async scheduling keeps one more in flight; its requests are gone on both sides)
+        are dropped by step id, which does not depend on what arrives first, the
+        registration's answer or the new registration's first plan."""
+        while True:
+            plan = await self._plans.get()
+            await self.registered.wait()
+            if plan.step_id < self._first_step_id:
+                log.info("stale_step_dropped", step_id=plan.step_id, first_step_id=self._first_step_id)
+                continue
+            await self._execute(plan)
+
+    async def _execute(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
@@ -129,5 +142,4 @@ class ExecutorService:
             # clean and join again.
             self.runner.requests.clear()
             self.registered.clear()
-            self._recovering = True
             self._tasks.append(asyncio.create_task(self._register()))

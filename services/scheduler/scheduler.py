@@ -46,7 +46,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # tokens per step
     policy: str = "fcfs"  # "fcfs" or "priority"
     enable_prefix_caching: bool = True
-    async_scheduling: bool = False  # plan step N + 1 while step N runs (two steps in flight)
+    async_scheduling: bool = True  # plan step N + 1 while step N runs (two steps in flight)
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -204,6 +204,11 @@ class Scheduler:
     def has_work(self, group_id: str) -> bool:
         group = self.groups.get(group_id)
         return group is not None and bool(group.running or group.waiting)
+
+    @property
+    def next_step_id(self) -> int:
+        """The id the next plan will get (step ids are global and only increase)."""
+        return self._step_id + 1
 
     def can_schedule(self, group_id: str) -> bool:
         """Whether the group may get another plan now: it has work and fewer steps in flight

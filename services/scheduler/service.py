@@ -123,7 +123,7 @@ class SchedulerService:
         log.info("group_registered", group_id=msg.group_id, num_blocks=msg.num_blocks,
                  block_size=msg.block_size, requeued=len(requeued))
         asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._kick()))
-        return RegisterAck(group_id=msg.group_id, accepted=True)
+        return RegisterAck(group_id=msg.group_id, accepted=True, next_step_id=self.scheduler.next_step_id)
 
     async def _on_heartbeat(self, msg: Heartbeat) -> None:
         group = self.scheduler.groups.get(msg.group_id)
@@ -137,6 +137,8 @@ class SchedulerService:
         sent = self._step_sent_at.get(result.group_id)
         if sent:
             sent.pop(0)
+            if sent:  # the next step in flight started running only now
+                sent[0] = max(sent[0], time.monotonic())
         if result.error is not None:
             log.error("step_failed", group_id=result.group_id, error=result.error.message)
             await self._fail_group(result.group_id, result.error)
