@@ -79,7 +79,8 @@ static inline void score_row(int dtype, const void* k_cache, int64_t offset, int
    hardware prefetchers do not follow. Into L2 (prefetcht1: PF_LOC 2), PF_DIST blocks ahead.
    64 rows x 64-128 tokens, 30 SmolLM2 layers, 2-core Zen 4, A/B in one process: the bf16
    kernel at distance 1 into L1 (prefetcht0) 18.1 ms, at 3 into L2 8.8 ms; the portable
-   kernel (which asks for the next block whole) 13.8 -> 12.2 ms into L2. */
+   kernel (-mno-avx512bf16 on the same CPU) 15.2-15.9 ms with the next block asked for whole
+   into L1, 12.2 into L2, 10.9-11.2 spread over the tokens 3 blocks ahead. */
 #ifndef PF_LOC
 #define PF_LOC 2
 #endif
@@ -516,10 +517,11 @@ static int attention_bf16(const uint16_t* q, int64_t q_row_stride, const uint16_
 static inline __attribute__((always_inline)) void attend_row(
     const int dtype, const int64_t G, const int64_t D, const int64_t item, const void* q, const int64_t q_row_stride,
     const void* k_cache, const void* v_cache, const int64_t* block_index, const int64_t nblk,
-    const int64_t* row_seq, const int64_t* row_len, void* out, const int64_t H, const int64_t Hkv, const int64_t bs,
-    const float scale) {
-    const int64_t r = item / Hkv, h = item % Hkv;
+    const int64_t* row_seq, const int64_t* row_len, void* out, const int64_t T, const int64_t H, const int64_t Hkv,
+    const int64_t bs, const float scale) {
+  const int64_t r = item / Hkv, h = item % Hkv;
   const int64_t b = row_seq[r], L = row_len[r];
+  const int64_t b_next = r + 1 < T ? row_seq[r + 1] : -1, L_next = r + 1 < T ? row_len[r + 1] : 0;
   float qf[MAX_GROUP][MAX_HEAD_DIM];   /* scaled query, float32 (generic scores) */
   float acc[MAX_GROUP][MAX_HEAD_DIM];  /* sum of p * V, float32 */
   float m[MAX_GROUP], l[MAX_GROUP];    /* running max and sum of the softmax */
@@ -551,16 +553,33 @@ static inline __attribute__((always_inline)) void attend_row(
     l[g] = 0.f;
   }
   const float score_scale = bf16_scores ? scale : 1.f; /* bf16 path scores the unscaled query */
-  const int64_t row_bytes = D * (dtype == 1 ? 2 : 4);
-  if (L > 0 && h == 0) prefetch_block(k_cache, v_cache, block_index[b * nblk] * bs, L < bs ? L : bs, Hkv, row_bytes);
+  const int64_t row_bytes = D * (dtype == 1 ? 2 : 4), token_bytes = Hkv * row_bytes;
+  /* The row's head-0 item prefetches for all its heads (the next items on this thread) the
+     block PF_DIST ahead (past the row's end: the next row's), a few lines per token; the
+     previous row's head-0 item did the first blocks. */
+  prefetch_cursor pf = {(const char*)k_cache, (const char*)v_cache, 0, 0, 0};
+  if (L > 0 && h == 0 && r == 0)
+    for (int64_t j = 0; j < PF_DIST; ++j) {
+      int64_t nn = 0;
+      const int64_t s0 = locate_block(block_index, nblk, bs, b, L, j, b_next, L_next, &nn);
+      if (s0 >= 0) prefetch_block(k_cache, v_cache, s0, nn, Hkv, row_bytes);
+    }
   for (int64_t start = 0; start < L; start += bs) {
     const int64_t n = L - start < bs ? L - start : bs;
     const int64_t slot0 = block_index[b * nblk + start / bs] * bs;
-    if (h == 0 && start + bs < L) /* the next block, while this one is computed */
-      prefetch_block(k_cache, v_cache, block_index[b * nblk + start / bs + 1] * bs,
-                     L - start - bs < bs ? L - start - bs : bs, Hkv, row_bytes);
-    for (int64_t t = 0; t < n; ++t)
+    if (h == 0) {
+      int64_t nn = 0;
+      const int64_t s0 = locate_block(block_index, nblk, bs, b, L, start / bs + PF_DIST, b_next, L_next, &nn);
+      if (s0 >= 0) {
+        pf.off = s0 * token_bytes;
+        pf.end = (s0 + nn) * token_bytes;
+        pf.step = ((pf.end - pf.off) / 64 + n - 1) / n;
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      pf_advance(&pf);
       score_row(dtype, k_cache, ((slot0 + t) * Hkv + h) * D, D, G, qf, qbf, &s[0][t], MAX_BLOCK);
+    }
     for (int64_t g = 0; g < G; ++g) {
       float bm = -FLT_MAX;
       for (int64_t t = 0; t < n; ++t) {
@@ -616,7 +635,7 @@ int pagedllm_paged_attention(int dtype, const void* q, int64_t q_row_stride, con
 #endif
   const int64_t G = H / Hkv;
 #define PAGEDLLM_ITEM(dt, g, d) attend_row(dt, g, d, item, q, q_row_stride, k_cache, v_cache, block_index, nblk, \
-                                            row_seq, row_len, out, H, Hkv, bs, scale)
+                                            row_seq, row_len, out, T, H, Hkv, bs, scale)
 #define PAGEDLLM_SHAPES(dt)                                                   \
   if (D == 64 && G == 1) PAGEDLLM_ITEM(dt, 1, 64);                            \
   else if (D == 64 && G == 2) PAGEDLLM_ITEM(dt, 2, 64);                       \
