@@ -6,7 +6,7 @@
  * (each 4-15 us of Python on a 2-core EPYC: ~9 ms of a 23 ms single-token step).
  *
  * Per layer, with the roundings of the torch path (services/executor/models/llama.py,
- * LlamaDecoderLayer._forward_panels), every intermediate in bf16:
+ * LlamaDecoderLayer.forward with panels), every intermediate in bf16:
  *   x = RMSNorm(h)                      (cpu_rms_norm.c; fused with the previous layer's residual add)
  *   qkv = x . Wqkv^T (+ b)              (cpu_gemm_bf16.c)
  *   q, k = RoPE(q, k)                   rotate_half form: bf16(bf16(rot(x) * sin) + bf16(x * cos))

@@ -252,7 +252,7 @@ class PanelWeights:
 class NativeLayers:
     """All decoder layers of a bf16 model in one C call per forward pass
     (``kernels/cpu_llama_layers.c``) on the layers' :class:`PanelWeights`: the same kernels
-    and roundings as :meth:`LlamaDecoderLayer._forward_panels`, without ~25 Python-level
+    and roundings as :meth:`LlamaDecoderLayer.forward` with panels, without ~25 Python-level
     calls per layer. Holds the model's pointer arrays for one set of KV cache tensors.
     """
 
@@ -527,30 +527,16 @@ class LlamaDecoderLayer(nn.Module):
             param.data = cpu_kernels.unpack_bf16_weight(self.panels.panels[name], rows, param.shape[1])
         self._released = {}
 
-    def _forward_panels(
-        self,
-        h: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, D]
-        sin: torch.Tensor,  # [T, 1, D], sign-folded
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:  # [T, hidden]
-        """:meth:`forward` with every matmul in the native bf16-weight GEMM (where
-        :func:`kernels.cpu_kernels.prefer_native_gemm`). Roundings as in HF bf16: each matmul output, SiLU and the product in bf16."""
-        p, w = self._parameters, self.panels
-        t, nh, nkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        _, x = add_rms_norm(h, p["input_layernorm_weight"], self.eps, None, self.native_norms)
-        qkv = w.linear(x, "qkv", p["qkv_proj_bias"])  # [T, (H + 2 Hkv) D]
-        qk = apply_rope(qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d), cos, sin)  # [T, H + Hkv, D]
-        v = qkv[:, (nh + nkv) * d :].view(t, nkv, d)  # [T, Hkv, D]
-        attn = backend.forward(qk[:, :nh], qk[:, nh:], v, key_cache, value_cache, meta, self.scale)  # [T, H, D]
-        o = w.linear(attn.reshape(t, nh * d), "o", p["o_proj_bias"])  # [T, hidden]
-        h, x = add_rms_norm(o, p["post_attention_layernorm_weight"], self.eps, None, self.native_norms, delta=h)
-        gate_up = w.linear(x, "gate_up", p["gate_up_proj_bias"])  # [T, 2 I]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
-        return w.linear(F.silu(gate).mul_(up), "down", p["down_proj_bias"]).add_(h)
+    def _linear(self, x: torch.Tensor, name: str, packed: PackedWeights | None) -> torch.Tensor:
+        """``F.linear`` for the matmul called ``name`` (``qkv``, ``o``, ``gate_up``, ``down``) in
+        whichever form serves it: the native GEMM's panels (:class:`PanelWeights`, every row
+        count), oneDNN's prepacked weights (``packed``, several rows) or the parameters."""
+        p = self._parameters
+        if self.panels is not None:
+            return self.panels.linear(x, name, p[f"{name}_proj_bias"])
+        if packed is not None:
+            return packed_linear(x, packed[name], p[f"{name}_proj_bias"])
+        return F.linear(x, p[f"{name}_proj_weight"], p[f"{name}_proj_bias"])
 
     def _mlp_packed(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden] -> [T, hidden]
         """``down(silu(gate(x)) * up(x))`` with SiLU and the product as epilogues of the gate and
@@ -573,32 +559,28 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
-        if self.panels is not None:
-            return self._forward_panels(h, cos, sin, key_cache, value_cache, meta, backend)
+        """One layer. With panels (where :func:`kernels.cpu_kernels.prefer_native_gemm`) every
+        matmul runs in the native bf16-weight GEMM, rounded as in HF bf16 (each matmul output,
+        SiLU and the product in bf16); else several rows use oneDNN's prepacked weights with
+        the MLP's fused epilogues (:meth:`_mlp_packed`), and one row a GEMV on the parameters
+        (``reduced_precision_gemv``)."""
         p = self._parameters  # plain dict lookups (see class doc)
         t, nh, nkv, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        w = self.packed if t > 1 else None  # one row: GEMV on the parameters (reduced_precision_gemv)
-        ln = self.ln_weights or (None, None)
+        w = self.packed if t > 1 and self.panels is None else None
+        ln = (self.ln_weights if self.panels is None else None) or (None, None)
         _, x = add_rms_norm(h, p["input_layernorm_weight"], self.eps, ln[0], self.native_norms)
-        if w is None:
-            qkv = F.linear(x, p["qkv_proj_weight"], p["qkv_proj_bias"])  # [T, (H + 2 Hkv) D]
-        else:
-            qkv = packed_linear(x, w["qkv"], p["qkv_proj_bias"])
+        qkv = self._linear(x, "qkv", w)  # [T, (H + 2 Hkv) D]
         qk = apply_rope(qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d), cos, sin)  # [T, H + Hkv, D]
         v = qkv[:, (nh + nkv) * d :].view(t, nkv, d)  # [T, Hkv, D]
         attn = backend.forward(qk[:, :nh], qk[:, nh:], v, key_cache, value_cache, meta, self.scale)  # [T, H, D]
-        attn = attn.reshape(t, nh * d)  # [T, H D]
-        if w is None:
-            o = F.linear(attn, p["o_proj_weight"], p["o_proj_bias"])  # [T, hidden]
-        else:
-            o = packed_linear(attn, w["o"], p["o_proj_bias"])
+        o = self._linear(attn.reshape(t, nh * d), "o", w)  # [T, hidden]
         # h + o_proj(attn) (summed into o, a fresh tensor), then the post-attention norm
         h, x = add_rms_norm(o, p["post_attention_layernorm_weight"], self.eps, ln[1], self.native_norms, delta=h)
         if w is not None:
             return self._mlp_packed(x).add_(h)
-        gate_up = F.linear(x, p["gate_up_proj_weight"], p["gate_up_proj_bias"])  # [T, 2 I]
+        gate_up = self._linear(x, "gate_up", w)  # [T, 2 I]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
-        return F.linear(F.silu(gate).mul_(up), p["down_proj_weight"], p["down_proj_bias"]).add_(h)
+        return self._linear(F.silu(gate).mul_(up), "down", w).add_(h)
 
 
 class LlamaForCausalLM(nn.Module):
