@@ -325,13 +325,15 @@ typedef struct {
   float scale;
 } tile_args;
 
-/* Rows r0 .. r0 + nr - 1 (all of sequence b), KV heads h0 .. h0 + nh - 1. first: the thread's
-   previous item was not the one before (nothing prefetched for this one yet); b_next, L_next:
-   the next tile's sequence and length (b_next < 0: none), whose first blocks are prefetched. */
+/* Rows r0 .. r0 + nr - 1 (all of sequence b), KV heads h0 .. h0 + nh - 1. uncovered: how many
+   of the first blocks no earlier item on this thread prefetched (its look-ahead reaches
+   PF_DIST blocks past its own); b_next, L_next: the next tile's sequence and length (b_next < 0:
+   none), whose first blocks this item's look-ahead reaches. */
 static inline __attribute__((always_inline)) void attend_tile_bf16(const int64_t G, const int64_t D,
                                                                    const tile_args* args, const int64_t r0,
                                                                    const int64_t nr, const int64_t h0,
-                                                                   const int64_t nh, const int64_t b, const int first,
+                                                                   const int64_t nh, const int64_t b,
+                                                                   const int64_t uncovered,
                                                                    const int64_t b_next, const int64_t L_next) {
   const uint16_t *q = args->q, *k_cache = args->k_cache, *v_cache = args->v_cache;
   const int64_t *block_index = args->block_index, *row_len = args->row_len;
@@ -355,8 +357,8 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(const int64_t
   const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t row_bytes = 2 * D * Hkv; /* one token, every KV head */
   prefetch_cursor pf = {(const char*)k_cache, (const char*)v_cache, 0, 0, 0};
-  if (h0 == 0 && first)
-    for (int64_t j = 0; j < PF_DIST; ++j) {
+  if (h0 == 0)
+    for (int64_t j = 0; j < uncovered; ++j) {
       int64_t n = 0;
       const int64_t s0 = locate_block(block_index, nblk, bs, b, Lmax, j, b_next, L_next, &n);
       if (s0 >= 0) prefetch_block(k_cache, v_cache, s0, n, Hkv, 2 * D);
@@ -433,16 +435,16 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(const int64_t
     }
 }
 
-typedef void (*tile_fn)(int64_t, int64_t, const tile_args*, int64_t, int64_t, int64_t, int64_t, int64_t, int,
+typedef void (*tile_fn)(int64_t, int64_t, const tile_args*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                         int64_t, int64_t);
 /* One function per common (G, D), compiled with them constant (unrolled head-dim loops,
    accumulators in registers), and one for any shape. */
 #define TILE_FN(name, g, d)                                                                                  \
   static __attribute__((noinline)) void name(int64_t G, int64_t D, const tile_args* args, int64_t r0,       \
-                                             int64_t nr, int64_t h0, int64_t nh, int64_t b, int first,       \
+                                             int64_t nr, int64_t h0, int64_t nh, int64_t b, int64_t uncov,   \
                                              int64_t b_next, int64_t L_next) {                               \
     (void)G, (void)D;                                                                                        \
-    attend_tile_bf16(g, d, args, r0, nr, h0, nh, b, first, b_next, L_next);                                 \
+    attend_tile_bf16(g, d, args, r0, nr, h0, nh, b, uncov, b_next, L_next);                                 \
   }
 TILE_FN(tile_1_64, 1, 64)
 TILE_FN(tile_2_64, 2, 64)
@@ -501,7 +503,13 @@ static int attention_bf16(const uint16_t* q, int64_t q_row_stride, const uint16_
       const int64_t t = item / ngroups, h0 = (item % ngroups) * hg, r0 = tile0[t];
       const int64_t b_next = t + 1 < ntiles ? row_seq[tile0[t + 1]] : -1;
       const int64_t L_next = t + 1 < ntiles ? row_len[tile0[t + 2] - 1] : 0;
-      fn(G, D, &args, r0, tile0[t + 1] - r0, h0, Hkv - h0 < hg ? Hkv - h0 : hg, row_seq[r0], item != prev + 1, b_next,
+      int64_t uncovered = PF_DIST; /* the previous tile's look-ahead reached our blocks past its own */
+      if (item == prev + 1 && t > 0) {
+        int64_t Lp = 0;
+        for (int64_t r = tile0[t - 1]; r < r0; ++r) Lp = row_len[r] > Lp ? row_len[r] : Lp;
+        uncovered = PF_DIST - (Lp + bs - 1) / bs;
+      }
+      fn(G, D, &args, r0, tile0[t + 1] - r0, h0, Hkv - h0 < hg ? Hkv - h0 : hg, row_seq[r0], uncovered, b_next,
          L_next);
       prev = item;
     }
@@ -556,10 +564,12 @@ static inline __attribute__((always_inline)) void attend_row(
   const int64_t row_bytes = D * (dtype == 1 ? 2 : 4), token_bytes = Hkv * row_bytes;
   /* The row's head-0 item prefetches for all its heads (the next items on this thread) the
      block PF_DIST ahead (past the row's end: the next row's), a few lines per token; the
-     previous row's head-0 item did the first blocks. */
+     previous row's look-ahead reached this row's blocks past its own, and the first ones it
+     could not reach (a row shorter than PF_DIST blocks) are asked for here. */
   prefetch_cursor pf = {(const char*)k_cache, (const char*)v_cache, 0, 0, 0};
-  if (L > 0 && h == 0 && r == 0)
-    for (int64_t j = 0; j < PF_DIST; ++j) {
+  const int64_t prev_blocks = r > 0 && row_len[r - 1] > 0 ? (row_len[r - 1] + bs - 1) / bs : 0;
+  if (L > 0 && h == 0)
+    for (int64_t j = 0; j < PF_DIST - prev_blocks; ++j) {
       int64_t nn = 0;
       const int64_t s0 = locate_block(block_index, nblk, bs, b, L, j, b_next, L_next, &nn);
       if (s0 >= 0) prefetch_block(k_cache, v_cache, s0, nn, Hkv, row_bytes);

@@ -1,9 +1,10 @@
 """The scheduler service: the step loop of every executor group, over NATS.
 
 recv (submit / abort / register / heartbeat / step result) -> ``Scheduler`` (no I/O)
--> send (one ``StepPlan`` per idle group, one ``DetokStep`` per detokenizer shard, errors to
-gateways). Each group steps independently: its next plan is built when its last result
-arrives, while the other groups compute.
+-> send (``StepPlan``s to every group with room in flight, one ``DetokStep`` per detokenizer
+shard, errors to gateways). Each group steps independently, while the other groups compute:
+with async scheduling it gets its next plan as soon as it has been sent the previous one (two
+in flight), else when its last result arrives.
 """
 
 from __future__ import annotations

@@ -218,6 +218,7 @@ def packed_linear(
 
 
 PANEL_WEIGHTS = ("qkv", "o", "gate_up", "down")  # a layer's matmuls, as ``<name>_proj_weight``
+_PROJ_KEYS = {name: (f"{name}_proj_weight", f"{name}_proj_bias") for name in PANEL_WEIGHTS}
 
 
 class PanelWeights:
@@ -530,13 +531,15 @@ class LlamaDecoderLayer(nn.Module):
     def _linear(self, x: torch.Tensor, name: str, packed: PackedWeights | None) -> torch.Tensor:
         """``F.linear`` for the matmul called ``name`` (``qkv``, ``o``, ``gate_up``, ``down``) in
         whichever form serves it: the native GEMM's panels (:class:`PanelWeights`, every row
-        count), oneDNN's prepacked weights (``packed``, several rows) or the parameters."""
+        count), oneDNN's prepacked weights (``packed``, several rows; it holds ``gate`` and
+        ``up`` apart, for :meth:`_mlp_packed`, not ``gate_up``) or the parameters."""
         p = self._parameters
+        weight, bias = _PROJ_KEYS[name]
         if self.panels is not None:
-            return self.panels.linear(x, name, p[f"{name}_proj_bias"])
+            return self.panels.linear(x, name, p[bias])
         if packed is not None:
-            return packed_linear(x, packed[name], p[f"{name}_proj_bias"])
-        return F.linear(x, p[f"{name}_proj_weight"], p[f"{name}_proj_bias"])
+            return packed_linear(x, packed[name], p[bias])
+        return F.linear(x, p[weight], p[bias])
 
     def _mlp_packed(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden] -> [T, hidden]
         """``down(silu(gate(x)) * up(x))`` with SiLU and the product as epilogues of the gate and
