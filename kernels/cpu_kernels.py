@@ -7,7 +7,7 @@ short prefills and chunks, causal) straight from the paged KV cache on
 (each K/V chunk read once per tile) with vdpbf16ps scores and P V and spread L2 prefetches:
 64 rows x 64-128 tokens of context in shuffled blocks, 30 SmolLM2 layers, 2-core Zen 4, 15.2 ->
 6.9 ms against one (row, KV head) per item (A/B in one process); 512 prefill rows over 1,500
-tokens 438 -> 290 ms. Elsewhere (float32, or CPUs without AVX512-BF16) work items are
+tokens 437 -> 273 ms. Elsewhere (float32, or CPUs without AVX512-BF16) work items are
 (row, KV head) pairs.
 
 :func:`add_rms_norm` runs ``cpu_rms_norm.c``: the residual add fused with RMSNorm in bf16

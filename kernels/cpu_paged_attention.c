@@ -49,23 +49,7 @@ static inline void load_row(int dtype, const void* base, int64_t offset, int64_t
 
 /* Scores of the G query heads against one cache row (already scaled query). */
 static inline void score_row(int dtype, const void* k_cache, int64_t offset, int64_t D, int64_t G,
-                             float (*qf)[MAX_HEAD_DIM], const void* qbf, float* dst, int64_t stride) {
-#ifdef PAGEDLLM_AVX512_BF16
-  if (dtype == 1 && D % 32 == 0) {
-    const __m512bh* qv = (const __m512bh*)qbf; /* [G][D / 32], the bf16 query (unscaled) */
-    const uint16_t* kp = (const uint16_t*)k_cache + offset;
-    __m512bh kv[MAX_HEAD_DIM / 32];
-    for (int64_t j = 0; j < D / 32; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(kp + 32 * j);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t j = 0; j < D / 32; ++j) a = _mm512_dpbf16_ps(a, qv[g * (D / 32) + j], kv[j]);
-      dst[g * stride] = _mm512_reduce_add_ps(a);
-    }
-    return;
-  }
-#else
-  (void)qbf;
-#endif
+                             float (*qf)[MAX_HEAD_DIM], float* dst, int64_t stride) {
   float kf[MAX_HEAD_DIM];
   load_row(dtype, k_cache, offset, D, kf);
   for (int64_t g = 0; g < G; ++g) {
@@ -535,16 +519,6 @@ static inline __attribute__((always_inline)) void attend_row(
   float m[MAX_GROUP], l[MAX_GROUP];    /* running max and sum of the softmax */
   float s[MAX_GROUP][MAX_BLOCK];       /* one block's scores, then probabilities */
   float vf[MAX_HEAD_DIM];
-#ifdef PAGEDLLM_AVX512_BF16
-  __m512bh qbf[MAX_GROUP * (MAX_HEAD_DIM / 32)];
-#else
-  int qbf[1];
-#endif
-#ifdef PAGEDLLM_AVX512_BF16
-  const int bf16_scores = dtype == 1 && D % 32 == 0; /* scores of the unscaled bf16 query */
-#else
-  const int bf16_scores = 0; /* portable scores use the scaled float32 query qf */
-#endif
   for (int64_t g = 0; g < G; ++g) {
     const int64_t qoff = r * q_row_stride + (h * G + g) * D;
     load_row(dtype, q, qoff, D, qf[g]);
@@ -552,15 +526,9 @@ static inline __attribute__((always_inline)) void attend_row(
       qf[g][d] *= scale;
       acc[g][d] = 0.f;
     }
-#ifdef PAGEDLLM_AVX512_BF16
-    if (bf16_scores)
-      for (int64_t j = 0; j < D / 32; ++j)
-        qbf[g * (D / 32) + j] = (__m512bh)_mm512_loadu_si512((const uint16_t*)q + qoff + 32 * j);
-#endif
     m[g] = -FLT_MAX;
     l[g] = 0.f;
   }
-  const float score_scale = bf16_scores ? scale : 1.f; /* bf16 path scores the unscaled query */
   const int64_t row_bytes = D * (dtype == 1 ? 2 : 4), token_bytes = Hkv * row_bytes;
   /* The row's head-0 item prefetches for all its heads (the next items on this thread) the
      block PF_DIST ahead (past the row's end: the next row's), a few lines per token; the
@@ -588,14 +556,11 @@ static inline __attribute__((always_inline)) void attend_row(
     }
     for (int64_t t = 0; t < n; ++t) {
       pf_advance(&pf);
-      score_row(dtype, k_cache, ((slot0 + t) * Hkv + h) * D, D, G, qf, qbf, &s[0][t], MAX_BLOCK);
+      score_row(dtype, k_cache, ((slot0 + t) * Hkv + h) * D, D, G, qf, &s[0][t], MAX_BLOCK);
     }
     for (int64_t g = 0; g < G; ++g) {
       float bm = -FLT_MAX;
-      for (int64_t t = 0; t < n; ++t) {
-        s[g][t] *= score_scale;
-        bm = s[g][t] > bm ? s[g][t] : bm;
-      }
+      for (int64_t t = 0; t < n; ++t) bm = s[g][t] > bm ? s[g][t] : bm;
       if (bm > m[g]) { /* rescale what was accumulated under the old maximum */
         const float corr = l[g] > 0.f ? expf(m[g] - bm) : 0.f;
         l[g] *= corr;

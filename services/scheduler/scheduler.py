@@ -331,8 +331,11 @@ class Scheduler:
             block_copies=list(copies.values()),
         )
         group.to_forget = []
+        epochs: dict[str, int] = {}
+        samplers: set[str] = set()
         for req in group.running:
-            if req.request_id not in scheduled:
+            num = scheduled.get(req.request_id)
+            if num is None:
                 continue
             if req.request_id in group.known:
                 plan.cached_requests.append(
@@ -356,21 +359,16 @@ class Scheduler:
                         num_output_tokens=len(req.output_token_ids),
                     )
                 )
-            if req.needs_fork and req.num_computed_tokens + scheduled[req.request_id] == req.num_tokens:
+            if req.needs_fork and req.num_computed_tokens + num == req.num_tokens:
                 req.fork_pending = True  # the prefill completes this step: fork the n - 1 others
                 plan.forks[req.request_id] = [f"{req.request_id}#{i}" for i in range(1, req.sampling_params.n)]
-        plan.num_scheduled_tokens = scheduled
-        epochs: dict[str, int] = {}
-        samplers: set[str] = set()
-        for req in group.running:
-            num = scheduled.get(req.request_id)
-            if num is None:
-                continue
+            # the plan carries the step's start; the scheduler counts the step as computed now
             req.num_computed_tokens += num
             epochs[req.request_id] = req.epoch
             if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:  # reaches its last token
                 req.num_output_placeholders += 1
                 samplers.add(req.request_id)
+        plan.num_scheduled_tokens = scheduled
         group.in_flight.append(InFlightStep(plan, epochs, samplers))
         return plan
 
