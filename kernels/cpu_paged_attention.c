@@ -113,6 +113,32 @@ static inline void pf_advance(prefetch_cursor* c) {
   }
 }
 
+/* Point the cursor at logical block j of sequence b (L tokens; past its end, the next
+   sequence's: locate_block), every KV head (token_bytes per token), to be covered in `steps`
+   calls of pf_advance; no block: the cursor is left as it was. */
+static inline void pf_aim(prefetch_cursor* c, const int64_t* block_index, int64_t nblk, int64_t bs,
+                          int64_t token_bytes, int64_t b, int64_t L, int64_t j, int64_t b_next, int64_t L_next,
+                          int64_t steps) {
+  int64_t n = 0;
+  const int64_t s0 = locate_block(block_index, nblk, bs, b, L, j, b_next, L_next, &n);
+  if (s0 < 0) return;
+  c->off = s0 * token_bytes;
+  c->end = (s0 + n) * token_bytes;
+  c->step = ((c->end - c->off) / 64 + steps - 1) / steps;
+}
+
+/* Ask at once for logical blocks 0 .. count - 1 of sequence b (as pf_aim counts them): the
+   first blocks of an item that no earlier look-ahead on this thread reached. */
+static inline void prefetch_first_blocks(const void* k_cache, const void* v_cache, const int64_t* block_index,
+                                         int64_t nblk, int64_t bs, int64_t Hkv, int64_t row_bytes, int64_t b,
+                                         int64_t L, int64_t b_next, int64_t L_next, int64_t count) {
+  for (int64_t j = 0; j < count; ++j) {
+    int64_t n = 0;
+    const int64_t s0 = locate_block(block_index, nblk, bs, b, L, j, b_next, L_next, &n);
+    if (s0 >= 0) prefetch_block(k_cache, v_cache, s0, n, Hkv, row_bytes);
+  }
+}
+
 #ifdef PAGEDLLM_AVX512_BF16
 /* The bf16 path (AVX512-BF16, head_dim a multiple of 32). A work item is a tile of up to
  * TILE_ROWS query rows of one sequence and a group of its KV heads (all of them when there are
@@ -339,34 +365,22 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(const int64_t
     bad[i] = 0;
   }
   const __m512 vscale = _mm512_set1_ps(scale);
-  const int64_t row_bytes = 2 * D * Hkv; /* one token, every KV head */
   prefetch_cursor pf = {(const char*)k_cache, (const char*)v_cache, 0, 0, 0};
   if (h0 == 0)
-    for (int64_t j = 0; j < uncovered; ++j) {
-      int64_t n = 0;
-      const int64_t s0 = locate_block(block_index, nblk, bs, b, Lmax, j, b_next, L_next, &n);
-      if (s0 >= 0) prefetch_block(k_cache, v_cache, s0, n, Hkv, 2 * D);
-    }
+    prefetch_first_blocks(k_cache, v_cache, block_index, nblk, bs, Hkv, 2 * D, b, Lmax, b_next, L_next, uncovered);
+  const int transposed = nr * G >= TRANSPOSE_MIN_HEADS;
   for (int64_t start = 0; start < Lmax; start += bs) {
     const int64_t slot0 = block_index[b * nblk + start / bs] * bs;
     const int64_t nb = Lmax - start < bs ? Lmax - start : bs;
-    if (h0 == 0) { /* PF_DIST blocks ahead (into the next tile's sequence), spread over this block's steps */
-      int64_t n = 0;
-      const int64_t s0 = locate_block(block_index, nblk, bs, b, Lmax, start / bs + PF_DIST, b_next, L_next, &n);
-      if (s0 >= 0) {
-        const int64_t steps = ((nb + CHUNK - 1) / CHUNK) * nh * nr * G;
-        pf.off = s0 * row_bytes;
-        pf.end = (s0 + n) * row_bytes;
-        pf.step = ((pf.end - pf.off) / 64 + steps - 1) / steps;
-      }
-    }
+    if (h0 == 0) /* PF_DIST blocks ahead (into the next tile's sequence), spread over this block's steps */
+      pf_aim(&pf, block_index, nblk, bs, 2 * D * Hkv, b, Lmax, start / bs + PF_DIST, b_next, L_next,
+             ((nb + CHUNK - 1) / CHUNK) * nh * nr * G);
     for (int64_t c = 0; c < nb; c += CHUNK) {
       const int64_t pos = start + c;
       for (int64_t hh = 0; hh < nh; ++hh) {
         const int64_t h = h0 + hh;
         const uint16_t* kb = k_cache + (slot0 + c) * ts + h * D;
         const uint16_t* vb = v_cache + (slot0 + c) * ts + h * D;
-        const int transposed = nr * G >= TRANSPOSE_MIN_HEADS;
         __m512i kt[MAX_HEAD_DIM / 2];
         if (transposed) transpose_chunk(D, kb, ts, nb - c < CHUNK ? (int)(nb - c) : CHUNK, kt);
         for (int64_t i = 0; i < nr; ++i) {
@@ -529,7 +543,7 @@ static inline __attribute__((always_inline)) void attend_row(
     m[g] = -FLT_MAX;
     l[g] = 0.f;
   }
-  const int64_t row_bytes = D * (dtype == 1 ? 2 : 4), token_bytes = Hkv * row_bytes;
+  const int64_t row_bytes = D * (dtype == 1 ? 2 : 4);
   /* The row's head-0 item prefetches for all its heads (the next items on this thread) the
      block PF_DIST ahead (past the row's end: the next row's), a few lines per token; the
      previous row's look-ahead reached this row's blocks past its own, and the first ones it
@@ -537,23 +551,12 @@ static inline __attribute__((always_inline)) void attend_row(
   prefetch_cursor pf = {(const char*)k_cache, (const char*)v_cache, 0, 0, 0};
   const int64_t prev_blocks = r > 0 && row_len[r - 1] > 0 ? (row_len[r - 1] + bs - 1) / bs : 0;
   if (L > 0 && h == 0)
-    for (int64_t j = 0; j < PF_DIST - prev_blocks; ++j) {
-      int64_t nn = 0;
-      const int64_t s0 = locate_block(block_index, nblk, bs, b, L, j, b_next, L_next, &nn);
-      if (s0 >= 0) prefetch_block(k_cache, v_cache, s0, nn, Hkv, row_bytes);
-    }
+    prefetch_first_blocks(k_cache, v_cache, block_index, nblk, bs, Hkv, row_bytes, b, L, b_next, L_next,
+                          PF_DIST - prev_blocks);
   for (int64_t start = 0; start < L; start += bs) {
     const int64_t n = L - start < bs ? L - start : bs;
     const int64_t slot0 = block_index[b * nblk + start / bs] * bs;
-    if (h == 0) {
-      int64_t nn = 0;
-      const int64_t s0 = locate_block(block_index, nblk, bs, b, L, start / bs + PF_DIST, b_next, L_next, &nn);
-      if (s0 >= 0) {
-        pf.off = s0 * token_bytes;
-        pf.end = (s0 + nn) * token_bytes;
-        pf.step = ((pf.end - pf.off) / 64 + n - 1) / n;
-      }
-    }
+    if (h == 0) pf_aim(&pf, block_index, nblk, bs, Hkv * row_bytes, b, L, start / bs + PF_DIST, b_next, L_next, n);
     for (int64_t t = 0; t < n; ++t) {
       pf_advance(&pf);
       score_row(dtype, k_cache, ((slot0 + t) * Hkv + h) * D, D, G, qf, &s[0][t], MAX_BLOCK);
