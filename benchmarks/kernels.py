@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/kernels.py              # on a CUDA GPU: the full decode/prefill grid
     .venv/bin/python benchmarks/kernels.py --smoke      # a tiny config in seconds (CPU interpreter w/o CUDA)
+    .venv/bin/python benchmarks/kernels.py --sweep      # also tune: tile shapes, warps, stages, splits
 
 Decode: B sequences, one new token each over ``ctx`` cached tokens (paged, block size 16, block
 tables in shuffled physical order); figure: achieved memory bandwidth in TB/s = (bytes of K/V
@@ -10,6 +11,13 @@ figure: TFLOP/s of causal attention, 4 * B * H * len^2 * D / 2. SDPA runs on the
 contiguous ``[B, H, S, D]`` layout (GQA through ``enable_gqa``) in the same run; ``max|diff|`` is
 the largest difference between the two outputs. GPU timing: CUDA events around each call,
 the L2 cache flushed before each, median of ``--iters``. Needs only torch and triton.
+
+``--sweep`` then times the launch options of :class:`kernels.triton_attention.AttentionTiles`
+(and the split-K factor) on the shapes of ``--sweep-decode`` / ``--sweep-prefill``, one
+parameter group at a time from the heuristic's choice (coordinate descent): a line per
+candidate with its time, ``max|diff|`` against SDPA and, on a GPU, its registers, spills and
+shared memory; then the fastest against the default, measured in the same run. A candidate
+that fails (out of shared memory, say) prints why and the sweep goes on; so does a grid entry.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +41,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    """"64:4096,1:32768" -> [(64, 4096), (1, 32768)]"""
+    return [(int(a), int(b)) for a, b in (item.split(":") for item in text.split(",") if item)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,12 +62,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--max-gib", type=float, default=40.0, help="skip configs whose tensors exceed this")
+    p.add_argument("--sweep", action="store_true", help="also tune the launch options (see the docstring)")
+    p.add_argument("--sweep-decode", type=_pairs, default=[(64, 4096), (1, 32768)], help="B:ctx,...")
+    p.add_argument("--sweep-prefill", type=_pairs, default=[(4, 4096)], help="B:len,...")
     args = p.parse_args(argv)
     if args.smoke:
         args.decode_batch, args.decode_context = [2], [40]
         args.prefill_batch, args.prefill_len = [1], [24]
         args.num_heads, args.num_kv_heads = 8, 1
         args.iters = 2
+        args.sweep_decode, args.sweep_prefill = [(2, 40)], [(1, 24)]
     return args
 
 
@@ -106,7 +124,24 @@ def make_paged(
     return caches[0], caches[1], block_tables
 
 
-def bench_decode(args, paged_attention, device, batch: int, ctx: int) -> str:
+class Case(NamedTuple):
+    """One benchmark configuration, its data already on the device."""
+
+    label: str  # "decode  B=  64 ctx=  4096"
+    call: tuple  # positional arguments of paged_attention / plan_paged_attention
+    call_kw: dict  # their keyword arguments (max_query_len, max_seq_len)
+    sdpa: Callable[[], torch.Tensor]  # SDPA on the same data, as [T, H, D]
+    work: float  # bytes moved (decode) or FLOPs (prefill) per call
+    unit: str  # "TB/s" or "TFLOP/s": work / ms / 1e9
+
+    def run(self, **options) -> torch.Tensor:  # [T, H, D]
+        from kernels.triton_attention import paged_attention
+
+        return paged_attention(*self.call, **self.call_kw, **options)
+
+
+def decode_case(args, device, batch: int, ctx: int) -> Case:
+    """B sequences, one new token each over ``ctx`` cached tokens."""
     dtype, heads, kv_heads, dim = DTYPES[args.dtype], args.num_heads, args.num_kv_heads, args.head_dim
     gen = torch.Generator(device).manual_seed(0)
     q = torch.randn(batch, heads, 1, dim, generator=gen, device=device, dtype=dtype)  # [B, H, 1, D]
@@ -118,33 +153,18 @@ def bench_decode(args, paged_attention, device, batch: int, ctx: int) -> str:
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
     scale = dim**-0.5
 
-    def triton_fn():
-        return paged_attention(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            qsl,
-            scale,
-            max_query_len=1,
-            max_seq_len=ctx,
-        )
+    def sdpa() -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=kv_heads != heads)
+        return out.view(batch, heads, dim)
 
-    def sdpa_fn():
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=kv_heads != heads)
-
-    diff = (triton_fn().float() - sdpa_fn().view(batch, heads, dim).float()).abs().max().item()
-    t_triton = time_ms(triton_fn, args.iters, device)
-    t_sdpa = time_ms(sdpa_fn, args.iters, device)
     nbytes = (2 * k.numel() + 2 * q.numel()) * k.element_size()  # K + V read, q read + out written
-    return (
-        f"decode  B={batch:4d} ctx={ctx:6d} | triton {t_triton:9.3f} ms {nbytes / t_triton / 1e9:7.3f} TB/s"
-        f" | sdpa {t_sdpa:9.3f} ms {nbytes / t_sdpa / 1e9:7.3f} TB/s | max|diff| {diff:.1e}"
-    )
+    call = (query, key_cache, value_cache, block_tables, seq_lens, qsl, scale)
+    return Case(f"decode  B={batch:4d} ctx={ctx:6d}", call, dict(max_query_len=1, max_seq_len=ctx), sdpa,
+                nbytes, "TB/s")
 
 
-def bench_prefill(args, paged_attention, device, batch: int, length: int) -> str:
+def prefill_case(args, device, batch: int, length: int) -> Case:
+    """B sequences of ``length`` new tokens each, no cached context."""
     dtype, heads, kv_heads, dim = DTYPES[args.dtype], args.num_heads, args.num_kv_heads, args.head_dim
     gen = torch.Generator(device).manual_seed(1)
     q = torch.randn(batch, heads, length, dim, generator=gen, device=device, dtype=dtype)  # [B, H, S, D]
@@ -156,33 +176,134 @@ def bench_prefill(args, paged_attention, device, batch: int, length: int) -> str
     qsl = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)
     scale = dim**-0.5
 
-    def triton_fn():
-        return paged_attention(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            qsl,
-            scale,
-            max_query_len=length,
-            max_seq_len=length,
-        )
+    def sdpa() -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=kv_heads != heads)
+        return out.transpose(1, 2).reshape(batch * length, heads, dim)
 
-    def sdpa_fn():
-        return F.scaled_dot_product_attention(
-            q, k, v, scale=scale, is_causal=True, enable_gqa=kv_heads != heads
-        )
-
-    expected = sdpa_fn().transpose(1, 2).reshape(batch * length, heads, dim)
-    diff = (triton_fn().float() - expected.float()).abs().max().item()
-    t_triton = time_ms(triton_fn, args.iters, device)
-    t_sdpa = time_ms(sdpa_fn, args.iters, device)
     flops = 4 * batch * heads * length * length * dim / 2  # QK^T and PV, causal half
-    return (
-        f"prefill B={batch:4d} len={length:6d} | triton {t_triton:9.3f} ms {flops / t_triton / 1e9:7.2f} TFLOP/s"
-        f" | sdpa {t_sdpa:9.3f} ms {flops / t_sdpa / 1e9:7.2f} TFLOP/s | max|diff| {diff:.1e}"
-    )
+    call = (query, key_cache, value_cache, block_tables, seq_lens, qsl, scale)
+    return Case(f"prefill B={batch:4d} len={length:6d}", call, dict(max_query_len=length, max_seq_len=length),
+                sdpa, flops, "TFLOP/s")
+
+
+def bench_case(case: Case, iters: int, device: torch.device) -> str:
+    """The grid's line: the default (heuristic) launch against SDPA, same data, same run."""
+    t_triton = time_ms(case.run, iters, device)
+    line = f"{case.label} | triton {t_triton:9.3f} ms {case.work / t_triton / 1e9:7.3f} {case.unit}"
+    try:  # SDPA may pick a backend that runs out of memory where ours does not
+        diff = (case.run().float() - case.sdpa().float()).abs().max().item()
+        t_sdpa = time_ms(case.sdpa, iters, device)
+    except Exception as exc:  # noqa: BLE001
+        return f"{line} | sdpa failed: {type(exc).__name__}"
+    return f"{line} | sdpa {t_sdpa:9.3f} ms {case.work / t_sdpa / 1e9:7.3f} {case.unit} | max|diff| {diff:.1e}"
+
+
+def describe(options: dict) -> str:
+    """"path=split_k splits=4 block_m=- tile_n=64 warps=4 stages=2" ('-': the heuristic's)."""
+    tiles = options.get("tiles")
+    fields = [f"path={options.get('path', 'auto')}", f"splits={options.get('num_splits') or '-'}"]
+    if tiles is not None:
+        fields += [f"{name}={value or '-'}" for name, value in zip(
+            ("block_m", "tile_n", "warps", "stages"), tiles, strict=True)]
+    return " ".join(fields)
+
+
+def build_info(case: Case, options: dict) -> str:
+    """Registers, spills and shared memory of each launch's build (on a GPU; '' elsewhere)."""
+    from kernels.triton_attention import plan_paged_attention
+
+    _, launches = plan_paged_attention(*case.call, **case.call_kw, **options)
+    info = []
+    for launch in launches:
+        compiled = launch()
+        regs = getattr(compiled, "n_regs", None)
+        if regs is not None:
+            info.append(f"{launch.kernel.fn.__name__}: regs {regs} spills {compiled.n_spills} "
+                        f"smem {compiled.metadata.shared}")
+    return "; ".join(info)
+
+
+def try_options(case: Case, options: dict, iters: int, device: torch.device, expected: torch.Tensor) -> float | None:
+    """Print one sweep line; the median ms, or None where the launch failed."""
+    try:
+        info = build_info(case, options)
+        diff = (case.run(**options).float() - expected.float()).abs().max().item()
+        ms = time_ms(lambda: case.run(**options), iters, device)
+    except Exception as exc:  # noqa: BLE001 - a config the GPU cannot take is a result too
+        print(f"  sweep {case.label} | {describe(options)} | failed: {type(exc).__name__}: "
+              f"{str(exc).splitlines()[0][:160] if str(exc) else ''}", flush=True)
+        return None
+    print(f"  sweep {case.label} | {describe(options)} | {ms:9.3f} ms {case.work / ms / 1e9:7.3f} {case.unit}"
+          f" | max|diff| {diff:.1e} | {info}", flush=True)
+    return ms
+
+
+def sweep(case: Case, stages: list[list[dict]], iters: int, device: torch.device) -> None:
+    """Coordinate descent: each stage's candidates extend the best options so far."""
+    from kernels.triton_attention import AttentionTiles
+
+    try:
+        expected = case.sdpa()
+        t_sdpa = time_ms(case.sdpa, iters, device)
+        sdpa = f"sdpa {t_sdpa:9.3f} ms {case.work / t_sdpa / 1e9:7.3f}"
+    except Exception as exc:  # noqa: BLE001 - then max|diff| is against the default launch
+        expected, sdpa = case.run(), f"sdpa failed: {type(exc).__name__}"
+    t_default = try_options(case, {}, iters, device, expected)
+    best_ms, best = t_default, {"tiles": AttentionTiles()}  # the heuristic's choice is a candidate too
+    for stage in stages:
+        base = best
+        for change in stage:
+            options = {**base, **change}
+            if "tiles" in change:  # merge tile fields: set ones replace, None ones keep the base's
+                merged = [c if c is not None else b for c, b in zip(change["tiles"], base["tiles"], strict=True)]
+                options["tiles"] = AttentionTiles(*merged)
+            ms = try_options(case, options, iters, device, expected)
+            if ms is not None and (best_ms is None or ms < best_ms):
+                best_ms, best = ms, options
+    if best_ms is None:
+        print(f"best  {case.label} | every candidate failed", flush=True)
+        return
+    default = f"{t_default:9.3f} ms {case.work / t_default / 1e9:7.3f}" if t_default else "failed"
+    print(f"best  {case.label} | {describe(best)} | {best_ms:9.3f} ms {case.work / best_ms / 1e9:7.3f} {case.unit}"
+          f" | default {default} | {sdpa}", flush=True)
+
+
+def decode_stages(ctx: int, smoke: bool) -> list[list[dict]]:
+    """Split-K factor x keys per iteration, then warps x pipelining stages."""
+    from kernels.triton_attention import AttentionTiles
+
+    splits = [1, 2] if smoke else [s for s in (1, 2, 4, 8, 16, 32) if s == 1 or ctx // s >= 256]
+    tile_ns = [16, 32] if smoke else [32, 64, 128]
+    first = [
+        {"path": "single" if n == 1 else "split_k", "num_splits": None if n == 1 else n,
+         "tiles": AttentionTiles(tile_n=t)}
+        for n in splits for t in tile_ns
+    ]
+    warps, depths = ([4], [1, 2]) if smoke else ([2, 4, 8], [1, 2, 3, 4])
+    second = [{"tiles": AttentionTiles(num_warps=w, num_stages=d)} for w in warps for d in depths]
+    return [first, second]
+
+
+def prefill_stages(smoke: bool) -> list[list[dict]]:
+    """Rows per program x keys per iteration, then warps x pipelining stages."""
+    from kernels.triton_attention import AttentionTiles
+
+    block_ms, tile_ns = ([16, 32], [16]) if smoke else ([64, 128], [32, 64, 128])
+    first = [{"path": "single", "tiles": AttentionTiles(block_m=m, tile_n=t)} for m in block_ms for t in tile_ns]
+    warps, depths = ([4], [2]) if smoke else ([4, 8], [2, 3, 4])
+    second = [{"tiles": AttentionTiles(num_warps=w, num_stages=d)} for w in warps for d in depths]
+    return [first, second]
+
+
+def run_guarded(label: str, fn: Callable[[], None], device: torch.device) -> None:
+    """Run one grid entry or sweep; a failure (out of memory, say) prints and the run goes on."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        print(f"{label} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+              flush=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,30 +315,40 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. imported below
     else:
         sys.exit("no CUDA device: run with --smoke for the CPU interpreter")
-    from kernels.triton_attention import paged_attention
+    import triton
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     print(
-        f"# {where}, {args.dtype}, {args.num_heads} q heads / {args.num_kv_heads} kv heads, "
-        f"head_dim {args.head_dim}, block size {args.block_size}"
+        f"# {where}, torch {torch.__version__}, triton {triton.__version__}, {args.dtype}, "
+        f"{args.num_heads} q heads / {args.num_kv_heads} kv heads, head_dim {args.head_dim}, "
+        f"block size {args.block_size}", flush=True,
     )
     elem = DTYPES[args.dtype].itemsize
+
+    def too_big(batch: int, tokens: int) -> float | None:
+        gib = 4 * batch * tokens * args.num_kv_heads * args.head_dim * elem / 2**30  # contiguous + paged K, V
+        return gib if gib > args.max_gib else None
+
     for batch in args.decode_batch:
         for ctx in args.decode_context:
-            gib = (
-                4 * batch * ctx * args.num_kv_heads * args.head_dim * elem / 2**30
-            )  # contiguous + paged K, V
-            if gib > args.max_gib:
-                print(f"decode  B={batch:4d} ctx={ctx:6d} | skipped: {gib:.0f} GiB > --max-gib")
+            label = f"decode  B={batch:4d} ctx={ctx:6d}"
+            if gib := too_big(batch, ctx):
+                print(f"{label} | skipped: {gib:.0f} GiB > --max-gib")
                 continue
-            print(bench_decode(args, paged_attention, device, batch, ctx), flush=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            run_guarded(label, lambda b=batch, c=ctx: print(
+                bench_case(decode_case(args, device, b, c), args.iters, device), flush=True), device)
     for batch in args.prefill_batch:
         for length in args.prefill_len:
-            print(bench_prefill(args, paged_attention, device, batch, length), flush=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            run_guarded(f"prefill B={batch:4d} len={length:6d}", lambda b=batch, n=length: print(
+                bench_case(prefill_case(args, device, b, n), args.iters, device), flush=True), device)
+    if not args.sweep:
+        return
+    for batch, ctx in args.sweep_decode:
+        run_guarded(f"sweep decode B={batch} ctx={ctx}", lambda b=batch, c=ctx: sweep(
+            decode_case(args, device, b, c), decode_stages(c, args.smoke), args.iters, device), device)
+    for batch, length in args.sweep_prefill:
+        run_guarded(f"sweep prefill B={batch} len={length}", lambda b=batch, n=length: sweep(
+            prefill_case(args, device, b, n), prefill_stages(args.smoke), args.iters, device), device)
 
 
 if __name__ == "__main__":

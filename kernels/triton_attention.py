@@ -31,7 +31,7 @@ Nothing here queries CUDA at import time; under ``TRITON_INTERPRET=1`` it runs o
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import triton
@@ -46,6 +46,38 @@ _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
+
+
+class AttentionTiles(NamedTuple):
+    """Tile shape and launch options of ``_paged_attn_kernel``; ``None`` keeps the heuristic's.
+
+    For tuning on a GPU (``benchmarks/kernels.py --sweep``), not for the model runner.
+    ``block_m``: rows per program (query tokens x the padded GQA group), a power of two
+    >= 16 and >= the padded group; ``tile_n``: keys per loop iteration, a power of two >= 16;
+    ``num_warps``: 1, 2, 4, 8 or 16; ``num_stages``: software-pipelining depth, >= 1.
+    """
+
+    block_m: int | None = None
+    tile_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _check_tiles(tiles: AttentionTiles, group_pad: int) -> None:
+    """Raise ValueError naming the field of ``tiles`` that the kernel cannot take."""
+    if tiles.block_m is not None and not (_is_pow2(tiles.block_m) and tiles.block_m >= max(16, group_pad)):
+        raise ValueError(f"tiles.block_m must be a power of two >= max(16, padded group {group_pad}), "
+                         f"got {tiles.block_m}")
+    if tiles.tile_n is not None and not (_is_pow2(tiles.tile_n) and tiles.tile_n >= 16):
+        raise ValueError(f"tiles.tile_n must be a power of two >= 16, got {tiles.tile_n}")
+    if tiles.num_warps is not None and tiles.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"tiles.num_warps must be 1, 2, 4, 8 or 16, got {tiles.num_warps}")
+    if tiles.num_stages is not None and tiles.num_stages < 1:
+        raise ValueError(f"tiles.num_stages must be >= 1, got {tiles.num_stages}")
 
 
 @triton.jit
@@ -338,6 +370,7 @@ def plan_paged_attention(
     path: Literal["auto", "single", "split_k"] = "auto",
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim], dtype of query
+    tiles: AttentionTiles | None = None,
 ) -> tuple[torch.Tensor, list[KernelLaunch]]:
     """Check the arguments, pick path and tiles, allocate ``out`` / scratch; launch nothing.
 
@@ -399,8 +432,15 @@ def plan_paged_attention(
     row_bytes = head_dim_pad * query.element_size() * (2 if query.dtype == torch.float32 else 1)
     tile_rows = 64 if row_bytes <= 256 else (32 if row_bytes <= 512 else 16)
     block_m = max(16 if q_per_seq * group_pad <= 16 else tile_rows, group_pad)
-    block_q = block_m // group_pad
     tile_n = tile_rows
+    num_warps, num_stages = (4 if row_bytes <= 256 else 8), 2
+    if tiles is not None:
+        _check_tiles(tiles, group_pad)
+        block_m = tiles.block_m or block_m
+        tile_n = tiles.tile_n or tile_n
+        num_warps = tiles.num_warps or num_warps
+        num_stages = tiles.num_stages or num_stages
+    block_q = block_m // group_pad
     num_q_tiles = num_tokens // block_q + num_seqs  # upper bound; spare programs exit at once
 
     if splits > 1:
@@ -457,8 +497,8 @@ def plan_paged_attention(
             SOFT_CAP=soft_cap is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             F32_OPERANDS=query.dtype == torch.bfloat16 and is_interpreted(_paged_attn_kernel),
-            num_warps=4 if row_bytes <= 256 else 8,
-            num_stages=2,
+            num_warps=num_warps,
+            num_stages=num_stages,
         ),
     )
     if splits == 1:
@@ -504,6 +544,7 @@ def paged_attention(
     path: Literal["auto", "single", "split_k"] = "auto",
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim], dtype of query
+    tiles: AttentionTiles | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim], dtype of query
     """Causal paged attention of a mixed batch in one launch (plus a reduce launch for split-K).
 
@@ -518,7 +559,8 @@ def paged_attention(
     from the tensors (a device->host sync). ``path``: "auto" picks split-K for decode-like
     batches with long contexts and few sequences (:func:`choose_num_splits`), "single" forces
     the single-pass kernel, "split_k" forces split-K with ``num_splits`` (power of two in
-    [2, MAX_SPLITS], default 4).
+    [2, MAX_SPLITS], default 4). ``tiles``: overrides of the tile shape and launch options
+    (:class:`AttentionTiles`; ValueError for a value the kernel cannot take).
     """
     if query.device.type == "cpu" and not is_interpreted(_paged_attn_kernel):
         raise RuntimeError(
@@ -539,6 +581,7 @@ def paged_attention(
         path=path,
         num_splits=num_splits,
         out=out,
+        tiles=tiles,
     )
     for launch in launches:
         launch()

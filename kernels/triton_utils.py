@@ -25,8 +25,10 @@ class KernelLaunch(NamedTuple):
     grid: tuple[int, ...]
     kwargs: dict[str, Any]
 
-    def __call__(self) -> None:
-        self.kernel[self.grid](**self.kwargs)
+    def __call__(self) -> Any:
+        """Launch; returns what Triton's launch returns (on a GPU the CompiledKernel, whose
+        ``n_regs`` / ``n_spills`` / ``metadata.shared`` describe the build)."""
+        return self.kernel[self.grid](**self.kwargs)
 
 
 def is_interpreted(kernel: object) -> bool:

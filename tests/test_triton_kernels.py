@@ -38,6 +38,7 @@ DEVICE = os.environ.get("PAGEDLLM_KERNEL_TEST_DEVICE") or ("cuda" if torch.cuda.
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (see the module docstring)
 
+import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels import reference  # noqa: E402
@@ -360,6 +361,52 @@ def test_paged_attention_writes_into_out_and_leaves_padding_rows(path: str):
     assert bool((out[5:] == 7.0).all())
 
 
+@in_process
+@pytest.mark.parametrize(
+    "case, path, tiles",
+    [  # decode rows in a 32-row tile (4 tokens x GQA 8) over 16-key iterations, single and split-K
+        (Case(q_lens=(1, 1, 1), ctx_lens=(15, 33, 64), num_heads=8, num_kv_heads=1, head_dim=64), "single",
+         dict(block_m=32, tile_n=16)),
+        (Case(q_lens=(1, 1, 1), ctx_lens=(15, 33, 64), num_heads=8, num_kv_heads=1, head_dim=64), "split_k",
+         dict(block_m=16, tile_n=128, num_warps=8, num_stages=3)),
+        # a prefill tile of 64 rows (32 tokens x GQA 2) over 16-key iterations, chunk on a context
+        (Case(q_lens=(40, 3), ctx_lens=(17, 31), num_heads=4, num_kv_heads=2, head_dim=80), "single",
+         dict(block_m=64, tile_n=16)),
+    ],
+    ids=["decode-single", "decode-split_k", "prefill"],
+)
+def test_paged_attention_tile_overrides_match_reference(case: Case, path: str, tiles: dict):
+    """Every tile shape the benchmark's --sweep may pick computes the same attention."""
+    args = _make_batch(case, seed=11)
+    scale = case.head_dim**-0.5
+    overrides = triton_attention.AttentionTiles(**tiles)
+    _, launches = triton_attention.plan_paged_attention(
+        *args, scale, path=path, num_splits=2 if path == "split_k" else None, tiles=overrides)
+    group_pad = triton.next_power_of_2(case.num_heads // case.num_kv_heads)
+    kw = launches[0].kwargs
+    assert (kw["BLOCK_M"], kw["BLOCK_Q"], kw["TILE_N"]) == (
+        tiles["block_m"], tiles["block_m"] // group_pad, tiles["tile_n"])
+    assert (kw["num_warps"], kw["num_stages"]) == (tiles.get("num_warps", 4), tiles.get("num_stages", 2))
+
+    got = triton_attention.paged_attention(
+        *args, scale, path=path, num_splits=2 if path == "split_k" else None, tiles=overrides)
+
+    torch.testing.assert_close(got, reference.paged_attention(*args, scale), atol=2e-3, rtol=2e-3)
+
+
+@in_process
+@pytest.mark.parametrize(
+    "tiles, field",
+    [(dict(block_m=8), "block_m"), (dict(block_m=48), "block_m"), (dict(tile_n=8), "tile_n"),
+     (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages")],
+)
+def test_paged_attention_rejects_bad_tiles(tiles: dict, field: str):
+    case = Case(q_lens=(2,), ctx_lens=(3,))
+    args = _make_batch(case)
+    with pytest.raises(ValueError, match=f"tiles.{field}"):
+        triton_attention.paged_attention(*args, 1.0, tiles=triton_attention.AttentionTiles(**tiles))
+
+
 def test_choose_num_splits():
     choose = triton_attention.choose_num_splits
     assert choose(num_seqs=1, num_kv_heads=8, max_query_len=1, max_seq_len=32768, num_sms=132) == 32
@@ -396,7 +443,7 @@ def test_launcher_rejects_bad_arguments():
 
 _COMPILE_SCRIPT = r"""
 import torch
-from kernels.triton_attention import plan_paged_attention
+from kernels.triton_attention import AttentionTiles, plan_paged_attention
 from kernels.triton_cache import plan_reshape_and_cache
 from kernels.triton_utils import compile_launch, is_interpreted
 
@@ -414,6 +461,8 @@ launches += attn(torch.bfloat16, 32, 4, 128, [1] * 4, 8192)  # decode, auto -> s
 launches += attn(torch.bfloat16, 32, 4, 128, [2048], 2048)  # prefill
 launches += attn(torch.float16, 8, 1, 256, [64], 64, sliding_window=8, soft_cap=5.0)
 launches += attn(torch.float32, 8, 2, 80, [1], 64, path="split_k")
+launches += attn(torch.bfloat16, 32, 4, 128, [2048], 2048,  # the largest tiles benchmarks/kernels.py --sweep tries
+                 tiles=AttentionTiles(block_m=128, tile_n=128, num_warps=8, num_stages=4))
 key = torch.empty(4, 8, 128, dtype=torch.bfloat16)
 launches += plan_reshape_and_cache(key, key, torch.empty(4, 16, 8, 128, dtype=torch.bfloat16),
                                    torch.empty(4, 16, 8, 128, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int64))
@@ -439,12 +488,12 @@ def test_kernels_compile_for_cuda_targets():
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 14, proc.stdout
+    assert proc.stdout.count(" ok") == 16, proc.stdout
 
 
 def test_benchmark_smoke_prints_figures():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--smoke"],
+        [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--smoke", "--sweep"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -457,3 +506,11 @@ def test_benchmark_smoke_prints_figures():
     assert decode and prefill, proc.stdout
     assert all("TB/s" in line for line in decode), proc.stdout
     assert all("TFLOP/s" in line for line in prefill), proc.stdout
+    # --sweep: a line per candidate (default, 4 + 2 decode, 2 + 1 prefill), each agreeing with SDPA,
+    # then the fastest of each shape against the default
+    swept = [line for line in lines if line.startswith("  sweep")]
+    assert len(swept) == 7 + 4 and not [line for line in swept if "failed" in line], proc.stdout
+    assert all(float(line.split("max|diff| ")[1].split()[0]) < 0.05 for line in swept), proc.stdout
+    best = [line for line in lines if line.startswith("best")]
+    assert [line.split("|")[0].split()[1] for line in best] == ["decode", "prefill"], proc.stdout
+    assert all(" default " in line and " sdpa " in line for line in best), proc.stdout
