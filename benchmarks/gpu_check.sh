@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The one prepared command for a session that is lent a GPU (an H200 here):
+# The one prepared command for a session that is lent a GPU (an H200 here). First, on the
+# development machine: bash benchmarks/gpu_prepare.sh (fills .gpu/); then with the device tool:
 #
-#     bash benchmarks/gpu_check.sh          # the device tool: run(command="bash benchmarks/gpu_check.sh", timeout_s=600)
+#     run(command="bash benchmarks/gpu_check.sh", carry=[".gpu"], timeout_s=600)
 #
 # 1. benchmarks/kernels.py: the decode / prefill grid against SDPA, then --sweep (tile shapes,
 #    warps, pipelining stages, split-K factor on decode 64 x 4k, 1 x 32k and prefill 4 x 4k);
-# 2. the Triton kernel tests natively on the GPU (tests/test_triton_kernels.py).
-# Each step has its own time limit so that the whole stays under the device tool's 10 minutes;
+# 2. benchmarks/gpu_engine_check.py: the whole engine on CUDA (executor, paged KV cache on the
+#    GPU, Triton and torch attention backends) against Hugging Face greedy tokens;
+# 3. the Triton kernel tests natively on the GPU (tests/test_triton_kernels.py).
+# Each step has its own time limit, so that the whole stays under the device tool's 10 minutes;
 # output goes to $OUT (the device tool brings that folder back), else /tmp/gpu_check.
-# Needs only the machine's python3 with torch, triton and pytest (no project venv).
+# Needs the machine's python3 with torch, triton, transformers and pytest; the engine's other
+# dependencies come from .gpu/whl (steps 1 and 3 run without them).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -16,12 +20,19 @@ mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 unset TRITON_INTERPRET
+if [ -d .gpu/whl ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+fi
 {
     date -u
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
-    $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+    $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
-timeout 360 $PY benchmarks/kernels.py --sweep 2>&1 | tee "$OUT/kernels.txt"
+timeout 300 $PY benchmarks/kernels.py --sweep 2>&1 | tee "$OUT/kernels.txt"
 echo "kernels.py exit: ${PIPESTATUS[0]}" | tee -a "$OUT/kernels.txt"
-timeout 170 $PY -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -40 | tee "$OUT/tests.txt"
+timeout 110 $PY benchmarks/gpu_engine_check.py --tokenizer .gpu/tokenizer 2>&1 | grep -v "Loading weights\|Writing model" \
+    | tail -40 | tee "$OUT/engine.txt"
+echo "gpu_engine_check.py exit: ${PIPESTATUS[0]}" | tee -a "$OUT/engine.txt"
+timeout 140 $PY -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -40 | tee "$OUT/tests.txt"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/tests.txt"

@@ -100,3 +100,22 @@ def test_tiny_random_model_greedy_parity(tmp_path, smollm2_path, config):
     ours = pagedllm_greedy(path, PROMPTS, 16, max_num_batched_tokens=48, block_size=16)
     ref = hf_greedy(path, PROMPTS, 16)
     assert ours == ref
+
+
+def test_gpu_engine_check_script_runs_on_cpu(smollm2_path):
+    """benchmarks/gpu_engine_check.py (run on a lent GPU by benchmarks/gpu_check.sh) works: its
+    dry run on the CPU compares the engine with Hugging Face and passes."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_engine_check.py"), "--tokenizer", str(smollm2_path),
+         "--device", "cpu", "--backends", "torch", "--max-new-tokens", "8"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("float32 cpu attention_backend=torch") and " 6/6 prompts " in line for line in lines)
+    assert any(line.startswith("bfloat16 cpu torch: 64 prompts x 64 tokens: 4096 tokens") for line in lines)
+    assert lines[-1] == "engine check: PASS", proc.stdout[-2000:]
