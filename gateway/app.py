@@ -593,8 +593,8 @@ def _parse_ws_message(data: str) -> tuple[Any, AnyRequest | APIError]:
     request = envelope.get("request")
     if not isinstance(request, dict):
         raise _BadMessage(tag, APIError(400, "request must be a JSON object", param="request"))
-    try:
-        return tag, models[kind].model_validate(request)
+    try:  # a WebSocket always streams: its ``stream`` field is ignored
+        return tag, models[kind].model_validate({**request, "stream": True})
     except ValidationError as exc:
         return tag, validation_error(exc.errors())
 

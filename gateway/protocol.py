@@ -14,9 +14,17 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from shared.messages import SamplingParams
+from shared.messages import INT64_MAX, INT64_MIN, SamplingParams
 
 # ---------------------------------------------------------------- errors
 
@@ -43,12 +51,34 @@ class ErrorResponse(BaseModel):
 Unsupported = tuple[tuple[str, Callable[[Any], bool], str], ...]
 
 
+def _int_out_of_range(value: Any, depth: int = 0) -> int | None:
+    """The first integer in ``value`` (nested lists / dicts too) outside int64, else None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if not (INT64_MIN <= value <= INT64_MAX) else None
+    if depth < 4 and isinstance(value, list | dict):
+        for item in value.values() if isinstance(value, dict) else value:
+            if (bad := _int_out_of_range(item, depth + 1)) is not None:
+                return bad
+    return None
+
+
 class OpenAIRequest(BaseModel):
-    """Base of request bodies: unknown fields are ignored (as in vLLM)."""
+    """Base of request bodies: unknown fields are ignored (as in vLLM). Every integer of a
+    known field must fit a signed 64-bit integer (the services' messages carry int64)."""
 
     model_config = ConfigDict(extra="ignore")
 
     unsupported_values: ClassVar[Unsupported] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ints_fit_int64(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if name in cls.model_fields and (bad := _int_out_of_range(value)) is not None:
+                    raise ValueError(f"{name}: {bad} is out of range; integers must be between {INT64_MIN} "
+                                     f"and {INT64_MAX}")
+        return data
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> OpenAIRequest:
@@ -118,6 +148,19 @@ class _SamplingFields(OpenAIRequest):
     min_p: float | None = None
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
+    @classmethod
+    def _positive_limit(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"{info.field_name} must be at least 1, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
 
     @property
     def include_usage(self) -> bool:

@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_N = 64  # most samples of one prompt (``n``)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range every integer of a message must fit (msgpack, torch)
+#: temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a
+#: float32-underflowing temperature would give inf / NaN probabilities
+GREEDY_TEMPERATURE = 1e-5
 
 
 class Message(BaseModel):
@@ -39,8 +43,9 @@ class ServiceError(Message):
 class SamplingParams(Message):
     """How to sample one request (a subset of vLLM's ``SamplingParams``, same names).
 
-    ``temperature=0`` means greedy. ``top_k`` 0 or -1 disables top-k. A per-request ``seed``
-    makes the request's samples independent of whatever else is in the batch.
+    ``temperature`` below 1e-5 (``GREEDY_TEMPERATURE``, as vLLM) means greedy. ``top_k`` 0 or
+    -1 disables top-k. A per-request ``seed`` makes the request's samples independent of
+    whatever else is in the batch. Every integer must fit a signed 64-bit integer.
 
     Raises:
         pydantic.ValidationError: a value is out of range; the message names the parameter.
@@ -74,26 +79,36 @@ class SamplingParams(Message):
     def _check(self) -> SamplingParams:
         if not (1 <= self.n <= MAX_N):
             raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and not (1 <= self.max_tokens <= INT64_MAX):
+            raise ValueError(f"max_tokens must be between 1 and {INT64_MAX}, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if not (-1 <= self.top_k <= INT64_MAX):
+            raise ValueError(f"top_k must be -1, 0 (disabled) or positive (at most {INT64_MAX}), got {self.top_k}")
+        if self.seed is not None and not (INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be between {INT64_MIN} and {INT64_MAX}, got {self.seed}")
+        if bad := [t for t in self.stop_token_ids if not (0 <= t <= INT64_MAX)]:
+            raise ValueError(f"stop_token_ids must be token ids >= 0 (at most {INT64_MAX}), got {bad[0]}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop: stop strings must not be empty")
         return self
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether the request samples greedily (temperature below ``GREEDY_TEMPERATURE``)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def for_child(self, index: int) -> SamplingParams:
         """The params of sample ``index`` of an ``n > 1`` request (vLLM's rule: a seeded
-        request's sample i uses ``seed + i``, so the n samples differ yet are reproducible)."""
-        seed = None if self.seed is None else self.seed + index
+        request's sample i uses ``seed + i``, so the n samples differ yet are reproducible).
+        The sum wraps around in 64 bits (two's complement), so a child seed always fits."""
+        seed = None
+        if self.seed is not None:
+            seed = self.seed + index
+            if seed > INT64_MAX:
+                seed -= 2**64
         return self.model_copy(update={"n": 1, "seed": seed})
 
 

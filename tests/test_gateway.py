@@ -305,6 +305,17 @@ BAD_BODIES = [
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+    # integers outside int64 never reach the services (msgpack, torch): each is a 400 naming it
+    ("/v1/completions", {"prompt": PROMPT, "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": PROMPT, "seed": -(2**63) - 1}, "seed"),
+    ("/v1/completions", {"prompt": PROMPT, "top_k": 2**63}, "top_k"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 10**20}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "priority": 2**64}, "priority"),
+    ("/v1/completions", {"prompt": PROMPT, "stop_token_ids": [2**64]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [1, 2**64]}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
 ]
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import msgpack
+import pydantic
+import pytest
 import torch
 
-from services.executor.sampler import Sampler, apply_top_k_top_p
+from services.executor.sampler import Sampler, apply_top_k_top_p, generator_seed
 from shared.messages import SamplingParams
 
 
@@ -43,3 +46,53 @@ def test_seeded_rows_are_independent_of_the_batch():
     seq = [sampler.sample(logits[1:2], [p], [g])[0] for _ in range(5)]
     g3 = sampler.new_request_generator(7, 3, 100)
     assert [sampler.sample(logits[1:2], [p], [g3])[0] for _ in range(2)] == seq[3:]
+
+
+def test_near_zero_temperature_is_greedy():
+    """Below 1e-5 (vLLM's epsilon) a temperature samples greedily: 1e-39 underflows float32,
+    and dividing the logits by it gave NaN probabilities and end-of-text tokens."""
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=t) for t in (1e-39, 1e-30, 9.9e-6, 0.0)]
+    assert all(p.greedy for p in params) and not SamplingParams(temperature=1e-5).greedy
+    assert sampler.sample(logits, params, [None] * 4) == logits.argmax(dim=-1).tolist()
+
+
+def test_out_of_range_integers_are_refused():
+    """Integers that would overflow int64 (msgpack, torch.tensor) fail validation, naming the
+    parameter, before a request reaches the executor's batch."""
+    for kwargs, name in [
+        (dict(top_k=2**63), "top_k"), (dict(top_k=-2), "top_k"), (dict(seed=2**63), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"), (dict(max_tokens=2**63), "max_tokens"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(temperature=float("inf")), "temperature"),
+    ]:
+        with pytest.raises(pydantic.ValidationError, match=name):
+            SamplingParams(**kwargs)
+    ok = SamplingParams(top_k=2**63 - 1, seed=-(2**63), max_tokens=2**63 - 1, stop_token_ids=[2**63 - 1])
+    assert ok.top_k == 2**63 - 1
+
+
+def test_child_seeds_wrap_in_64_bits_and_travel():
+    """seed + i of an n > 1 request wraps around (two's complement), so every child's params
+    still validate after the trip through msgpack."""
+    parent = SamplingParams(n=3, seed=2**63 - 2, temperature=0.7)
+    seeds = [parent.for_child(i).seed for i in range(3)]
+    assert seeds == [2**63 - 2, 2**63 - 1, -(2**63)]
+    for i in range(3):
+        child = parent.for_child(i)
+        assert SamplingParams.model_validate(msgpack.unpackb(msgpack.packb(child.model_dump()))) == child
+
+
+def test_generator_seed_uses_all_64_bits_on_cpu():
+    """The CPU generator (mt19937) keeps 32 bits of its seed: seeds past 2**32 are mixed down,
+    so 0 and 2**32 draw different streams; seeds below 2**32 are used unchanged."""
+    cpu = torch.device("cpu")
+    assert [generator_seed(s, cpu) for s in (0, 7, 2**32 - 1)] == [0, 7, 2**32 - 1]
+    mixed = {generator_seed(s, cpu) for s in (2**32, 2**33, 2**63 - 1, -1, -(2**63))}
+    assert len(mixed) == 5 and all(0 <= s < 2**32 for s in mixed) and not mixed & {0, 2**32 - 1}
+    assert generator_seed(2**40, torch.device("cuda")) == 2**40  # Philox takes all 64 bits
+    sampler = Sampler(seed=0, device=cpu)
+    logits = torch.zeros(1, 1000)
+    draws = {s: sampler.sample(logits, [SamplingParams(seed=s)], [sampler.new_request_generator(s, 0, 1000)])[0]
+             for s in (0, 2**32)}
+    assert draws[0] != draws[2**32]

@@ -53,6 +53,22 @@ def apply_top_k_top_p(
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
 
 
+def generator_seed(seed: int, device: torch.device) -> int:
+    """The ``torch.Generator`` seed for a request's 64-bit ``seed``.
+
+    The CPU generator (mt19937) keeps only the low 32 bits of its seed, so seeds 0 and 2**32
+    would draw the same stream. Seeds in [0, 2**32) are used as they are; any other is mixed
+    into 32 bits by SplitMix64's finalizer (Steele et al., 2014), so every bit of it counts.
+    CUDA's Philox generator takes all 64 bits: there the seed is used as it is.
+    """
+    if device.type != "cpu" or 0 <= seed < 2**32:
+        return seed
+    z = seed % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
 class Sampler:
     """Samples one token per row of a logits matrix.
 
@@ -69,7 +85,7 @@ class Sampler:
         request recomputed after preemption continues its random stream)."""
         if seed is None:
             return None
-        gen = torch.Generator(device=self.device).manual_seed(seed)
+        gen = torch.Generator(device=self.device).manual_seed(generator_seed(seed, self.device))
         for _ in range(num_draws_done):
             torch.empty(vocab_size, device=self.device).exponential_(generator=gen)
         return gen
