@@ -34,6 +34,22 @@ def _flag_type(annotation: Any) -> tuple[Any, list | None]:
     return str, None
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _bool_value(text: str) -> bool:
+    """true/false (also 1/0, yes/no, on/off; any case) for a boolean flag.
+
+    Raises:
+        argparse.ArgumentTypeError: any other value (argparse names the flag and exits).
+    """
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per Settings field (bools take true/false)."""
     for name, field in Settings.model_fields.items():
@@ -41,8 +57,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + name.replace("_", "-")
         if field.annotation is bool:
-            parser.add_argument(flag, dest=name, type=lambda s: s.lower() in ("1", "true", "yes", "on"),
-                                nargs="?", const=True, default=None, help=field.description)
+            parser.add_argument(flag, dest=name, type=_bool_value, nargs="?", const=True, default=None,
+                                metavar="true|false", help=field.description)
             continue
         typ, choices = _flag_type(field.annotation)
         parser.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=field.description)
@@ -112,9 +128,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        procs.stop()
-        if nats_server is not None:
-            nats_server.stop()
+        # A second Ctrl-C or SIGTERM (make forwards one) must not cut the cleanup short: the
+        # services and the embedded NATS live in their own sessions and would be orphaned.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            procs.stop()
+        finally:
+            if nats_server is not None:
+                nats_server.stop()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 
 from shared.nats_server import free_port
 
@@ -44,9 +45,24 @@ def test_serve_answers_and_shuts_down_cleanly(smollm2_path):
         assert r.json()["choices"][0]["text"].strip().startswith("Paris")
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
+        time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)  # a second signal during the cleanup (make forwards one)
         assert proc.wait(30) == 0
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive
     # nats-server outlives the services (its own session): none of them lost its connection
     stderr = proc.stderr.read()
     assert "Traceback" not in stderr and "nats: encountered error" not in stderr, stderr[-3000:]
+
+
+def test_boolean_flags_take_true_or_false_only():
+    from pagedllm.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--enable-prefix-caching", "false", "--async-scheduling", "ON", "m"])
+    assert (args.enable_prefix_caching, args.async_scheduling, args.model) == (False, True, "m")
+    assert parser.parse_args(["serve", "--enable-prefix-caching"]).enable_prefix_caching is True
+    for bad in (["serve", "--enable-prefix-caching", "maybe"], ["serve", "--enable-prefix-caching", "/models/x"]):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(bad)
+        assert exc.value.code == 2  # argparse's usage error, naming the flag
