@@ -194,6 +194,31 @@ def test_decodes_progress_while_long_prompt_prefills_in_chunks():
     assert outputs == {"short": expected(short), "long": expected(long)}
 
 
+def test_request_without_max_tokens_runs_to_the_pool_capacity():
+    """No max_tokens means "up to the context length" (a chat request's default). Where the
+    largest pool holds fewer tokens than max_model_len (4096 here), the request runs until it
+    fills the pool (8 blocks x 16 = 128 tokens) and finishes with "length"; it used to be
+    refused for needing 4096 tokens. An explicit max_tokens that cannot fit is still refused."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    sched.add_group("g0", num_blocks=8, block_size=16)
+    ex = FakeExecutor(8, 16)
+    req = make_request("open", prompt_len=20, max_tokens=1, seed=3)
+    req.sampling_params = req.sampling_params.model_copy(update={"max_tokens": None})
+    assert sched.add_request(req) is None and req.max_model_len == 128
+    too_big = make_request("big", prompt_len=20, max_tokens=200, seed=4)
+    error = sched.add_request(too_big)
+    assert error is not None and error.code == "kv_cache_too_small" and error.param == "max_tokens"
+
+    outputs, _ = run(sched, ex)
+
+    toks, out = list(req.prompt_token_ids), []
+    for _ in range(128 - 20):
+        out.append(next_token(toks))
+        toks.append(out[-1])
+    assert outputs == {"open": out} and req.finish_reason == "length"
+    assert sched.groups["g0"].kv.num_free_blocks == 8
+
+
 def test_preemption_under_tiny_pool_gives_same_outputs():
     reqs = lambda: [make_request(f"r{i}", prompt_len=20 + 7 * i, max_tokens=30, seed=i) for i in range(6)]  # noqa: E731
     big = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512))

@@ -148,11 +148,19 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, req: Request) -> ServiceError | None:
-        """Queue a request, or refuse it at once if it could never fit a pool even alone."""
+        """Queue a request, or refuse it at once if it could never fit a pool even alone.
+
+        A request without ``max_tokens`` (generate up to the context length, as a chat request
+        does by default) whose context would outgrow the largest KV cache pool gets that pool's
+        capacity as its context length instead: it stops there with finish_reason "length",
+        rather than being refused.
+        """
         if req.request_id in self.requests:
             return ServiceError(message=f"duplicate request id {req.request_id}", param="request_id")
         if self.groups:
             largest = max(g.capacity_tokens for g in self.groups.values())
+            if req.sampling_params.max_tokens is None and req.num_prompt_tokens < largest < req.max_model_len:
+                req.max_model_len = largest
             if req.max_total_tokens > largest:
                 return ServiceError(
                     message=(
