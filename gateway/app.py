@@ -145,6 +145,8 @@ def validation_error(errors: Sequence[Any]) -> APIError:
         where = ".".join(str(x) for x in loc)
         if where and not (named and msg.startswith(named[0])):
             msg = f"{where}: {msg}"
+        elif not where and err.get("type") == "model_attributes_type":  # not a JSON object
+            msg = "the body must be a JSON object, sent with Content-Type: application/json"
         elif not where and err.get("type") != "value_error":
             msg = f"body: {msg}"
         if msg not in parts:

@@ -331,6 +331,11 @@ async def test_errors_then_normal_request(gw):
         "/v1/completions", content=b'{"model": "x", "prompt": ', headers={"content-type": "application/json"}
     )
     assert "JSON" in assert_openai_error(r, 400)["message"]
+    r = await gw.http.post(  # curl -d's default content type: the body is not read as JSON
+        "/v1/completions", content=b'{"model": "x", "prompt": "hi"}',
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert "Content-Type: application/json" in assert_openai_error(r, 400)["message"]
     r = await gw.http.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
     error = assert_openai_error(r, 404, "model")
     assert error["code"] == "model_not_found" and error["message"] == "The model `gpt-9` does not exist."
