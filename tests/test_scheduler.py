@@ -219,6 +219,108 @@ def test_request_without_max_tokens_runs_to_the_pool_capacity():
     assert sched.groups["g0"].kv.num_free_blocks == 8
 
 
+def run_with_failures(sched: Scheduler, fails, num_blocks: int = 64, block_size: int = 16, max_steps: int = 2000):
+    """``run``, where a plan for which ``fails(plan, sched)`` is true fails instead: the
+    scheduler blames (``fail_step``) and drops the group, whose executor registers again
+    with a fresh state (as the executor service does). Returns (outputs, failed ids, number
+    of failed steps)."""
+    ex = FakeExecutor(num_blocks, block_size)
+    outputs: dict[str, list[int]] = {}
+    failed_ids: list[str] = []
+    num_failures = 0
+    for _ in range(max_steps):
+        plan_ahead(sched, "g0", ex.queue)
+        if not ex.queue:
+            break
+        plan = ex.queue.pop(0)
+        if fails(plan, sched):
+            num_failures += 1
+            failed, _ = sched.fail_step("g0")
+            failed_ids += [r.request_id for r in failed]
+            assert all(r.finish_reason == "error" for r in failed)
+            sched.add_group("g0", num_blocks=num_blocks, block_size=block_size)
+            ex = FakeExecutor(num_blocks, block_size)  # the plan queued behind it is dropped too
+            continue
+        for req in sched.update_from_output(ex.execute(plan)).finished:
+            outputs[req.request_id] = list(req.output_token_ids)
+    return outputs, failed_ids, num_failures
+
+
+def _poison_outputs(sched: Scheduler) -> int:
+    req = sched.requests.get("poison")
+    return -1 if req is None else len(req.output_token_ids)
+
+
+@pytest.mark.parametrize(
+    "kind, fails, num_failures",
+    [  # the poison's first step fails (a prompt or sampling value that crashes the step)
+        ("early", lambda plan, sched: "poison" in plan.num_scheduled_tokens, 2),
+        # it fails once it has 5 output tokens, mid-decode, batched with the others
+        ("late", lambda plan, sched: "poison" in plan.num_scheduled_tokens and _poison_outputs(sched) >= 5, 2),
+    ],
+)
+def test_a_poisoned_request_fails_alone(kind, fails, num_failures):
+    """One request that crashes every step it is in fails with the error; the requests that
+    were batched with it are retried (one suspect per step) and give their exact outputs."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    sched.add_group("g0", num_blocks=64, block_size=16)
+    reqs = [make_request(f"r{i}", prompt_len=10 + 9 * i, max_tokens=12, seed=i) for i in range(5)]
+    reqs.insert(2, make_request("poison", prompt_len=17, max_tokens=12, seed=9))
+    for r in reqs:
+        assert sched.add_request(r) is None
+
+    outputs, failed_ids, failures = run_with_failures(sched, fails)
+
+    assert failed_ids == ["poison"] and failures == num_failures
+    assert outputs == {r.request_id: expected(r) for r in reqs if r.request_id != "poison"}
+    assert sched.groups["g0"].kv.num_free_blocks == 64 and not sched.requests
+
+
+def test_a_transient_step_failure_loses_no_request():
+    """A step that fails once (not because of a request) fails nobody: every request is
+    retried and gives its exact output."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    sched.add_group("g0", num_blocks=64, block_size=16)
+    reqs = [make_request(f"r{i}", prompt_len=10 + 9 * i, max_tokens=12, seed=i) for i in range(6)]
+    for r in reqs:
+        assert sched.add_request(r) is None
+    seen = {"n": 0}
+
+    def fails(plan, sched):
+        seen["n"] += 1
+        return seen["n"] == 4  # mid-decode
+
+    outputs, failed_ids, failures = run_with_failures(sched, fails)
+
+    assert failed_ids == [] and failures == 1
+    assert outputs == {r.request_id: expected(r) for r in reqs}
+    assert all(not r.suspect for r in reqs) and [r.num_failed_steps for r in reqs] == [1] * 6
+
+
+def test_suspects_never_share_a_step_and_repeat_failures_fail():
+    """After a failed step each of its requests is a suspect: no plan holds two suspects until
+    they sample; a request in MAX_FAILED_STEPS failed steps fails even when not isolated."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    sched.add_group("g0", num_blocks=64, block_size=16)
+    reqs = [make_request(f"r{i}", prompt_len=12, max_tokens=6, seed=i) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    plan = sched.schedule("g0")
+    assert set(plan.num_scheduled_tokens) == {"r0", "r1", "r2", "r3"}
+    failed, moved = sched.fail_step("g0")
+    assert failed == [] and len(moved) == 4 and all(r.suspect for r in reqs)
+    sched.add_group("g0", num_blocks=64, block_size=16)
+    sched.add_request(make_request("fresh", prompt_len=12, max_tokens=6, seed=7))
+    plan = sched.schedule("g0")
+    suspects = [rid for rid in plan.num_scheduled_tokens if sched.requests[rid].suspect]
+    assert suspects == ["r0"] and "fresh" in plan.num_scheduled_tokens  # non-suspects batch as usual
+    reqs[1].num_failed_steps = scheduler_module.MAX_FAILED_STEPS - 1
+    reqs[1].suspect = False  # as if it had sampled since
+    failed, _ = sched.fail_step("g0")  # r0 was the step's only suspect: it fails
+    assert sorted(r.request_id for r in failed) == ["r0"]
+    assert sched.requests["fresh"].suspect and sched.requests["fresh"].num_failed_steps == 1
+
+
 def test_preemption_under_tiny_pool_gives_same_outputs():
     reqs = lambda: [make_request(f"r{i}", prompt_len=20 + 7 * i, max_tokens=30, seed=i) for i in range(6)]  # noqa: E731
     big = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512))

@@ -1,8 +1,8 @@
-"""A failed executor step with async scheduling: the scheduler drops the group (with no other
-group its requests fail with the step's error), the executor drops the plan that was already
-queued behind the failed one (instead of failing it too, which would drop the group again)
-but never a plan of its new registration, and registers again once; the engine then serves
-the same greedy tokens as before."""
+"""A failed executor step with async scheduling: the scheduler blames and drops the group,
+the executor drops the plan that was already queued behind the failed one (instead of failing
+it too, which would drop the group again) but never a plan of its new registration, and
+registers again once. A transient failure loses no request: they are retried and give the
+same greedy tokens. A request that fails every step it is in fails alone, with the error."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from services.scheduler import service as scheduler_service
 
 
 @pytest.mark.timeout(300)
-def test_a_failed_step_fails_its_requests_and_drops_the_queued_plan(smollm2_path, monkeypatch):
+def test_a_failed_step_is_retried_and_drops_the_queued_plan(smollm2_path, monkeypatch):
     from pagedllm import LLM, SamplingParams
 
     registrations, executed, stale_results = [], [], []
@@ -46,28 +46,106 @@ def test_a_failed_step_fails_its_requests_and_drops_the_queued_plan(smollm2_path
         baseline = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
         calls = {"n": 0, "fail_at": -1}
+        failed_steps: list[int] = []
         original_execute = ModelRunner.execute
 
         def execute(self, plan):
             calls["n"] += 1
             if calls["n"] == calls["fail_at"]:  # mid-decode, with the next plan already queued behind it
+                failed_steps.append(plan.step_id)
                 raise RuntimeError("injected step failure")
             return original_execute(self, plan)
 
         monkeypatch.setattr(ModelRunner, "execute", execute)
-        for _ in range(3):  # each time the next generate() races the executor's new registration
+        for _ in range(3):  # each retry races the executor's new registration
             calls["fail_at"] = calls["n"] + 5
-            with pytest.raises(ValueError, match="injected step failure"):
-                llm.generate(prompts, params, use_tqdm=False)
-            failed_step = executed[-1]
+            num_registrations = len(registrations)
             again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            assert again == baseline
-            after = executed[executed.index(failed_step) + 1:]
+            assert again == baseline  # retried after the failure: nothing lost
+            assert len(registrations) == num_registrations + 1
+            after = executed[executed.index(failed_steps[-1]) + 1:]
             assert after and min(after) >= registrations[-1]  # nothing of the old registration ran
         assert len(registrations) == 4  # the first, and one per failure (not one per stale plan)
         assert not stale_results  # a stale plan is dropped, never answered
         stats = llm.stats()
         assert stats.num_running == 0 and stats.num_waiting == 0
         assert all(g.num_free_blocks == g.num_blocks for g in stats.groups)
+    finally:
+        llm.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_request_that_fails_every_step_fails_alone(smollm2_path, monkeypatch):
+    """A poisoned request (every step holding it fails) fails with the step's error, whether
+    alone or batched, and the engine then serves the same tokens as before."""
+    from pagedllm import LLM, SamplingParams
+
+    original_execute = ModelRunner.execute
+    poisoned: set[str] = set()
+    marker: list[int] = []
+
+    def execute(self, plan):
+        for new in plan.new_requests:
+            if marker and new.prompt_token_ids[: len(marker)] == marker:
+                poisoned.add(new.request_id)
+        if poisoned & set(plan.num_scheduled_tokens):
+            raise RuntimeError("injected poison")
+        return original_execute(self, plan)
+
+    llm = LLM(model=str(smollm2_path), dtype="float32", async_scheduling=True, max_num_seqs=8)
+    try:
+        prompts = [f"List {n} colours of the rainbow:" for n in ("two", "three", "four")]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        baseline = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        marker += llm.generate(["Poison pill:"], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+        monkeypatch.setattr(ModelRunner, "execute", execute)
+        with pytest.raises(ValueError, match="injected poison"):
+            llm.generate(["Poison pill: alone"], params, use_tqdm=False)
+        with pytest.raises(ValueError, match="injected poison"):
+            llm.generate([prompts[0], "Poison pill: batched", prompts[1]], params, use_tqdm=False)
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert again == baseline and len(poisoned) >= 2
+        stats = llm.stats()
+        assert stats.num_running == 0 and stats.num_waiting == 0
+        assert all(g.num_free_blocks == g.num_blocks for g in stats.groups)
+    finally:
+        llm.close()
+
+
+@pytest.mark.timeout(300)
+def test_requests_fail_when_no_group_registers_again(smollm2_path, monkeypatch):
+    """When the last group fails a step and does not register again within
+    heartbeat_timeout_s, its requeued requests fail with its error instead of hanging."""
+    import asyncio
+    import time
+
+    from pagedllm import LLM, SamplingParams
+
+    original_register = executor_service.ExecutorService._register
+    registered = {"n": 0}
+
+    async def register_once(self):
+        if registered["n"]:
+            await asyncio.Event().wait()  # the executor never comes back
+        registered["n"] += 1
+        await original_register(self)
+
+    monkeypatch.setattr(executor_service.ExecutorService, "_register", register_once)
+    llm = LLM(model=str(smollm2_path), dtype="float32", heartbeat_timeout_s=1.0)
+    try:
+        original_execute = ModelRunner.execute
+        calls = {"n": 0}
+
+        def execute(self, plan):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected step failure")
+            return original_execute(self, plan)
+
+        monkeypatch.setattr(ModelRunner, "execute", execute)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="injected step failure"):
+            llm.generate(["One, two,", "Three, four,"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        assert 1.0 <= time.monotonic() - t0 < 30
     finally:
         llm.close()

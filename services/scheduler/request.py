@@ -57,6 +57,10 @@ class Request:
     # async scheduling: tokens sampled by steps in flight whose results have not arrived
     num_output_placeholders: int = 0
     epoch: int = 0  # bumped when preempted or requeued: results of earlier steps are stale
+    # failed steps (Scheduler.fail_step): how many included this request, and whether it is a
+    # suspect, run with no other suspect in its steps until it samples a token
+    num_failed_steps: int = 0
+    suspect: bool = False
 
     @property
     def needs_fork(self) -> bool:

@@ -38,6 +38,7 @@ from shared.messages import (
 )
 
 DECODE_COST_TOKENS = 16  # routing: one running request's per-step work, in prefill tokens
+MAX_FAILED_STEPS = 3  # a request in this many failed steps fails with the error (fail_step)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,38 @@ class Scheduler:
         return moved
 
     # ------------------------------------------------------------------ requests
+
+    def fail_step(self, group_id: str) -> tuple[list[Request], list[Request]]:
+        """The group's oldest step in flight failed (an error result, or a timeout). Returns
+        ``(failed, requeued)``: the requests to fail now (finish_reason "error", blocks freed)
+        and the group's other requests, routed again for recompute; the group is removed.
+
+        Blame, so that one poisoned request (an input that crashes the model or the sampler)
+        does not fail every request batched with it, as a single failed step does in vLLM:
+        - a step with no suspect makes each of its requests a suspect;
+        - a step with one suspect fails that suspect: it failed where no other suspect ran;
+        - a request in ``MAX_FAILED_STEPS`` failed steps fails (one that fails only late in
+          its generation, after it stopped being a suspect).
+        A suspect runs with no other suspect in its steps (``_admit``) until a step in which
+        it samples a token succeeds; requests that are not suspects batch with it as usual.
+        """
+        group = self.groups.get(group_id)
+        if group is None:
+            return [], []
+        failed: list[Request] = []
+        if group.in_flight:
+            step = group.in_flight[0]
+            reqs = [self.requests[rid] for rid, epoch in step.epochs.items()
+                    if rid in self.requests and self.requests[rid].epoch == epoch]
+            suspects = [r for r in reqs if r.suspect]
+            for req in reqs:
+                req.num_failed_steps += 1
+                if (len(suspects) == 1 and req is suspects[0]) or req.num_failed_steps >= MAX_FAILED_STEPS:
+                    failed.append(req)
+                else:
+                    req.suspect = True
+        done = self.abort([r.request_id for r in failed], "error") if failed else []
+        return done, self.remove_group(group_id)
 
     def add_request(self, req: Request) -> ServiceError | None:
         """Queue a request, or refuse it at once if it could never fit a pool even alone.
@@ -308,8 +341,15 @@ class Scheduler:
         return group.kv.allocate_slots(req, num_new)
 
     def _admit(self, group: GroupState, budget: int, scheduled: dict[str, int], new_blocks: dict) -> None:
-        while group.waiting and budget > 0 and len(group.running) < self.config.max_num_seqs:
-            req = group.waiting[0]
+        """Start waiting requests in queue order while budget, sequences and blocks last; a
+        suspect (see ``fail_step``) waits while another suspect runs, and the next is tried."""
+        suspect_running = any(r.suspect for r in group.running)
+        i = 0
+        while i < len(group.waiting) and budget > 0 and len(group.running) < self.config.max_num_seqs:
+            req = group.waiting[i]
+            if req.suspect and suspect_running:
+                i += 1
+                continue
             computed, num_hit = group.kv.get_computed_blocks(req)
             req.num_computed_tokens = num_hit
             num_new = min(req.num_tokens - num_hit, budget)
@@ -317,7 +357,8 @@ class Scheduler:
             if blocks is None:
                 req.num_computed_tokens = 0
                 break  # wait for blocks; keep the queue order
-            group.waiting.pop(0)
+            group.waiting.pop(i)
+            suspect_running = suspect_running or req.suspect
             group.kv.record_prefix_query(req.num_tokens, num_hit)
             if req.status is RequestStatus.WAITING:
                 req.num_cached_tokens = num_hit
@@ -400,6 +441,7 @@ class Scheduler:
             token = result.sampled_token_ids.get(rid)
             if token is None:
                 continue
+            req.suspect = False  # a step that sampled for it succeeded (fail_step)
             samples = [(req, token)]
             if req.fork_pending:
                 req.fork_pending = False
@@ -444,11 +486,17 @@ class Scheduler:
     # ------------------------------------------------------------------ internals
 
     def _enqueue(self, group: GroupState, req: Request, front: bool = False) -> None:
+        """FCFS: new requests join the back; ``front`` (preempted or requeued ones) go ahead
+        of every request never started, in arrival order among themselves."""
         if self.config.policy == "priority":
             group.waiting.append(req)
             group.waiting.sort(key=Request.sort_key)
         elif front:
-            group.waiting.insert(0, req)
+            i = 0
+            while (i < len(group.waiting) and group.waiting[i].status is RequestStatus.PREEMPTED
+                   and group.waiting[i].sort_key() <= req.sort_key()):
+                i += 1
+            group.waiting.insert(i, req)
         else:
             group.waiting.append(req)
 

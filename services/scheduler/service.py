@@ -65,6 +65,8 @@ class SchedulerService:
         self._own_bus = bus is None
         self._tasks: list[asyncio.Task] = []
         self._step_sent_at: dict[str, list[float]] = {}  # group -> send times of its steps in flight
+        # when the last group went and its error: waiting requests fail if none registers in time
+        self._groups_lost: tuple[float, ServiceError] | None = None
 
     async def start(self) -> None:
         if self.bus is None:
@@ -213,16 +215,40 @@ class SchedulerService:
         return self.scheduler.remove_group(group_id)
 
     async def _fail_group(self, group_id: str, error: ServiceError) -> None:
-        """A group failed a step: drop it; its requests are requeued for another group."""
-        moved = self._remove_group(group_id)
-        log.warning("group_dropped", group_id=group_id, requeued=len(moved), reason=error.message)
-        if not self.scheduler.groups:
-            # Nobody left to run them: fail the waiting requests rather than hang clients.
-            waiting = list(self.scheduler.waiting)
-            self.scheduler.abort([r.request_id for r in waiting], "error")
-            for req in waiting:
-                await self._send_error(req.gateway_id, req.request_id, error)
+        """A group failed a step: the step's culprit, if known, fails with the error
+        (``Scheduler.fail_step``); the group is dropped and its other requests are requeued,
+        for another group or for this one when it registers again (its executor does so at
+        once after a failed step)."""
+        self._step_sent_at.pop(group_id, None)
+        failed, moved = self.scheduler.fail_step(group_id)
+        for req in failed:
+            await self._send_error(req.gateway_id, req.request_id, error)
+        log.warning("group_dropped", group_id=group_id, requeued=len(moved), failed=len(failed),
+                    reason=error.message)
+        self._note_groups_lost(error)
         await self._kick()
+
+    def _note_groups_lost(self, error: ServiceError) -> None:
+        """Start the wait for a group to register again when the last one is gone."""
+        if not self.scheduler.groups and self._groups_lost is None:
+            self._groups_lost = (time.monotonic(), error)
+
+    async def _fail_waiting_without_groups(self, now: float) -> None:
+        """With no group since ``heartbeat_timeout_s``, fail the waiting requests with the last
+        group's error rather than hang their clients."""
+        if self._groups_lost is None:
+            return
+        if self.scheduler.groups:
+            self._groups_lost = None
+            return
+        since, error = self._groups_lost
+        if now - since <= self.settings.heartbeat_timeout_s:
+            return
+        self._groups_lost = None
+        waiting = list(self.scheduler.waiting)
+        for req in self.scheduler.abort([r.request_id for r in waiting], "error"):
+            await self._send_error(req.gateway_id, req.request_id, error)
+        log.warning("no_executor_group", failed=len(waiting), reason=error.message)
 
     async def _watchdog(self) -> None:
         """Drop groups whose heartbeat stopped or whose step never came back."""
@@ -233,10 +259,13 @@ class SchedulerService:
                 if now - group.last_heartbeat > self.settings.heartbeat_timeout_s:
                     moved = self._remove_group(group_id)
                     log.warning("group_heartbeat_lost", group_id=group_id, requeued=len(moved))
+                    self._note_groups_lost(ServiceError(message="executor group lost", status=500))
                     await self._kick()
+                    continue
                 sent = self._step_sent_at.get(group_id)
                 if sent and now - sent[0] > self.settings.step_timeout_s:  # the oldest step in flight
                     await self._fail_group(group_id, ServiceError(message="executor step timed out", status=500))
+            await self._fail_waiting_without_groups(now)
 
     async def _publish_stats(self) -> None:
         while True:
