@@ -13,6 +13,13 @@ from services.executor.model_runner import ModelRunner
 from services.scheduler import service as scheduler_service
 
 
+def assert_idle(llm) -> None:
+    """Nothing running or waiting, and every KV block free again."""
+    stats = llm.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert all(g.num_free_blocks == g.num_blocks for g in stats.groups)
+
+
 @pytest.mark.timeout(300)
 def test_a_failed_step_is_retried_and_drops_the_queued_plan(smollm2_path, monkeypatch):
     from pagedllm import LLM, SamplingParams
@@ -67,9 +74,7 @@ def test_a_failed_step_is_retried_and_drops_the_queued_plan(smollm2_path, monkey
             assert after and min(after) >= registrations[-1]  # nothing of the old registration ran
         assert len(registrations) == 4  # the first, and one per failure (not one per stale plan)
         assert not stale_results  # a stale plan is dropped, never answered
-        stats = llm.stats()
-        assert stats.num_running == 0 and stats.num_waiting == 0
-        assert all(g.num_free_blocks == g.num_blocks for g in stats.groups)
+        assert_idle(llm)
     finally:
         llm.close()
 
@@ -105,9 +110,7 @@ def test_a_request_that_fails_every_step_fails_alone(smollm2_path, monkeypatch):
             llm.generate([prompts[0], "Poison pill: batched", prompts[1]], params, use_tqdm=False)
         again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert again == baseline and len(poisoned) >= 2
-        stats = llm.stats()
-        assert stats.num_running == 0 and stats.num_waiting == 0
-        assert all(g.num_free_blocks == g.num_blocks for g in stats.groups)
+        assert_idle(llm)
     finally:
         llm.close()
 
