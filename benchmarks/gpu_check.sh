@@ -4,12 +4,13 @@
 #
 #     run(command="bash benchmarks/gpu_check.sh", carry=[".gpu"], timeout_s=600)
 #
-# 1. benchmarks/kernels.py: the decode / prefill grid against SDPA, then --sweep (tile shapes,
-#    warps, pipelining stages, split-K factor on decode 64 x 4k, 1 x 32k and prefill 4 x 4k);
+# 1. benchmarks/kernels.py: the decode / prefill grid against SDPA (120 s), then --sweep (tile
+#    shapes, warps, stages, split-K factor on decode 64 x 4k, 1 x 32k and prefill 4 x 4k; 150 s);
 # 2. benchmarks/gpu_engine_check.py: the whole engine on CUDA (executor, paged KV cache on the
-#    GPU, Triton and torch attention backends) against Hugging Face greedy tokens;
-# 3. the Triton kernel tests natively on the GPU (tests/test_triton_kernels.py).
-# Each step has its own time limit, so that the whole stays under the device tool's 10 minutes;
+#    GPU, Triton and torch attention backends) against Hugging Face greedy tokens (90 s);
+# 3. the Triton kernel tests natively on the GPU (tests/test_triton_kernels.py; 80 s).
+# Each step has its own time limit: about 450 s in all, under the device tool's 10 minutes,
+# leaving room to start a machine and, if needed, run once more within 15 minutes;
 # output goes to $OUT (the device tool brings that folder back), else /tmp/gpu_check.
 # Needs the machine's python3 with torch, triton, transformers and pytest; the engine's other
 # dependencies come from .gpu/whl (steps 1 and 3 run without them).
@@ -29,10 +30,14 @@ fi
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
     $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
-timeout 300 $PY benchmarks/kernels.py --sweep 2>&1 | tee "$OUT/kernels.txt"
+# the grid, trimmed to what fits: decode 64 x 4k is the bandwidth target
+timeout 120 $PY benchmarks/kernels.py --decode-batch 1,16,64,256 --decode-context 512,4096,32768 \
+    --prefill-batch 1,4,16 --prefill-len 1024,4096,8192 2>&1 | tee "$OUT/kernels.txt"
 echo "kernels.py exit: ${PIPESTATUS[0]}" | tee -a "$OUT/kernels.txt"
-timeout 110 $PY benchmarks/gpu_engine_check.py --tokenizer .gpu/tokenizer 2>&1 | grep -v "Loading weights\|Writing model" \
+timeout 150 $PY benchmarks/kernels.py --decode-batch= --prefill-batch= --sweep 2>&1 | tee "$OUT/sweep.txt"
+echo "kernels.py --sweep exit: ${PIPESTATUS[0]}" | tee -a "$OUT/sweep.txt"
+timeout 90 $PY benchmarks/gpu_engine_check.py --tokenizer .gpu/tokenizer 2>&1 | grep -v "Loading weights\|Writing model" \
     | tail -40 | tee "$OUT/engine.txt"
 echo "gpu_engine_check.py exit: ${PIPESTATUS[0]}" | tee -a "$OUT/engine.txt"
-timeout 140 $PY -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -40 | tee "$OUT/tests.txt"
+timeout 80 $PY -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -40 | tee "$OUT/tests.txt"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/tests.txt"

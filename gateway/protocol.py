@@ -51,20 +51,30 @@ class ErrorResponse(BaseModel):
 Unsupported = tuple[tuple[str, Callable[[Any], bool], str], ...]
 
 
-def _int_out_of_range(value: Any, depth: int = 0) -> int | None:
-    """The first integer in ``value`` (nested lists / dicts too) outside int64, else None."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if not (INT64_MIN <= value <= INT64_MAX) else None
-    if depth < 4 and isinstance(value, list | dict):
-        for item in value.values() if isinstance(value, dict) else value:
-            if (bad := _int_out_of_range(item, depth + 1)) is not None:
-                return bad
+def _int_out_of_range(value: Any) -> int | None:
+    """The first integer in ``value``, at any depth of lists and dicts, outside int64; else None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, int) and not isinstance(item, bool):
+            if not (INT64_MIN <= item <= INT64_MAX):
+                return item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
     return None
 
 
+#: the fields that travel to the services (msgpack and torch take int64 at most); a chat
+#: message's extra keys go to the chat template with it
+_ENGINE_INT_FIELDS = ("prompt", "messages", "n", "max_tokens", "max_completion_tokens", "seed", "top_k",
+                      "priority", "stop_token_ids")
+
+
 class OpenAIRequest(BaseModel):
-    """Base of request bodies: unknown fields are ignored (as in vLLM). Every integer of a
-    known field must fit a signed 64-bit integer (the services' messages carry int64)."""
+    """Base of request bodies: unknown fields are ignored (as in vLLM). Every integer that
+    reaches the engine must fit a signed 64-bit integer (the services' messages carry int64)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -74,8 +84,8 @@ class OpenAIRequest(BaseModel):
     @classmethod
     def _ints_fit_int64(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, value in data.items():
-                if name in cls.model_fields and (bad := _int_out_of_range(value)) is not None:
+            for name in _ENGINE_INT_FIELDS:
+                if name in data and (bad := _int_out_of_range(data[name])) is not None:
                     raise ValueError(f"{name}: {bad} is out of range; integers must be between {INT64_MIN} "
                                      f"and {INT64_MAX}")
         return data
@@ -156,11 +166,12 @@ class _SamplingFields(OpenAIRequest):
             raise ValueError(f"{info.field_name} must be at least 1, got {v}")
         return v
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> _SamplingFields:
-        if self.stream_options is not None and not self.stream:
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_options_need_stream(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):  # as vLLM
             raise ValueError("stream_options can only be set when stream is true")
-        return self
+        return data
 
     @property
     def include_usage(self) -> bool:

@@ -101,16 +101,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
         info = load_model_info(settings)
     except (ModelNotFoundError, ValueError) as exc:
         raise SystemExit(f"pagedllm: {exc}") from None
-    nats_server = None
-    url = settings.nats_url
-    if not url:
-        nats_server = EmbeddedNats(new_session=True).start()
-        url = nats_server.url
-    procs = ServiceProcesses(pinned_settings(settings, info, url))
-    procs.start()
+    nats_server = EmbeddedNats(new_session=True) if not settings.nats_url else None
+    procs: ServiceProcesses | None = None
     health = f"http://{settings.host}:{settings.port}/health"
     ready = False
-    try:
+    try:  # a Ctrl-C while starting, too, stops what was started (each in its own session)
+        url = nats_server.start().url if nats_server is not None else settings.nats_url
+        procs = ServiceProcesses(pinned_settings(settings, info, url))
+        procs.start()
         while True:
             dead = procs.poll()
             if dead is not None:
@@ -133,7 +131,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            procs.stop()
+            if procs is not None:
+                procs.stop()
         finally:
             if nats_server is not None:
                 nats_server.stop()

@@ -181,8 +181,18 @@ class RegisterAck(Message):
 
 
 class Heartbeat(Message):
+    """An executor group is alive (request/reply: answered by ``HeartbeatAck``)."""
+
     group_id: str
     time: float  # unix seconds
+
+
+class HeartbeatAck(Message):
+    """``known`` False: the scheduler has dropped the group (a step timed out, or the
+    scheduler restarted); the executor registers again."""
+
+    group_id: str
+    known: bool
 
 
 class NewRequestData(Message):

@@ -313,6 +313,8 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": PROMPT, "priority": 2**64}, "priority"),
     ("/v1/completions", {"prompt": PROMPT, "stop_token_ids": [2**64]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": [1, 2**64]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "meta": [[[[[{"id": 2**64}]]]]]}]},
+     "messages"),
     ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
@@ -324,6 +326,23 @@ async def test_invalid_requests_are_400(gw, path, body, param):
     r = await gw.http.post(path, json={"model": gw.model, **body})
     error = assert_openai_error(r, 400, param)
     assert error["type"] == "invalid_request_error"
+
+
+async def test_integers_that_never_reach_the_engine_are_not_range_checked(gw):
+    """Only the fields that travel to the services must fit int64: a tool schema's bounds
+    (tools with tool_choice "none") are passed over; an empty stream_options without stream
+    is accepted, as vLLM does. (A message's extra keys do travel, to the chat template:
+    out of range there is a 400 naming messages, see BAD_BODIES.)"""
+    big = 2**64
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer", "maximum": big}}}}}]
+    for path, body in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "tools": tools,
+                                  "tool_choice": "none"}),
+        ("/v1/completions", {"prompt": PROMPT, "stream_options": {}}),
+    ]:
+        r = await gw.http.post(path, json={"model": gw.model, "max_tokens": 2, **body})
+        assert r.status_code == 200, r.text
 
 
 async def test_errors_then_normal_request(gw):

@@ -254,14 +254,15 @@ def _poison_outputs(sched: Scheduler) -> int:
 @pytest.mark.parametrize(
     "kind, fails, num_failures",
     [  # the poison's first step fails (a prompt or sampling value that crashes the step)
-        ("early", lambda plan, sched: "poison" in plan.num_scheduled_tokens, 2),
+        ("early", lambda plan, sched: "poison" in plan.num_scheduled_tokens, 3),
         # it fails once it has 5 output tokens, mid-decode, batched with the others
-        ("late", lambda plan, sched: "poison" in plan.num_scheduled_tokens and _poison_outputs(sched) >= 5, 2),
+        ("late", lambda plan, sched: "poison" in plan.num_scheduled_tokens and _poison_outputs(sched) >= 5, 3),
     ],
 )
 def test_a_poisoned_request_fails_alone(kind, fails, num_failures):
-    """One request that crashes every step it is in fails with the error; the requests that
-    were batched with it are retried (one suspect per step) and give their exact outputs."""
+    """One request that crashes every step it is in fails with the error (after the batch and
+    two steps alone); the requests batched with it are retried (each suspect alone until it
+    samples) and give their exact outputs."""
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
     sched.add_group("g0", num_blocks=64, block_size=16)
     reqs = [make_request(f"r{i}", prompt_len=10 + 9 * i, max_tokens=12, seed=i) for i in range(5)]
@@ -297,28 +298,89 @@ def test_a_transient_step_failure_loses_no_request():
     assert all(not r.suspect for r in reqs) and [r.num_failed_steps for r in reqs] == [1] * 6
 
 
-def test_suspects_never_share_a_step_and_repeat_failures_fail():
-    """After a failed step each of its requests is a suspect: no plan holds two suspects until
-    they sample; a request in MAX_FAILED_STEPS failed steps fails even when not isolated."""
+def test_two_poisons_and_a_poison_preempted_in_flight_fail_alone():
+    """Two poisoned requests in one batch both fail, and nobody else; so does a poison that was
+    preempted (a tiny pool, async planning) while its failing step was in flight."""
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
     sched.add_group("g0", num_blocks=64, block_size=16)
-    reqs = [make_request(f"r{i}", prompt_len=12, max_tokens=6, seed=i) for i in range(4)]
+    reqs = [make_request(f"r{i}", prompt_len=10 + 9 * i, max_tokens=12, seed=i) for i in range(4)]
+    reqs[1:1] = [make_request("p1", prompt_len=15, max_tokens=12, seed=8)]
+    reqs[4:4] = [make_request("p2", prompt_len=19, max_tokens=12, seed=9)]
     for r in reqs:
         sched.add_request(r)
-    plan = sched.schedule("g0")
-    assert set(plan.num_scheduled_tokens) == {"r0", "r1", "r2", "r3"}
+    outputs, failed_ids, failures = run_with_failures(
+        sched, lambda plan, sched: bool({"p1", "p2"} & set(plan.num_scheduled_tokens)))
+    assert sorted(failed_ids) == ["p1", "p2"] and failures == 5  # the batch, then each alone twice
+    assert outputs == {r.request_id: expected(r) for r in reqs if r.request_id not in ("p1", "p2")}
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    sched.add_group("g0", num_blocks=8, block_size=16)
+    r0 = make_request("r0", prompt_len=64, max_tokens=30, seed=1)
+    poison = make_request("poison", prompt_len=64, max_tokens=30, seed=2)
+    for r in (r0, poison):
+        sched.add_request(r)
+    outputs, failed_ids, _ = run_with_failures(
+        sched, lambda plan, sched: "poison" in plan.num_scheduled_tokens and _poison_outputs(sched) >= 3,
+        num_blocks=8)
+    assert failed_ids == ["poison"] and outputs == {"r0": expected(r0)}
+
+
+def test_a_suspect_runs_alone_until_it_samples():
+    """After a failed step every request of it is a suspect. A suspect is admitted and
+    scheduled alone (other running requests keep their blocks but wait) until it samples;
+    nobody else is admitted while a suspect waits. A suspect that fails two steps alone
+    fails; a step failing with several requests makes them suspects, and a request in
+    MAX_FAILED_STEPS failed steps fails."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    sched.add_group("g0", num_blocks=64, block_size=16)
+    reqs = [make_request(f"r{i}", prompt_len=12, max_tokens=6, seed=i) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    assert set(sched.schedule("g0").num_scheduled_tokens) == {"r0", "r1", "r2"}
     failed, moved = sched.fail_step("g0")
-    assert failed == [] and len(moved) == 4 and all(r.suspect for r in reqs)
+    assert failed == [] and len(moved) == 3 and all(r.suspect and r.num_failed_steps == 1 for r in reqs)
     sched.add_group("g0", num_blocks=64, block_size=16)
     sched.add_request(make_request("fresh", prompt_len=12, max_tokens=6, seed=7))
+    assert list(sched.schedule("g0").num_scheduled_tokens) == ["r0"]  # alone, in arrival order
+    ex = FakeExecutor(64, 16)
+    queue: list[StepPlan] = []
+    plan_ahead(sched, "g0", queue)  # async: only the suspect's next decode is planned behind it
+    assert all(list(p.num_scheduled_tokens) == ["r0"] for p in queue)
+    failed, _ = sched.fail_step("g0")  # r0 failed alone once (transient?): it runs alone again
+    assert failed == [] and reqs[0].suspect and reqs[0].num_failed_alone == 1
+    sched.add_group("g0", num_blocks=64, block_size=16)
+    assert list(sched.schedule("g0").num_scheduled_tokens) == ["r0"]
+    failed, _ = sched.fail_step("g0")  # twice alone: it fails
+    assert [r.request_id for r in failed] == ["r0"] and reqs[1].num_failed_steps == 1
+    sched.add_group("g0", num_blocks=64, block_size=16)
     plan = sched.schedule("g0")
-    suspects = [rid for rid in plan.num_scheduled_tokens if sched.requests[rid].suspect]
-    assert suspects == ["r0"] and "fresh" in plan.num_scheduled_tokens  # non-suspects batch as usual
+    assert list(plan.num_scheduled_tokens) == ["r1"]
+    sched.update_from_output(ex.execute(plan))  # r1 sampled: no longer a suspect
+    assert not reqs[1].suspect
+    plan = sched.schedule("g0")
+    assert list(plan.num_scheduled_tokens) == ["r2"]  # r1 waits while the next suspect runs
+    sched.update_from_output(ex.execute(plan))
+    plan = sched.schedule("g0")
+    assert set(plan.num_scheduled_tokens) == {"r1", "r2", "fresh"}  # a normal batch again
     reqs[1].num_failed_steps = scheduler_module.MAX_FAILED_STEPS - 1
-    reqs[1].suspect = False  # as if it had sampled since
-    failed, _ = sched.fail_step("g0")  # r0 was the step's only suspect: it fails
-    assert sorted(r.request_id for r in failed) == ["r0"]
-    assert sched.requests["fresh"].suspect and sched.requests["fresh"].num_failed_steps == 1
+    failed, _ = sched.fail_step("g0")
+    assert [r.request_id for r in failed] == ["r1"]
+    assert reqs[2].suspect and sched.requests["fresh"].suspect and sched.requests["fresh"].num_failed_steps == 1
+
+
+def test_requests_that_waited_for_a_group_are_checked_when_one_registers():
+    """With no group (at startup, or while the executor registers again after a failure) a
+    request waits; when a group registers, one too big for it fails with kv_cache_too_small
+    and one without max_tokens gets the pool's capacity as its context."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    big = make_request("big", prompt_len=20, max_tokens=200, seed=1)
+    open_ended = make_request("open", prompt_len=20, max_tokens=1, seed=2)
+    open_ended.sampling_params = open_ended.sampling_params.model_copy(update={"max_tokens": None})
+    assert sched.add_request(big) is None and sched.add_request(open_ended) is None
+    refused = sched.add_group("g0", num_blocks=8, block_size=16)
+    assert [(r.request_id, e.code) for r, e in refused] == [("big", "kv_cache_too_small")]
+    assert big.finish_reason == "error" and "big" not in sched.requests
+    assert open_ended.max_model_len == 128 and sched.groups["g0"].waiting == [open_ended]
 
 
 def test_preemption_under_tiny_pool_gives_same_outputs():

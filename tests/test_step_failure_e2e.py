@@ -152,3 +152,61 @@ def test_requests_fail_when_no_group_registers_again(smollm2_path, monkeypatch):
         assert 1.0 <= time.monotonic() - t0 < 30
     finally:
         llm.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_poisoned_sample_of_an_n3_request_reaches_the_client(smollm2_path, monkeypatch):
+    """When the blamed request is a sample of an n > 1 request, its error reaches the client
+    under the client's request id (it used to be dropped there, and generate hung)."""
+    from pagedllm import LLM, SamplingParams
+
+    original_execute = ModelRunner.execute
+
+    def execute(self, plan):
+        if any(rid.endswith("#1") for rid in plan.num_scheduled_tokens):
+            raise RuntimeError("injected poison in sample 1")
+        return original_execute(self, plan)
+
+    llm = LLM(model=str(smollm2_path), dtype="float32", async_scheduling=True)
+    try:
+        monkeypatch.setattr(ModelRunner, "execute", execute)
+        with pytest.raises(ValueError, match="injected poison in sample 1"):
+            llm.generate(["Name a colour:"], SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=6),
+                         use_tqdm=False)
+        assert_idle(llm)
+    finally:
+        llm.close()
+
+
+@pytest.mark.timeout(300)
+def test_an_executor_dropped_after_a_step_timeout_registers_again(smollm2_path, monkeypatch):
+    """A step that outlasts step_timeout_s gets its group dropped while the executor is still
+    busy with it; the executor's next heartbeat learns that the group is unknown and it
+    registers again after the step, so the requests are retried and later ones are served
+    (the executor used to stay orphaned, and every later request hung)."""
+    import time
+
+    from pagedllm import LLM, SamplingParams
+
+    original_execute = ModelRunner.execute
+    calls = {"n": 0}
+
+    def execute(self, plan):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            time.sleep(3.0)  # past step_timeout_s
+        return original_execute(self, plan)
+
+    llm = LLM(model=str(smollm2_path), dtype="float32", step_timeout_s=1.0, heartbeat_interval_s=0.5)
+    try:
+        prompts = ["One, two,", "Three, four,"]
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        baseline = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        monkeypatch.setattr(ModelRunner, "execute", execute)
+        calls["n"] = 0
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == baseline
+        assert calls["n"] > 3  # the slow step was retried after the executor registered again
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == baseline
+        assert_idle(llm)
+    finally:
+        llm.close()

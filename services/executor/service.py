@@ -21,7 +21,15 @@ import structlog
 from services.executor.model_runner import ModelRunner
 from shared.bus import Bus
 from shared.config import Settings
-from shared.messages import Heartbeat, RegisterAck, RegisterGroup, ServiceError, StepPlan, StepResult
+from shared.messages import (
+    Heartbeat,
+    HeartbeatAck,
+    RegisterAck,
+    RegisterGroup,
+    ServiceError,
+    StepPlan,
+    StepResult,
+)
 from shared.model_source import ModelInfo
 from shared.service import answer_pings
 from shared.subjects import Subjects
@@ -56,6 +64,8 @@ class ExecutorService:
         self._pinging = False
         self._plans: asyncio.Queue[StepPlan] = asyncio.Queue()  # received, run in order by _run_steps
         self._first_step_id = 0  # of this registration (RegisterAck.next_step_id): older plans are stale
+        self._executing = False  # a step is running on the torch thread
+        self._rejoin = False  # register again once the running step is done (the scheduler dropped us)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -103,7 +113,31 @@ class ExecutorService:
         await self._register()
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
-            await self.bus.publish(self.subjects.heartbeat, Heartbeat(group_id=self.group_id, time=time.time()))
+            await self._heartbeat()
+
+    async def _heartbeat(self) -> None:
+        """Say we are alive; if the scheduler no longer knows the group (it dropped it after a
+        step timed out, or it restarted), register again, after the running step if any."""
+        msg = Heartbeat(group_id=self.group_id, time=time.time())
+        try:
+            ack = await self.bus.request(self.subjects.heartbeat, msg, HeartbeatAck,
+                                         timeout=max(1.0, self.settings.heartbeat_interval_s))
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            return  # the scheduler is busy or away: its own watchdog decides
+        if ack.known or not self.registered.is_set():
+            return
+        log.warning("group_unknown_to_scheduler", group_id=self.group_id, executing=self._executing)
+        if self._executing:
+            self._rejoin = True
+        else:
+            self._start_rejoin()
+
+    def _start_rejoin(self) -> None:
+        """Forget every request (the scheduler recomputes them) and register again."""
+        self._rejoin = False
+        self.runner.requests.clear()
+        self.registered.clear()
+        self._tasks.append(asyncio.create_task(self._register()))
 
     async def _on_step(self, plan: StepPlan) -> None:
         self._plans.put_nowait(plan)
@@ -123,6 +157,13 @@ class ExecutorService:
             await self._execute(plan)
 
     async def _execute(self, plan: StepPlan) -> None:
+        self._executing = True  # until the rejoin decision below: _heartbeat defers to it
+        try:
+            await self._execute_and_answer(plan)
+        finally:
+            self._executing = False
+
+    async def _execute_and_answer(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
@@ -137,9 +178,7 @@ class ExecutorService:
             )
         result.execute_time_s = time.perf_counter() - t0
         await self.bus.publish(self.subjects.result, result)
-        if result.error is not None:
-            # The scheduler drops this group and recomputes its requests elsewhere; start
+        if result.error is not None or self._rejoin:
+            # The scheduler drops (or dropped) this group and recomputes its requests; start
             # clean and join again.
-            self.runner.requests.clear()
-            self.registered.clear()
-            self._tasks.append(asyncio.create_task(self._register()))
+            self._start_rejoin()

@@ -59,7 +59,8 @@ class Request:
     epoch: int = 0  # bumped when preempted or requeued: results of earlier steps are stale
     # failed steps (Scheduler.fail_step): how many included this request, and whether it is a
     # suspect, run with no other suspect in its steps until it samples a token
-    num_failed_steps: int = 0
+    num_failed_steps: int = 0  # batched
+    num_failed_alone: int = 0  # as a suspect, alone in the step
     suspect: bool = False
 
     @property

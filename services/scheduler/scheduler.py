@@ -38,7 +38,8 @@ from shared.messages import (
 )
 
 DECODE_COST_TOKENS = 16  # routing: one running request's per-step work, in prefill tokens
-MAX_FAILED_STEPS = 3  # a request in this many failed steps fails with the error (fail_step)
+MAX_FAILED_STEPS = 3  # a request in this many failed batched steps fails with the error (fail_step)
+MAX_FAILED_ALONE = 2  # a suspect that fails this many steps alone fails with the error (fail_step)
 
 
 @dataclass(frozen=True)
@@ -114,16 +115,26 @@ class Scheduler:
 
     # ------------------------------------------------------------------ groups
 
-    def add_group(self, group_id: str, num_blocks: int, block_size: int) -> None:
-        """Register an executor group (a re-registration replaces the old one)."""
+    def add_group(self, group_id: str, num_blocks: int, block_size: int) -> list[tuple[Request, ServiceError]]:
+        """Register an executor group (a re-registration replaces the old one) and route the
+        requests that waited for one. Returns those that no group can ever hold, finished
+        (as ``add_request`` refuses them when groups exist), each with its error."""
         if group_id in self.groups:
             self.remove_group(group_id)
         self.groups[group_id] = GroupState(
             group_id, KVCacheManager(num_blocks, block_size, self.config.enable_prefix_caching)
         )
         pending, self.unrouted = self.unrouted, []
+        refused = []
         for req in pending:
-            self.route(req)
+            error = self._fit_pools(req)
+            if error is None:
+                self.route(req)
+            else:
+                refused.append((req, error))
+                req.finish_reason = "error"
+                self._finish(req)
+        return refused
 
     def remove_group(self, group_id: str) -> list[Request]:
         """Drop a group; its requests are routed again (recomputed elsewhere). Returns them."""
@@ -155,58 +166,66 @@ class Scheduler:
 
         Blame, so that one poisoned request (an input that crashes the model or the sampler)
         does not fail every request batched with it, as a single failed step does in vLLM:
-        - a step with no suspect makes each of its requests a suspect;
-        - a step with one suspect fails that suspect: it failed where no other suspect ran;
-        - a request in ``MAX_FAILED_STEPS`` failed steps fails (one that fails only late in
-          its generation, after it stopped being a suspect).
-        A suspect runs with no other suspect in its steps (``_admit``) until a step in which
-        it samples a token succeeds; requests that are not suspects batch with it as usual.
+        - a suspect runs alone (``schedule``) until a step in which it samples succeeds; a
+          suspect that fails ``MAX_FAILED_ALONE`` steps alone fails (twice: a transient failure
+          of one of its steps alone harms nobody);
+        - any other failed step makes each of its requests a suspect, and fails a request that
+          has now been in ``MAX_FAILED_STEPS`` such steps (one that crashes only in a batch).
+        A request counts as in the step whatever happened to it since (preempted meanwhile).
         """
         group = self.groups.get(group_id)
         if group is None:
             return [], []
         failed: list[Request] = []
         if group.in_flight:
-            step = group.in_flight[0]
-            reqs = [self.requests[rid] for rid, epoch in step.epochs.items()
-                    if rid in self.requests and self.requests[rid].epoch == epoch]
-            suspects = [r for r in reqs if r.suspect]
-            for req in reqs:
-                req.num_failed_steps += 1
-                if (len(suspects) == 1 and req is suspects[0]) or req.num_failed_steps >= MAX_FAILED_STEPS:
-                    failed.append(req)
-                else:
-                    req.suspect = True
+            reqs = [self.requests[rid] for rid in group.in_flight[0].epochs if rid in self.requests]
+            if len(reqs) == 1 and reqs[0].suspect:
+                reqs[0].num_failed_alone += 1
+                if reqs[0].num_failed_alone >= MAX_FAILED_ALONE:
+                    failed.append(reqs[0])
+            else:
+                for req in reqs:
+                    req.num_failed_steps += 1
+                    if req.num_failed_steps >= MAX_FAILED_STEPS:
+                        failed.append(req)
+                    else:
+                        req.suspect = True
         done = self.abort([r.request_id for r in failed], "error") if failed else []
         return done, self.remove_group(group_id)
 
     def add_request(self, req: Request) -> ServiceError | None:
-        """Queue a request, or refuse it at once if it could never fit a pool even alone.
-
-        A request without ``max_tokens`` (generate up to the context length, as a chat request
-        does by default) whose context would outgrow the largest KV cache pool gets that pool's
-        capacity as its context length instead: it stops there with finish_reason "length",
-        rather than being refused.
-        """
+        """Queue a request, or refuse it at once if it could never fit a pool even alone
+        (with no group yet, it waits for one: ``add_group`` checks it then)."""
         if req.request_id in self.requests:
             return ServiceError(message=f"duplicate request id {req.request_id}", param="request_id")
-        if self.groups:
-            largest = max(g.capacity_tokens for g in self.groups.values())
-            if req.sampling_params.max_tokens is None and req.num_prompt_tokens < largest < req.max_model_len:
-                req.max_model_len = largest
-            if req.max_total_tokens > largest:
-                return ServiceError(
-                    message=(
-                        f"The request needs up to {req.max_total_tokens} tokens of KV cache "
-                        f"(prompt {req.num_prompt_tokens} + max_tokens), but the largest KV cache "
-                        f"pool holds {largest} tokens. Reduce max_tokens or the prompt."
-                    ),
-                    param="max_tokens",
-                    code="kv_cache_too_small",
-                )
+        if self.groups and (error := self._fit_pools(req)) is not None:
+            return error
         self.requests[req.request_id] = req
         self.route(req)
         return None
+
+    def _fit_pools(self, req: Request) -> ServiceError | None:
+        """None if the largest KV cache pool can hold ``req`` alone, else why not.
+
+        A request without ``max_tokens`` (generate up to the context length, as a chat request
+        does by default) whose context would outgrow the largest pool gets that pool's
+        capacity as its context length instead: it stops there with finish_reason "length",
+        rather than being refused.
+        """
+        largest = max(g.capacity_tokens for g in self.groups.values())
+        if req.sampling_params.max_tokens is None and req.num_prompt_tokens < largest < req.max_model_len:
+            req.max_model_len = largest
+        if req.max_total_tokens <= largest:
+            return None
+        return ServiceError(
+            message=(
+                f"The request needs up to {req.max_total_tokens} tokens of KV cache "
+                f"(prompt {req.num_prompt_tokens} + max_tokens), but the largest KV cache "
+                f"pool holds {largest} tokens. Reduce max_tokens or the prompt."
+            ),
+            param="max_tokens",
+            code="kv_cache_too_small",
+        )
 
     def route(self, req: Request) -> GroupState | None:
         """Queue ``req`` on the group where it would start soonest: the least queued work plus
@@ -271,7 +290,12 @@ class Scheduler:
     # ------------------------------------------------------------------ step
 
     def schedule(self, group_id: str) -> StepPlan | None:
-        """The group's next step, or ``None`` if it has nothing to compute now."""
+        """The group's next step, or ``None`` if it has nothing to compute now.
+
+        A suspect of a failed step (``fail_step``) runs alone: while one runs, the group's
+        other requests keep their blocks but are not scheduled; a waiting suspect is admitted
+        alone when it fits, and until then nobody else is admitted, so that it is not starved.
+        """
         group = self.groups[group_id]
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
@@ -280,13 +304,20 @@ class Scheduler:
         preempted = False
 
         group.running.sort(key=Request.sort_key)
-        i = 0
-        while i < len(group.running) and budget > 0:
-            req = group.running[i]
+        suspect = next((r for r in group.running if r.suspect), None)
+        waiting_suspect = None if suspect else next((r for r in group.waiting if r.suspect), None)
+        if waiting_suspect is not None and len(group.running) < self.config.max_num_seqs:
+            if self._admit_one(group, waiting_suspect, budget, scheduled, new_blocks):
+                return self._make_plan(group, scheduled, new_blocks, copies)
+        gone: set[str] = set()  # preempted by this step
+        for req in [suspect] if suspect is not None else list(group.running):
+            if budget <= 0:
+                break
+            if req.request_id in gone:
+                continue
             # tokens known or sampled in flight, not yet computed (0: waiting for a result)
             num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
             if num_new <= 0 or self._done_when_answered(req):
-                i += 1
                 continue
             while True:
                 blocks = self._allocate_running(group, req, num_new, copies)
@@ -294,6 +325,7 @@ class Scheduler:
                     break
                 victim = group.running.pop()  # lowest priority, then newest
                 self._preempt(victim, group)
+                gone.add(victim.request_id)
                 preempted = True
                 if victim is req:
                     break
@@ -302,9 +334,8 @@ class Scheduler:
             scheduled[req.request_id] = num_new
             new_blocks[req.request_id] = blocks
             budget -= num_new
-            i += 1
 
-        if not preempted:
+        if not preempted and suspect is None and waiting_suspect is None:
             self._admit(group, budget, scheduled, new_blocks)
         if not scheduled:
             return None
@@ -341,32 +372,32 @@ class Scheduler:
         return group.kv.allocate_slots(req, num_new)
 
     def _admit(self, group: GroupState, budget: int, scheduled: dict[str, int], new_blocks: dict) -> None:
-        """Start waiting requests in queue order while budget, sequences and blocks last; a
-        suspect (see ``fail_step``) waits while another suspect runs, and the next is tried."""
-        suspect_running = any(r.suspect for r in group.running)
-        i = 0
-        while i < len(group.waiting) and budget > 0 and len(group.running) < self.config.max_num_seqs:
-            req = group.waiting[i]
-            if req.suspect and suspect_running:
-                i += 1
-                continue
-            computed, num_hit = group.kv.get_computed_blocks(req)
-            req.num_computed_tokens = num_hit
-            num_new = min(req.num_tokens - num_hit, budget)
-            blocks = group.kv.allocate_slots(req, num_new, computed)
-            if blocks is None:
-                req.num_computed_tokens = 0
+        """Start waiting requests in queue order while budget, sequences and blocks last."""
+        while group.waiting and budget > 0 and len(group.running) < self.config.max_num_seqs:
+            req = group.waiting[0]
+            if not self._admit_one(group, req, budget, scheduled, new_blocks):
                 break  # wait for blocks; keep the queue order
-            group.waiting.pop(i)
-            suspect_running = suspect_running or req.suspect
-            group.kv.record_prefix_query(req.num_tokens, num_hit)
-            if req.status is RequestStatus.WAITING:
-                req.num_cached_tokens = num_hit
-            req.status = RequestStatus.RUNNING
-            group.running.append(req)
-            scheduled[req.request_id] = num_new
-            new_blocks[req.request_id] = blocks
-            budget -= num_new
+            budget -= scheduled[req.request_id]
+
+    def _admit_one(self, group: GroupState, req: Request, budget: int, scheduled: dict[str, int],
+                   new_blocks: dict) -> bool:
+        """Start the waiting ``req`` with up to ``budget`` tokens; False if its blocks do not fit."""
+        computed, num_hit = group.kv.get_computed_blocks(req)
+        req.num_computed_tokens = num_hit
+        num_new = min(req.num_tokens - num_hit, budget)
+        blocks = group.kv.allocate_slots(req, num_new, computed)
+        if blocks is None:
+            req.num_computed_tokens = 0
+            return False
+        group.waiting.remove(req)
+        group.kv.record_prefix_query(req.num_tokens, num_hit)
+        if req.status is RequestStatus.WAITING:
+            req.num_cached_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        group.running.append(req)
+        scheduled[req.request_id] = num_new
+        new_blocks[req.request_id] = blocks
+        return True
 
     def _make_plan(
         self, group: GroupState, scheduled: dict[str, int], new_blocks: dict, copies: dict[str, tuple[int, int]]

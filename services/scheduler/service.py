@@ -26,6 +26,7 @@ from shared.messages import (
     DetokStep,
     GatewayStep,
     Heartbeat,
+    HeartbeatAck,
     RegisterAck,
     RegisterGroup,
     RequestDelta,
@@ -106,7 +107,7 @@ class SchedulerService:
         error = self.scheduler.add_request(req)
         if error is not None:
             log.info("request_rejected", request_id=req.request_id, reason=error.message)
-            await self._send_error(req.gateway_id, req.request_id, error)
+            await self._send_error(req, error)
             return
         log.debug("request_queued", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens)
         await self._kick()
@@ -122,16 +123,20 @@ class SchedulerService:
                 group_id=msg.group_id, accepted=False, error=ServiceError(message="empty KV cache pool")
             )
         requeued = self._remove_group(msg.group_id)
-        self.scheduler.add_group(msg.group_id, msg.num_blocks, msg.block_size)
+        refused = self.scheduler.add_group(msg.group_id, msg.num_blocks, msg.block_size)
+        self._groups_lost = None
         log.info("group_registered", group_id=msg.group_id, num_blocks=msg.num_blocks,
-                 block_size=msg.block_size, requeued=len(requeued))
+                 block_size=msg.block_size, requeued=len(requeued), refused=len(refused))
+        for req, error in refused:  # waited for a group, but too big for every pool
+            await self._send_error(req, error)
         asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._kick()))
         return RegisterAck(group_id=msg.group_id, accepted=True, next_step_id=self.scheduler.next_step_id)
 
-    async def _on_heartbeat(self, msg: Heartbeat) -> None:
+    async def _on_heartbeat(self, msg: Heartbeat) -> HeartbeatAck:
         group = self.scheduler.groups.get(msg.group_id)
         if group is not None:
             group.last_heartbeat = time.monotonic()
+        return HeartbeatAck(group_id=msg.group_id, known=group is not None)
 
     async def _on_result(self, result: StepResult) -> None:
         if not self.scheduler.is_in_flight(result.group_id, result.step_id):
@@ -204,9 +209,12 @@ class SchedulerService:
         for shard, step in shards.items():
             await self.bus.publish(self.subjects.detok(shard), step)
 
-    async def _send_error(self, gateway_id: str, request_id: str, error: ServiceError) -> None:
-        delta = RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error)
-        await self.bus.publish(subj.gateway(gateway_id), GatewayStep(outputs=[delta]))
+    async def _send_error(self, req: Request, error: ServiceError) -> None:
+        """The request's error, to its gateway; a sample of an n > 1 request is reported under
+        the client's request id and its index, as its outputs are."""
+        delta = RequestDelta(request_id=req.parent_request_id or req.request_id, index=req.index,
+                             finished=True, finish_reason="error", error=error)
+        await self.bus.publish(subj.gateway(req.gateway_id), GatewayStep(outputs=[delta]))
 
     def _remove_group(self, group_id: str) -> list[Request]:
         """Drop a group and its steps in flight (their results are then stale); returns its
@@ -222,7 +230,7 @@ class SchedulerService:
         self._step_sent_at.pop(group_id, None)
         failed, moved = self.scheduler.fail_step(group_id)
         for req in failed:
-            await self._send_error(req.gateway_id, req.request_id, error)
+            await self._send_error(req, error)
         log.warning("group_dropped", group_id=group_id, requeued=len(moved), failed=len(failed),
                     reason=error.message)
         self._note_groups_lost(error)
@@ -234,20 +242,17 @@ class SchedulerService:
             self._groups_lost = (time.monotonic(), error)
 
     async def _fail_waiting_without_groups(self, now: float) -> None:
-        """With no group since ``heartbeat_timeout_s``, fail the waiting requests with the last
-        group's error rather than hang their clients."""
-        if self._groups_lost is None:
-            return
-        if self.scheduler.groups:
-            self._groups_lost = None
+        """With no group for longer than ``heartbeat_timeout_s`` since the last one went, fail
+        the waiting requests (those arriving later too) with its error rather than hang their
+        clients; a registration ends this."""
+        if self._groups_lost is None or self.scheduler.groups:
             return
         since, error = self._groups_lost
-        if now - since <= self.settings.heartbeat_timeout_s:
+        if now - since <= self.settings.heartbeat_timeout_s or not self.scheduler.waiting:
             return
-        self._groups_lost = None
         waiting = list(self.scheduler.waiting)
         for req in self.scheduler.abort([r.request_id for r in waiting], "error"):
-            await self._send_error(req.gateway_id, req.request_id, error)
+            await self._send_error(req, error)
         log.warning("no_executor_group", failed=len(waiting), reason=error.message)
 
     async def _watchdog(self) -> None:
