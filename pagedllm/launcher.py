@@ -15,6 +15,7 @@ from typing import Any
 from shared.bus import Bus
 from shared.config import Settings
 from shared.model_source import ModelInfo, load_model_info
+from shared.nats_server import die_with_parent
 
 SERVICE_NAMES = ("scheduler", "tokenizer", "detokenizer", "executor", "gateway")
 
@@ -66,7 +67,8 @@ class ServiceProcesses:
         env.update(self.settings.to_env())
         for name in self.names:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "pagedllm.cli", "service", name], env=env, start_new_session=True
+                [sys.executable, "-m", "pagedllm.cli", "service", name], env=env, start_new_session=True,
+                preexec_fn=die_with_parent,
             )
 
     def poll(self) -> str | None:
@@ -77,15 +79,20 @@ class ServiceProcesses:
         return None
 
     def stop(self, timeout: float = 10.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """SIGTERM the gateway first and wait while it drains (its requests in flight finish,
+        the engine still behind it), then the other services; kill what outlives ``timeout``."""
+        first = [self.procs[n] for n in ("gateway",) if n in self.procs]
+        rest = [p for n, p in self.procs.items() if n != "gateway"]
+        for group in (first, rest):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in group:
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 class InProcessServices:
@@ -138,10 +145,13 @@ class InProcessServices:
 def run_one_service(name: str, settings: Settings) -> None:
     """Run one service in this process until SIGTERM (``pagedllm service NAME``)."""
     from shared.logging import configure_logging
-    from shared.service import run_service
+    from shared.service import ServiceConflictError, run_service
 
     configure_logging(settings.log_level, service=name)
     if not settings.nats_url:
         raise SystemExit("pagedllm service needs --nats-url (or PAGEDLLM_NATS_URL)")
     model_info = load_model_info(settings)
-    asyncio.run(run_service(build_service(name, settings, model_info)))
+    try:
+        asyncio.run(run_service(build_service(name, settings, model_info)))
+    except ServiceConflictError as exc:
+        raise SystemExit(f"pagedllm service {name}: {exc}") from None

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -43,11 +44,22 @@ def test_serve_answers_and_shuts_down_cleanly(smollm2_path):
         )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"].strip().startswith("Paris")
+        # a request in flight when serve is stopped still completes: the gateway drains first
+        in_flight: dict = {}
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Count: one, two,", "max_tokens": 48,
+                "temperature": 0, "ignore_eos": True}
+        sender = threading.Thread(target=lambda: in_flight.update(r=httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)))
+        sender.start()
+        time.sleep(0.5)
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
         time.sleep(0.2)
         os.kill(proc.pid, signal.SIGTERM)  # a second signal during the cleanup (make forwards one)
         assert proc.wait(30) == 0
+    sender.join(30)
+    assert in_flight["r"].status_code == 200, in_flight["r"].text
+    assert in_flight["r"].json()["usage"]["completion_tokens"] == 48
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive
     # nats-server outlives the services (its own session): none of them lost its connection
@@ -66,3 +78,30 @@ def test_boolean_flags_take_true_or_false_only():
         with pytest.raises(SystemExit) as exc:
             parser.parse_args(bad)
         assert exc.value.code == 2  # argparse's usage error, naming the flag
+
+
+def test_serve_killed_with_sigkill_leaves_no_orphans(smollm2_path):
+    """Every child of serve (services, embedded nats-server) dies with it, even on SIGKILL."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+    env["PAGEDLLM_CACHE_DIR"] = str(smollm2_path.parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--dtype", "float32",
+         "--kv-cache-memory-bytes", str(64 << 20), "--log-level", "WARNING"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        line = ""
+        while "serving" not in line:
+            assert proc.poll() is None and time.monotonic() < deadline
+            line = proc.stdout.readline()
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 6  # five services and nats-server
+    finally:
+        proc.kill()
+        proc.wait(10)
+    gone, alive = psutil.wait_procs(children, timeout=20)
+    for leftover in alive:
+        leftover.kill()
+    assert not alive, [" ".join(p.cmdline()) for p in alive]

@@ -268,3 +268,31 @@ async def test_detokenizer_stop_string_finishes_and_aborts(env):
     out, _, _, abort_pending = await detok_round(env, step, [gw])
     assert [(d.request_id, d.text) for d in out[gw].outputs] == [("s2", " quick")]
     assert abort_pending == 0
+
+
+async def test_a_second_scheduler_or_detokenizer_of_a_shard_is_refused(env, nats_url, tmp_path):
+    """Two schedulers, or two detokenizers of one shard, on one NATS would both act on every
+    message (doubled, garbled text): the second one refuses to start. Another shard starts."""
+    from services.scheduler.service import SchedulerService
+    from shared.service import ServiceConflictError
+
+    settings = Settings(model=str(env.info.path), served_model_name=env.info.name, nats_url=nats_url,
+                        cache_dir=tmp_path, max_model_len=MAX_MODEL_LEN)
+    duplicate = DetokenizerService(settings, env.info)
+    duplicate.tokenizer = env.tokenizer
+    with pytest.raises(ServiceConflictError, match="detokenizer of shard 0"):
+        await duplicate.start()
+    await duplicate.stop()
+    other_shard = DetokenizerService(settings.model_copy(update={"detokenizer_shard": 1}), env.info)
+    other_shard.tokenizer = env.tokenizer
+    await other_shard.start()
+    await other_shard.stop()
+
+    first, second = SchedulerService(settings, env.info), SchedulerService(settings, env.info)
+    await first.start()
+    try:
+        with pytest.raises(ServiceConflictError, match="another scheduler already serves"):
+            await second.start()
+    finally:
+        await second.stop()
+        await first.stop()

@@ -29,7 +29,7 @@ from shared.messages import (
     TokenUpdate,
 )
 from shared.model_source import ModelInfo, load_model_info
-from shared.service import answer_pings, run_service
+from shared.service import answer_pings, refuse_if_served, run_service
 
 log = get_logger("detokenizer")
 
@@ -94,8 +94,11 @@ class DetokenizerService:
             if not self.settings.nats_url:
                 raise ValueError("DetokenizerService needs settings.nats_url (or a connected bus)")
             self.bus = await Bus.connect(self.settings.nats_url, name=f"detokenizer-{self.settings.detokenizer_shard}")
-        subject = self.subjects.detok(self.settings.detokenizer_shard)
+        shard = self.settings.detokenizer_shard
+        await refuse_if_served(self.bus, self.model_info.name, f"{self.name}.{shard}", f"detokenizer of shard {shard}")
+        subject = self.subjects.detok(shard)
         self._sub = await self.bus.subscribe(subject, DetokStep, self.handle)
+        await answer_pings(self.bus, self.model_info.name, f"{self.name}.{shard}")
         await answer_pings(self.bus, self.model_info.name, self.name)
         log.info("detokenizer_started", model=self.model_info.name, subject=subject)
 

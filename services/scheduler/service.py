@@ -38,7 +38,7 @@ from shared.messages import (
     TokenUpdate,
 )
 from shared.model_source import ModelInfo
-from shared.service import answer_pings
+from shared.service import answer_pings, refuse_if_served
 
 log = structlog.get_logger("scheduler")
 PROMPT_TAIL_TOKENS = 6  # prompt context the detokenizer needs for the first output token
@@ -73,6 +73,7 @@ class SchedulerService:
         if self.bus is None:
             self.bus = await Bus.connect(self.settings.nats_url, name="scheduler")
         s, b = self.subjects, self.bus
+        await refuse_if_served(b, self.model_info.name, self.name, "scheduler")
         await b.subscribe(s.submit, SubmitRequest, self._on_submit)
         await b.subscribe(s.abort, AbortRequests, self._on_abort)
         await b.subscribe(s.register, RegisterGroup, self._on_register)
