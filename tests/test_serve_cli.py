@@ -16,7 +16,9 @@ import pytest
 from shared.nats_server import free_port
 
 
-def test_serve_answers_and_shuts_down_cleanly(smollm2_path):
+def start_serve(smollm2_path) -> tuple[subprocess.Popen, int, str]:
+    """``pagedllm serve`` in its own session, once it prints that it serves: (process, port,
+    the line it printed)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
     env["PAGEDLLM_CACHE_DIR"] = str(smollm2_path.parent)
@@ -25,12 +27,19 @@ def test_serve_answers_and_shuts_down_cleanly(smollm2_path):
          "--kv-cache-memory-bytes", str(64 << 20), "--log-level", "WARNING"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
+    deadline = time.monotonic() + 180
+    line = ""
+    while "serving" not in line:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"serve did not start: {proc.stderr.read()[-3000:]}")
+        line = proc.stdout.readline()
+    return proc, port, line
+
+
+def test_serve_answers_and_shuts_down_cleanly(smollm2_path):
+    proc, port, line = start_serve(smollm2_path)
     try:
-        deadline = time.monotonic() + 180
-        line = ""
-        while "serving" not in line:
-            assert proc.poll() is None and time.monotonic() < deadline
-            line = proc.stdout.readline()
         assert f"http://127.0.0.1:{port}/v1" in line
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
@@ -82,26 +91,23 @@ def test_boolean_flags_take_true_or_false_only():
 
 def test_serve_killed_with_sigkill_leaves_no_orphans(smollm2_path):
     """Every child of serve (services, embedded nats-server) dies with it, even on SIGKILL."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
-    env["PAGEDLLM_CACHE_DIR"] = str(smollm2_path.parent)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--dtype", "float32",
-         "--kv-cache-memory-bytes", str(64 << 20), "--log-level", "WARNING"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
+    proc, _, _ = start_serve(smollm2_path)
     try:
-        deadline = time.monotonic() + 180
-        line = ""
-        while "serving" not in line:
-            assert proc.poll() is None and time.monotonic() < deadline
-            line = proc.stdout.readline()
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 6  # five services and nats-server
     finally:
         proc.kill()
         proc.wait(10)
-    gone, alive = psutil.wait_procs(children, timeout=20)
+    def running(p: psutil.Process) -> bool:  # a dead orphan may stay a zombie until init reaps it
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 20
+    while (alive := [p for p in children if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    names = [p.name() for p in alive]
     for leftover in alive:
         leftover.kill()
-    assert not alive, [" ".join(p.cmdline()) for p in alive]
+    assert not alive, names
