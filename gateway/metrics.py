@@ -26,7 +26,14 @@ import time
 from collections.abc import Iterator
 
 from nats.aio.subscription import Subscription
-from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_PLAIN_0_0_4,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from shared.bus import Bus
@@ -34,6 +41,7 @@ from shared.messages import RequestDelta, SchedulerStats
 from shared.subjects import Subjects
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+disable_created_metrics()  # no `*_created` series beside each counter and histogram, as vLLM
 STALE_AFTER_S = 10.0  # engine metrics disappear when the scheduler has been silent this long
 # vLLM's buckets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

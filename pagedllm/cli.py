@@ -85,6 +85,28 @@ def cmd_service(args: argparse.Namespace) -> None:
     run_one_service(args.name, settings_from_args(args))
 
 
+#: serve's step token budget on a CPU when none is given: a long prompt is prefilled in chunks
+#: of this size, so running streams stall for about one chunk (a 6,000-token prompt froze
+#: them for 15 s in one 8,192-token step); a 512-row matmul runs as fast per row as a larger one
+CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 512
+
+
+def serving_defaults(settings: Settings) -> Settings:
+    """Online-serving defaults where they differ from the offline ``LLM``'s (as vLLM's
+    ``serve`` does): on a CPU, ``max_num_batched_tokens`` 512 unless given (flag or env)."""
+    if "max_num_batched_tokens" in settings.model_fields_set:
+        return settings
+    if settings.device == "auto":
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+    else:
+        on_cpu = settings.device == "cpu"
+    if not on_cpu:
+        return settings
+    return settings.model_copy(update={"max_num_batched_tokens": CPU_SERVE_MAX_NUM_BATCHED_TOKENS})
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import urllib.request
 
@@ -93,7 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from shared.model_source import ModelNotFoundError, load_model_info
     from shared.nats_server import EmbeddedNats
 
-    settings = settings_from_args(args)
+    settings = serving_defaults(settings_from_args(args))
     configure_logging(settings.log_level, service="serve")
     # SIGTERM stops the stack like Ctrl-C: children are in their own sessions and would outlive us
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -116,6 +116,7 @@ async def scrape(gw: SimpleNamespace) -> Samples:
     r = await gw.http.get("/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "_created" not in r.text  # no creation-time series beside counters and histograms (vLLM has none)
     return parse(r.text)
 
 

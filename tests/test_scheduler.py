@@ -433,6 +433,14 @@ def test_aborts_at_any_moment_free_every_block(seed):
     assert not sched.requests and not sched.waiting and not sched.groups["g0"].running
 
 
+def test_priority_is_refused_under_fcfs():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    sched.add_group("g0", num_blocks=8, block_size=16)
+    error = sched.add_request(make_request("p", prompt_len=5, max_tokens=2, priority=-1))
+    assert error is not None and error.param == "priority" and "scheduling-policy priority" in error.message
+    assert sched.add_request(make_request("q", prompt_len=5, max_tokens=2, priority=0)) is None
+
+
 def test_priority_policy_runs_lower_value_first():
     sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=512, policy="priority"))
     sched.add_group("g0", num_blocks=64, block_size=16)

@@ -111,3 +111,12 @@ def test_serve_killed_with_sigkill_leaves_no_orphans(smollm2_path):
     for leftover in alive:
         leftover.kill()
     assert not alive, names
+
+
+def test_serve_prefills_in_small_chunks_on_a_cpu_unless_told():
+    from pagedllm.cli import CPU_SERVE_MAX_NUM_BATCHED_TOKENS, serving_defaults
+    from shared.config import Settings
+
+    assert serving_defaults(Settings(device="cpu")).max_num_batched_tokens == CPU_SERVE_MAX_NUM_BATCHED_TOKENS == 512
+    assert serving_defaults(Settings(device="cpu", max_num_batched_tokens=4096)).max_num_batched_tokens == 4096
+    assert serving_defaults(Settings(device="cuda")).max_num_batched_tokens == Settings().max_num_batched_tokens

@@ -147,7 +147,7 @@ def test_requests_fail_when_no_group_registers_again(smollm2_path, monkeypatch):
 
         monkeypatch.setattr(ModelRunner, "execute", execute)
         t0 = time.monotonic()
-        with pytest.raises(ValueError, match="injected step failure"):
+        with pytest.raises(ValueError, match="no executor group is available .*injected step failure"):
             llm.generate(["One, two,", "Three, four,"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         assert 1.0 <= time.monotonic() - t0 < 30
     finally:

@@ -174,7 +174,7 @@ class ExecutorService:
             result = StepResult(
                 step_id=plan.step_id,
                 group_id=self.group_id,
-                error=ServiceError(message=f"executor step failed: {exc}", type="internal_error", status=500),
+                error=ServiceError(message=f"executor step failed: {exc}", type="server_error", status=500),
             )
         result.execute_time_s = time.perf_counter() - t0
         await self.bus.publish(self.subjects.result, result)

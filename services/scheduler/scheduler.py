@@ -198,6 +198,9 @@ class Scheduler:
         (with no group yet, it waits for one: ``add_group`` checks it then)."""
         if req.request_id in self.requests:
             return ServiceError(message=f"duplicate request id {req.request_id}", param="request_id")
+        if req.priority != 0 and self.config.policy != "priority":  # as vLLM: not silently ignored
+            return ServiceError(message=f"priority={req.priority} needs --scheduling-policy priority "
+                                        f"(this engine schedules {self.config.policy})", param="priority")
         if self.groups and (error := self._fit_pools(req)) is not None:
             return error
         self.requests[req.request_id] = req

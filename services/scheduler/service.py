@@ -251,9 +251,11 @@ class SchedulerService:
         since, error = self._groups_lost
         if now - since <= self.settings.heartbeat_timeout_s or not self.scheduler.waiting:
             return
+        unavailable = ServiceError(message=f"no executor group is available (the last one: {error.message})",
+                                   type="server_error", code="no_executor", status=503)
         waiting = list(self.scheduler.waiting)
         for req in self.scheduler.abort([r.request_id for r in waiting], "error"):
-            await self._send_error(req, error)
+            await self._send_error(req, unavailable)
         log.warning("no_executor_group", failed=len(waiting), reason=error.message)
 
     async def _watchdog(self) -> None:
@@ -265,12 +267,13 @@ class SchedulerService:
                 if now - group.last_heartbeat > self.settings.heartbeat_timeout_s:
                     moved = self._remove_group(group_id)
                     log.warning("group_heartbeat_lost", group_id=group_id, requeued=len(moved))
-                    self._note_groups_lost(ServiceError(message="executor group lost", status=500))
+                    self._note_groups_lost(ServiceError(message="executor group lost", type="server_error", status=500))
                     await self._kick()
                     continue
                 sent = self._step_sent_at.get(group_id)
                 if sent and now - sent[0] > self.settings.step_timeout_s:  # the oldest step in flight
-                    await self._fail_group(group_id, ServiceError(message="executor step timed out", status=500))
+                    await self._fail_group(
+                        group_id, ServiceError(message="executor step timed out", type="server_error", status=500))
             await self._fail_waiting_without_groups(now)
 
     async def _publish_stats(self) -> None:
