@@ -31,7 +31,10 @@ from shared.messages import (
     FinishReason,
     GatewayStep,
     RequestDelta,
+    RequestsKnown,
+    RequestsQuery,
     SamplingParams,
+    ServiceError,
     TokenizeReply,
     TokenizeRequest,
 )
@@ -53,7 +56,15 @@ class EngineClient:
         model: the served model name (selects the subjects).
         gateway_id: this client's id in ``pagedllm.gw.<gateway_id>``; default a new uuid hex.
         tokenize_timeout_s: how long ``submit`` waits for the tokenizer's reply.
+
+    Requests are watched so that none hangs when a service dies: a request with no output
+    for ``liveness_idle_s`` seconds is checked with the scheduler every ``liveness_check_s``;
+    one that the scheduler does not hold (or that goes unanswered) twice in a row ends with
+    a 503 error (its scheduler restarted, or its detokenizer died with its outputs).
     """
+
+    liveness_idle_s = 10.0
+    liveness_check_s = 5.0
 
     def __init__(
         self, bus: Bus, model: str, *, gateway_id: str | None = None, tokenize_timeout_s: float = 30.0
@@ -65,15 +76,22 @@ class EngineClient:
         self.tokenize_timeout_s = tokenize_timeout_s
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
         self._num_samples: dict[str, int] = {}  # request id -> n
+        self._last_output: dict[str, float] = {}  # request id -> monotonic time of its last delta
+        self._misses: dict[str, int] = {}  # request id -> liveness checks in a row it was missing
         self._sub: Subscription | None = None
+        self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Subscribe to this gateway's subject (flushed, so no output can be missed)."""
         self._sub = await self.bus.subscribe(subjects.gateway(self.gateway_id), GatewayStep, self._on_step)
         await self.bus.flush()
+        self._watch = asyncio.create_task(self._watch_liveness())
 
     async def stop(self) -> None:
         """Abort every request still in flight (their streams end) and unsubscribe."""
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         pending = list(self._queues)
         if pending:
             try:
@@ -98,10 +116,42 @@ class EngineClient:
         return len(self._queues)
 
     async def _on_step(self, step: GatewayStep) -> None:
+        now = time.monotonic()
         for delta in step.outputs:
             queue = self._queues.get(delta.request_id)
             if queue is not None:  # unknown ids: finished, aborted or someone else's
+                self._last_output[delta.request_id] = now
+                self._misses.pop(delta.request_id, None)
                 queue.put_nowait(delta)
+
+    async def _watch_liveness(self) -> None:
+        """End requests the engine lost (see the class docstring)."""
+        while True:
+            await asyncio.sleep(self.liveness_check_s)
+            now = time.monotonic()
+            idle = [rid for rid in self._queues if now - self._last_output.get(rid, now) > self.liveness_idle_s]
+            if not idle:
+                continue
+            try:
+                reply = await self.bus.request(self.subjects.requests_get, RequestsQuery(request_ids=idle),
+                                               RequestsKnown, timeout=2.0)
+                known = set(reply.known)
+            except Exception:  # no scheduler answers: it holds nothing for us now
+                known = set()
+            for rid in idle:
+                if rid in known:
+                    self._misses.pop(rid, None)
+                    continue
+                self._misses[rid] = self._misses.get(rid, 0) + 1
+                queue = self._queues.get(rid)
+                if self._misses[rid] >= 2 and queue is not None:
+                    log.warning("request_lost", request_id=rid)
+                    queue.put_nowait(RequestDelta(
+                        request_id=rid, finished=True, finish_reason="error",
+                        error=ServiceError(message="the engine lost this request (a scheduler or detokenizer "
+                                                   "restarted or is unreachable); send it again",
+                                           type="server_error", code="request_lost", status=503)))
+                    self._misses.pop(rid, None)
 
     async def submit(
         self,
@@ -143,6 +193,7 @@ class EngineClient:
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         self._num_samples[request_id] = sampling_params.n
+        self._last_output[request_id] = time.monotonic()
         try:
             reply = await self.bus.request(
                 self.subjects.tokenize, message, TokenizeReply, timeout=self.tokenize_timeout_s
@@ -185,6 +236,8 @@ class EngineClient:
         for request_id in request_ids:
             queue = self._queues.pop(request_id, None)
             n = self._num_samples.pop(request_id, 1)
+            self._last_output.pop(request_id, None)
+            self._misses.pop(request_id, None)
             if queue is not None:
                 for index in range(n):
                     queue.put_nowait(
@@ -197,3 +250,5 @@ class EngineClient:
         if self._queues.get(request_id) is queue:
             del self._queues[request_id]
             self._num_samples.pop(request_id, None)
+            self._last_output.pop(request_id, None)
+            self._misses.pop(request_id, None)

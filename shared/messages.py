@@ -334,6 +334,18 @@ class StatsQuery(Message):
     pass
 
 
+class RequestsQuery(Message):
+    """Which of these client request ids does the scheduler still hold? (request/reply)"""
+
+    request_ids: list[str]
+
+
+class RequestsKnown(Message):
+    """The ids of a ``RequestsQuery`` that the scheduler holds (a request, or samples of it)."""
+
+    known: list[str] = Field(default_factory=list)
+
+
 class Ping(Message):
     """Liveness probe of a service (request/reply on ``Subjects.ping(service)``)."""
 

@@ -59,6 +59,10 @@ class Subjects:
     def stats_get(self) -> str:  # StatsQuery -> SchedulerStats (request/reply)
         return f"{self.base}.stats.get"
 
+    @property
+    def requests_get(self) -> str:  # RequestsQuery -> RequestsKnown (request/reply)
+        return f"{self.base}.requests.get"
+
 
 def ping(model: str, service: str) -> str:  # Ping -> Pong (request/reply)
     return f"{PREFIX}.{subject_token(model)}.ping.{service}"

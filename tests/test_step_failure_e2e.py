@@ -210,3 +210,35 @@ def test_an_executor_dropped_after_a_step_timeout_registers_again(smollm2_path, 
         assert_idle(llm)
     finally:
         llm.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_request_whose_outputs_are_lost_ends_with_a_503(smollm2_path, monkeypatch):
+    """If a detokenizer dies with a request's outputs (or the scheduler restarts and forgets
+    it), the client does not wait forever: a request with no output that the scheduler no
+    longer holds ends with a 'request_lost' error; the engine then serves as before."""
+    from gateway.client import EngineClient
+    from pagedllm import LLM, SamplingParams
+    from services.detokenizer.service import DetokenizerService
+
+    monkeypatch.setattr(EngineClient, "liveness_idle_s", 0.5)
+    monkeypatch.setattr(EngineClient, "liveness_check_s", 0.25)
+    original_handle = DetokenizerService.handle
+    dropping = {"on": False}
+
+    async def handle(self, step):
+        if not dropping["on"]:
+            await original_handle(self, step)
+
+    monkeypatch.setattr(DetokenizerService, "handle", handle)
+    llm = LLM(model=str(smollm2_path), dtype="float32")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        baseline = llm.generate(["One, two,"], params, use_tqdm=False)[0].outputs[0].token_ids
+        dropping["on"] = True
+        with pytest.raises(ValueError, match="the engine lost this request"):
+            llm.generate(["One, two,"], params, use_tqdm=False)
+        dropping["on"] = False
+        assert llm.generate(["One, two,"], params, use_tqdm=False)[0].outputs[0].token_ids == baseline
+    finally:
+        llm.close()

@@ -30,6 +30,8 @@ from shared.messages import (
     RegisterAck,
     RegisterGroup,
     RequestDelta,
+    RequestsKnown,
+    RequestsQuery,
     SchedulerStats,
     ServiceError,
     StatsQuery,
@@ -80,6 +82,7 @@ class SchedulerService:
         await b.subscribe(s.heartbeat, Heartbeat, self._on_heartbeat)
         await b.subscribe(s.result, StepResult, self._on_result)
         await b.subscribe(s.stats_get, StatsQuery, self._on_stats_query)
+        await b.subscribe(s.requests_get, RequestsQuery, self._on_requests_query)
         await answer_pings(b, self.model_info.name, self.name)
         self._tasks = [asyncio.create_task(self._watchdog()), asyncio.create_task(self._publish_stats())]
         log.info("scheduler_started", model=self.model_info.name)
@@ -158,6 +161,11 @@ class SchedulerService:
         for req in outcome.finished:
             log.info("request_finished", request_id=req.request_id, finish_reason=req.finish_reason,
                      output_tokens=len(req.output_token_ids), preemptions=req.num_preemptions)
+
+    async def _on_requests_query(self, msg: RequestsQuery) -> RequestsKnown:
+        held = self.scheduler.requests
+        parents = {r.parent_request_id for r in held.values() if r.parent_request_id}
+        return RequestsKnown(known=[rid for rid in msg.request_ids if rid in held or rid in parents])
 
     async def _on_stats_query(self, _: StatsQuery) -> SchedulerStats:
         return self.scheduler.stats()
