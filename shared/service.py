@@ -28,12 +28,21 @@ class Service(Protocol):
 
 
 async def run_service(service: Service) -> None:
-    """Start ``service``, serve until SIGTERM or SIGINT, then stop it."""
+    """Start ``service``, serve until SIGTERM or SIGINT, then stop it. A signal while it is
+    still starting (connecting to a NATS server that is not up yet, say) ends it too."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await service.start()
+    starting = asyncio.ensure_future(service.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        return
+    stopping.cancel()
+    starting.result()  # a failed start raises here
     try:
         await stop.wait()
     finally:

@@ -120,3 +120,23 @@ def test_serve_prefills_in_small_chunks_on_a_cpu_unless_told():
     assert serving_defaults(Settings(device="cpu")).max_num_batched_tokens == CPU_SERVE_MAX_NUM_BATCHED_TOKENS == 512
     assert serving_defaults(Settings(device="cpu", max_num_batched_tokens=4096)).max_num_batched_tokens == 4096
     assert serving_defaults(Settings(device="cuda")).max_num_batched_tokens == Settings().max_num_batched_tokens
+
+
+def test_a_service_still_connecting_to_nats_stops_on_sigterm(smollm2_path):
+    """`pagedllm service` waiting for a NATS server that is not up ends on SIGTERM (docker
+    stop), instead of running on until the server appears."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+    env["PAGEDLLM_CACHE_DIR"] = str(smollm2_path.parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.cli", "service", "scheduler", "--nats-url",
+         f"nats://127.0.0.1:{free_port()}", "--log-level", "WARNING"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        time.sleep(4)  # imports done, retrying the connection
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
