@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
@@ -68,7 +69,8 @@ class ServiceProcesses:
         for name in self.names:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "pagedllm.cli", "service", name], env=env, start_new_session=True,
-                preexec_fn=die_with_parent,
+                # serve gone means its NATS server too: nothing is left to drain, so no graceful stop
+                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
             )
 
     def poll(self) -> str | None:

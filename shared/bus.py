@@ -50,8 +50,8 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str = "pagedllm") -> Bus:
-        nc = await nats.connect(
-            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5
+        nc = await nats.connect(  # drain_timeout: a stop with the server gone waits 5 s, not 30
+            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5, drain_timeout=5
         )
         return cls(nc)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
 
-def die_with_parent() -> None:
-    """``preexec_fn`` of a child in its own session: Linux sends it SIGTERM when the process
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """``preexec_fn`` of a child in its own session: Linux sends it ``sig`` when the process
     that started it dies, even by SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so ``pagedllm
     serve`` killed with -9 leaves no orphans. A no-op elsewhere."""
     if sys.platform != "linux":
@@ -24,9 +24,9 @@ def die_with_parent() -> None:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    libc.prctl(1, sig)  # PR_SET_PDEATHSIG
     if os.getppid() == 1:  # the parent died before the prctl: go now
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
 
 
 def find_nats_server() -> str:
