@@ -202,6 +202,12 @@ class LLM:
         if self._closed:
             return
         self._closed = True
+        client = getattr(self, "_client", None)
+        if client is not None:  # ends its liveness watch and any stream still open
+            try:
+                self._services.run(client.stop(), timeout=10)
+            except Exception:
+                pass
         bus = getattr(self, "_bus", None)
         if bus is not None:
             try:
