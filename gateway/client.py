@@ -121,7 +121,6 @@ class EngineClient:
             queue = self._queues.get(delta.request_id)
             if queue is not None:  # unknown ids: finished, aborted or someone else's
                 self._last_output[delta.request_id] = now
-                self._misses.pop(delta.request_id, None)
                 queue.put_nowait(delta)
 
     async def _watch_liveness(self) -> None:
@@ -130,6 +129,8 @@ class EngineClient:
             await asyncio.sleep(self.liveness_check_s)
             now = time.monotonic()
             idle = [rid for rid in self._queues if now - self._last_output.get(rid, now) > self.liveness_idle_s]
+            for rid in set(self._misses) - set(idle):  # output since: "in a row" starts again
+                del self._misses[rid]
             if not idle:
                 continue
             try:
@@ -234,10 +235,9 @@ class EngineClient:
     async def abort(self, request_ids: list[str], reason: FinishReason = "abort") -> None:
         """Tell the scheduler to stop these requests; their streams end with an abort delta."""
         for request_id in request_ids:
-            queue = self._queues.pop(request_id, None)
-            n = self._num_samples.pop(request_id, 1)
-            self._last_output.pop(request_id, None)
-            self._misses.pop(request_id, None)
+            queue = self._queues.get(request_id)
+            n = self._num_samples.get(request_id, 1)
+            self._forget(request_id)
             if queue is not None:
                 for index in range(n):
                     queue.put_nowait(
@@ -248,7 +248,9 @@ class EngineClient:
 
     def _drop(self, request_id: str, queue: asyncio.Queue[RequestDelta]) -> None:
         if self._queues.get(request_id) is queue:
-            del self._queues[request_id]
-            self._num_samples.pop(request_id, None)
-            self._last_output.pop(request_id, None)
-            self._misses.pop(request_id, None)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """Drop every piece of the client's state about ``request_id``."""
+        for state in (self._queues, self._num_samples, self._last_output, self._misses):
+            state.pop(request_id, None)

@@ -94,15 +94,9 @@ CPU_SERVE_MAX_NUM_BATCHED_TOKENS = 512
 def serving_defaults(settings: Settings) -> Settings:
     """Online-serving defaults where they differ from the offline ``LLM``'s (as vLLM's
     ``serve`` does): on a CPU, ``max_num_batched_tokens`` 512 unless given (flag or env)."""
-    if "max_num_batched_tokens" in settings.model_fields_set:
-        return settings
-    if settings.device == "auto":
-        import torch
+    from services.executor.device import resolve_device
 
-        on_cpu = not torch.cuda.is_available()
-    else:
-        on_cpu = settings.device == "cpu"
-    if not on_cpu:
+    if "max_num_batched_tokens" in settings.model_fields_set or resolve_device(settings.device).type != "cpu":
         return settings
     return settings.model_copy(update={"max_num_batched_tokens": CPU_SERVE_MAX_NUM_BATCHED_TOKENS})
 

@@ -295,7 +295,7 @@ def test_a_transient_step_failure_loses_no_request():
 
     assert failed_ids == [] and failures == 1
     assert outputs == {r.request_id: expected(r) for r in reqs}
-    assert all(not r.suspect for r in reqs) and [r.num_failed_steps for r in reqs] == [1] * 6
+    assert not sched.suspects and [r.num_failed_steps for r in reqs] == [1] * 6
 
 
 def test_two_poisons_and_a_poison_preempted_in_flight_fail_alone():
@@ -338,7 +338,8 @@ def test_a_suspect_runs_alone_until_it_samples():
         sched.add_request(r)
     assert set(sched.schedule("g0").num_scheduled_tokens) == {"r0", "r1", "r2"}
     failed, moved = sched.fail_step("g0")
-    assert failed == [] and len(moved) == 3 and all(r.suspect and r.num_failed_steps == 1 for r in reqs)
+    assert failed == [] and len(moved) == 3 and sched.suspects == {"r0", "r1", "r2"}
+    assert all(r.num_failed_steps == 1 for r in reqs)
     sched.add_group("g0", num_blocks=64, block_size=16)
     sched.add_request(make_request("fresh", prompt_len=12, max_tokens=6, seed=7))
     assert list(sched.schedule("g0").num_scheduled_tokens) == ["r0"]  # alone, in arrival order
@@ -347,7 +348,7 @@ def test_a_suspect_runs_alone_until_it_samples():
     plan_ahead(sched, "g0", queue)  # async: only the suspect's next decode is planned behind it
     assert all(list(p.num_scheduled_tokens) == ["r0"] for p in queue)
     failed, _ = sched.fail_step("g0")  # r0 failed alone once (transient?): it runs alone again
-    assert failed == [] and reqs[0].suspect and reqs[0].num_failed_alone == 1
+    assert failed == [] and "r0" in sched.suspects and reqs[0].num_failed_alone == 1
     sched.add_group("g0", num_blocks=64, block_size=16)
     assert list(sched.schedule("g0").num_scheduled_tokens) == ["r0"]
     failed, _ = sched.fail_step("g0")  # twice alone: it fails
@@ -356,7 +357,7 @@ def test_a_suspect_runs_alone_until_it_samples():
     plan = sched.schedule("g0")
     assert list(plan.num_scheduled_tokens) == ["r1"]
     sched.update_from_output(ex.execute(plan))  # r1 sampled: no longer a suspect
-    assert not reqs[1].suspect
+    assert "r1" not in sched.suspects
     plan = sched.schedule("g0")
     assert list(plan.num_scheduled_tokens) == ["r2"]  # r1 waits while the next suspect runs
     sched.update_from_output(ex.execute(plan))
@@ -365,7 +366,7 @@ def test_a_suspect_runs_alone_until_it_samples():
     reqs[1].num_failed_steps = scheduler_module.MAX_FAILED_STEPS - 1
     failed, _ = sched.fail_step("g0")
     assert [r.request_id for r in failed] == ["r1"]
-    assert reqs[2].suspect and sched.requests["fresh"].suspect and sched.requests["fresh"].num_failed_steps == 1
+    assert sched.suspects == {"r2", "fresh"} and sched.requests["fresh"].num_failed_steps == 1
 
 
 def test_requests_that_waited_for_a_group_are_checked_when_one_registers():

@@ -82,20 +82,39 @@ def test_a_failed_step_is_retried_and_drops_the_queued_plan(smollm2_path, monkey
 @pytest.mark.timeout(300)
 def test_a_request_that_fails_every_step_fails_alone(smollm2_path, monkeypatch):
     """A poisoned request (every step holding it fails) fails with the step's error, whether
-    alone or batched, and the engine then serves the same tokens as before."""
+    alone or batched; the requests batched with it give their usual tokens; the engine then
+    serves the same tokens as before."""
+    import asyncio
+
     from pagedllm import LLM, SamplingParams
 
     original_execute = ModelRunner.execute
     poisoned: set[str] = set()
     marker: list[int] = []
+    failed_step_sizes: list[int] = []
 
     def execute(self, plan):
         for new in plan.new_requests:
             if marker and new.prompt_token_ids[: len(marker)] == marker:
                 poisoned.add(new.request_id)
         if poisoned & set(plan.num_scheduled_tokens):
+            failed_step_sizes.append(len(plan.num_scheduled_tokens))
             raise RuntimeError("injected poison")
         return original_execute(self, plan)
+
+    async def batch(client, prompts: dict[str, str], params) -> dict[str, tuple[list[int], str | None]]:
+        """Submit together, then (token ids, error message) per request id."""
+        for rid, prompt in prompts.items():
+            assert (await client.submit(rid, prompt=prompt, sampling_params=params)).error is None
+
+        async def collect(rid: str) -> tuple[list[int], str | None]:
+            tokens, error = [], None
+            async for delta in client.stream(rid):
+                tokens += delta.token_ids
+                error = error or (delta.error.message if delta.error else None)
+            return tokens, error
+
+        return dict(zip(prompts, await asyncio.gather(*map(collect, prompts)), strict=True))
 
     llm = LLM(model=str(smollm2_path), dtype="float32", async_scheduling=True, max_num_seqs=8)
     try:
@@ -106,8 +125,11 @@ def test_a_request_that_fails_every_step_fails_alone(smollm2_path, monkeypatch):
         monkeypatch.setattr(ModelRunner, "execute", execute)
         with pytest.raises(ValueError, match="injected poison"):
             llm.generate(["Poison pill: alone"], params, use_tqdm=False)
-        with pytest.raises(ValueError, match="injected poison"):
-            llm.generate([prompts[0], "Poison pill: batched", prompts[1]], params, use_tqdm=False)
+        out = llm._services.run(batch(llm._client, {"a": prompts[0], "p": "Poison pill: batched", "b": prompts[1]},
+                                      params), timeout=120)
+        assert max(failed_step_sizes) > 1  # the poison did share a step with the others
+        assert out["a"] == (baseline[0], None) and out["b"] == (baseline[1], None)
+        assert out["p"][1] is not None and "injected poison" in out["p"][1]
         again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert again == baseline and len(poisoned) >= 2
         assert_idle(llm)

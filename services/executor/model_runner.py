@@ -21,6 +21,7 @@ from transformers import AutoConfig
 
 from services.executor.attention import AttentionMetadata, get_attention_backend
 from services.executor.cpu_threads import CpuThreadGovernor
+from services.executor.device import resolve_device
 from services.executor.models import get_model_class
 from services.executor.sampler import Sampler
 from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings
@@ -50,12 +51,6 @@ def resolve_dtype(setting: str, model_path: Path) -> torch.dtype:
     config = json.loads((model_path / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
-
-
-def resolve_device(setting: str) -> torch.device:
-    if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(setting)
 
 
 class ModelRunner:

@@ -57,11 +57,9 @@ class Request:
     # async scheduling: tokens sampled by steps in flight whose results have not arrived
     num_output_placeholders: int = 0
     epoch: int = 0  # bumped when preempted or requeued: results of earlier steps are stale
-    # failed steps (Scheduler.fail_step): how many included this request, and whether it is a
-    # suspect, run with no other suspect in its steps until it samples a token
+    # failed steps (Scheduler.fail_step) that included this request
     num_failed_steps: int = 0  # batched
-    num_failed_alone: int = 0  # as a suspect, alone in the step
-    suspect: bool = False
+    num_failed_alone: int = 0  # as a suspect (Scheduler.suspects), alone in the step
 
     @property
     def needs_fork(self) -> bool:

@@ -105,6 +105,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.unrouted: list[Request] = []  # no group can hold them yet
         self._step_id = 0
+        # requests of failed steps that run alone until they sample (fail_step); empty almost
+        # always, so the step loop pays one truth test for them
+        self.suspects: set[str] = set()
         self.num_preemptions = 0
         self.num_finished = 0
 
@@ -179,7 +182,7 @@ class Scheduler:
         failed: list[Request] = []
         if group.in_flight:
             reqs = [self.requests[rid] for rid in group.in_flight[0].epochs if rid in self.requests]
-            if len(reqs) == 1 and reqs[0].suspect:
+            if len(reqs) == 1 and reqs[0].request_id in self.suspects:
                 reqs[0].num_failed_alone += 1
                 if reqs[0].num_failed_alone >= MAX_FAILED_ALONE:
                     failed.append(reqs[0])
@@ -189,7 +192,7 @@ class Scheduler:
                     if req.num_failed_steps >= MAX_FAILED_STEPS:
                         failed.append(req)
                     else:
-                        req.suspect = True
+                        self.suspects.add(req.request_id)
         done = self.abort([r.request_id for r in failed], "error") if failed else []
         return done, self.remove_group(group_id)
 
@@ -307,8 +310,11 @@ class Scheduler:
         preempted = False
 
         group.running.sort(key=Request.sort_key)
-        suspect = next((r for r in group.running if r.suspect), None)
-        waiting_suspect = None if suspect else next((r for r in group.waiting if r.suspect), None)
+        suspect = waiting_suspect = None
+        if self.suspects:
+            suspect = next((r for r in group.running if r.request_id in self.suspects), None)
+            if suspect is None:
+                waiting_suspect = next((r for r in group.waiting if r.request_id in self.suspects), None)
         if waiting_suspect is not None and len(group.running) < self.config.max_num_seqs:
             if self._admit_one(group, waiting_suspect, budget, scheduled, new_blocks):
                 return self._make_plan(group, scheduled, new_blocks, copies)
@@ -475,7 +481,7 @@ class Scheduler:
             token = result.sampled_token_ids.get(rid)
             if token is None:
                 continue
-            req.suspect = False  # a step that sampled for it succeeded (fail_step)
+            self.suspects.discard(rid)  # a step that sampled for it succeeded (fail_step)
             samples = [(req, token)]
             if req.fork_pending:
                 req.fork_pending = False
@@ -561,6 +567,7 @@ class Scheduler:
             self.unrouted.remove(req)
         req.status = RequestStatus.FINISHED
         self.requests.pop(req.request_id, None)
+        self.suspects.discard(req.request_id)
         self.num_finished += 1
 
     def stats(self) -> SchedulerStats:
