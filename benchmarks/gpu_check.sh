@@ -22,7 +22,8 @@ PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 unset TRITON_INTERPRET
 if [ -d .gpu/whl ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl \
+    $PY -m pip install -q --no-index --find-links .gpu/whl --no-compile --no-cache-dir --target /tmp/site \
+        -r .gpu/requirements.txt \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 fi
 {
