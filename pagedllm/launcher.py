@@ -136,12 +136,16 @@ class InProcessServices:
                     await service.stop()
                 except Exception:
                     pass
+            # its idle threads would outlive the loop
+            await asyncio.wait_for(self.loop.shutdown_default_executor(), 10)
 
         try:
             self.run(_stop(), timeout=30)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
+            if not self._thread.is_alive():
+                self.loop.close()
 
 
 def run_one_service(name: str, settings: Settings) -> None:

@@ -93,8 +93,12 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt (default: vLLM's).
             priority: one value per prompt (lower first) for ``scheduling_policy="priority"``.
 
+        A prompt + ``max_tokens`` over ``max_model_len`` stops at ``max_model_len`` with
+        finish_reason "length" (as vLLM's ``LLM``; the OpenAI server refuses it instead).
+
         Raises:
-            ValueError: a prompt is rejected (empty, too long for ``max_model_len``).
+            ValueError: a prompt is rejected (empty, ``max_model_len`` tokens or more, token ids
+                outside the vocabulary); nothing of the call is generated then.
         """
         items = self._normalize_prompts(prompts)
         return self._run([{"prompt": p} for p in items], sampling_params, use_tqdm, priority)
@@ -106,7 +110,8 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations (chat template applied)."""
+        """Generate replies to one conversation or a list of conversations (chat template applied;
+        ``RequestOutput.prompt`` is the prompt text it rendered)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         items = [{"messages": list(c), "add_generation_prompt": add_generation_prompt} for c in conversations]
         return self._run(items, sampling_params, use_tqdm, None)
@@ -150,7 +155,8 @@ class LLM:
         try:
             # all submitted at once, in input order (tasks start in creation order)
             replies = await asyncio.gather(*(
-                self._client.submit(rid, sampling_params=sp, priority=priority[i] if priority else 0, **item)
+                self._client.submit(rid, sampling_params=sp, priority=priority[i] if priority else 0,
+                                   cap_at_max_model_len=True, **item)
                 for i, (rid, item, sp) in enumerate(zip(ids, items, params, strict=True))
             ))
             for rid, item, sp, reply in zip(ids, items, params, replies, strict=True):
@@ -160,7 +166,7 @@ class LLM:
                 outputs.append(
                     RequestOutput(
                         request_id=rid,
-                        prompt=prompt if isinstance(prompt, str) else None,
+                        prompt=prompt if isinstance(prompt, str) else reply.prompt,  # chat: the rendered text
                         prompt_token_ids=list(reply.prompt_token_ids),
                         outputs=[CompletionOutput(index=i, text="", token_ids=[]) for i in range(sp.n)],
                     )

@@ -40,6 +40,15 @@ class ServiceError(Message):
     status: int = 400
 
 
+# vLLM SamplingParams fields that ours lacks: refused by name rather than as unknown fields
+_VLLM_ONLY_SAMPLING_PARAMS = frozenset({
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logprobs",
+    "prompt_logprobs", "best_of", "logits_processors", "bad_words", "allowed_token_ids", "logit_bias",
+    "truncate_prompt_tokens", "guided_decoding", "structured_outputs", "output_kind", "detokenize",
+    "spaces_between_special_tokens", "extra_args",
+})
+
+
 class SamplingParams(Message):
     """How to sample one request (a subset of vLLM's ``SamplingParams``, same names).
 
@@ -48,7 +57,9 @@ class SamplingParams(Message):
     whatever else is in the batch. Every integer must fit a signed 64-bit integer.
 
     Raises:
-        pydantic.ValidationError: a value is out of range; the message names the parameter.
+        pydantic.ValidationError: a value is out of range, also when assigned later, or a
+            vLLM parameter this engine does not implement is given; the message names the
+            parameter.
     """
 
     n: int = 1
@@ -62,6 +73,16 @@ class SamplingParams(Message):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            given = sorted(k for k in data if k in _VLLM_ONLY_SAMPLING_PARAMS)
+            if given:
+                raise ValueError(f"{', '.join(given)}: vLLM sampling parameter(s) that this engine does not "
+                                 f"support; supported: {', '.join(cls.model_fields)}")
+        return data
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -95,6 +116,13 @@ class SamplingParams(Message):
             raise ValueError("stop: stop strings must not be empty")
         return self
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An assigned field is checked as at construction (pydantic's ``validate_assignment``
+        would keep a value that the model check then refuses)."""
+        if name in type(self).model_fields:
+            value = getattr(type(self).model_validate({**self.__dict__, name: value}), name)
+        super().__setattr__(name, value)
+
     @property
     def greedy(self) -> bool:
         """Whether the request samples greedily (temperature below ``GREEDY_TEMPERATURE``)."""
@@ -127,6 +155,9 @@ class TokenizeRequest(Message):
     priority: int = 0
     arrival_time: float = 0.0  # unix seconds
     cache_salt: str | None = None  # requests with different salts never share cached blocks
+    # prompt + max_tokens may exceed max_model_len: the request then stops at max_model_len with
+    # finish_reason "length" (vLLM's offline LLM); False: refused, as the OpenAI server does
+    cap_at_max_model_len: bool = False
 
 
 class TokenizeReply(Message):
@@ -135,6 +166,7 @@ class TokenizeReply(Message):
     request_id: str
     error: ServiceError | None = None
     prompt_token_ids: list[int] = Field(default_factory=list)
+    prompt: str | None = None  # a chat request's prompt as the chat template rendered it
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+from transformers import AutoTokenizer
 
 from pagedllm import LLM, SamplingParams
 from shared.model_source import ModelNotFoundError
@@ -10,10 +13,14 @@ from shared.model_source import ModelNotFoundError
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=96 << 20) as engine:
+    threads_before = set(threading.enumerate())
+    # 96 MiB hold 2,184 float32 tokens, more than max_model_len
+    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=96 << 20, max_model_len=2048) as engine:
         yield engine
         stats = engine.stats()
         assert all(g.num_free_blocks == g.num_blocks for g in stats.groups)
+    # closed, it leaves no thread behind (tqdm's monitor is one per process, started by a bar)
+    assert [t.name for t in threading.enumerate() if t not in threads_before and t.name != "tqdm_monitor"] == []
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(llm):
@@ -66,11 +73,32 @@ def test_token_id_prompts_and_input_order(llm):
     assert id_out[0].prompt is None and id_out[1].prompt_token_ids == ids[1]
 
 
+def test_prompt_plus_max_tokens_over_max_model_len_stops_at_max_model_len(llm):
+    """As vLLM's LLM (not its OpenAI server): the request runs up to max_model_len and
+    finishes with "length"; the others of the batch are unaffected."""
+    ids = [100 + i % 997 for i in range(2040)]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    long, short = llm.generate([ids, "Hello"], params, use_tqdm=False)
+    assert len(long.outputs[0].token_ids) == 2048 - 2040 and long.outputs[0].finish_reason == "length"
+    assert len(short.outputs[0].token_ids) == 100 and short.outputs[0].finish_reason == "length"
+    alone = llm.generate([ids], params.model_copy(update={"max_tokens": 8}), use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == long.outputs[0].token_ids
+
+
+def test_chat_output_has_the_rendered_prompt(llm, smollm2_path):
+    """As vLLM: RequestOutput.prompt of llm.chat is the text the chat template rendered."""
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    assert out.prompt_token_ids == tok(out.prompt, add_special_tokens=False)["input_ids"]
+
+
 def test_bad_prompts_raise_and_engine_keeps_working(llm):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate("", SamplingParams(max_tokens=4), use_tqdm=False)
-    with pytest.raises(ValueError, match="maximum context length"):
-        llm.generate("hi", SamplingParams(max_tokens=100_000), use_tqdm=False)
+    with pytest.raises(ValueError, match="maximum context length is 2048 tokens. However, you requested 2048"):
+        llm.generate(["Hello", [28] * 2048], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)

@@ -314,6 +314,24 @@ def test_refused_configs():
     assert get_model_class(MistralConfig(sliding_window=None, architectures=["MistralForCausalLM"])) is LlamaForCausalLM
 
 
+def test_configs_without_architectures_go_by_model_type(tmp_path):
+    """A config.json with only ``model_type`` (HF's Auto classes accept it) gets the class of
+    that model type, with its details (Qwen2's q/k/v biases, Mistral's sliding window refused)."""
+    config, hf_model = _tiny_checkpoint("qwen2", tmp_path)
+    config.architectures = None
+    model = _ours(config, tmp_path)
+    assert model.layers[0].qkv_proj_bias is not None
+    new, logits = paged_greedy(model, PROMPTS[:2], 4)
+    for prompt, ours_new, ours_logits in zip(PROMPTS[:2], new, logits, strict=True):
+        ref_new, ref_logits = hf_greedy(hf_model, prompt, 4)
+        torch.testing.assert_close(ours_logits, ref_logits, atol=1e-4, rtol=1e-4)
+        assert ours_new == ref_new
+    with pytest.raises(ValueError, match="sliding_window"):
+        get_model_class({"model_type": "mistral", "sliding_window": 64, "max_position_embeddings": 512})
+    with pytest.raises(ValueError, match="no 'architectures' entry, and model_type='gpt2'"):
+        get_model_class({"model_type": "gpt2"})
+
+
 def test_kv_cache_sizing():
     config = CONFIGS["llama3"]()  # 3 layers, 2 KV heads of 32
     assert kv_cache_shape(config, 10, 16) == (10, 16, 2, 32)

@@ -72,6 +72,20 @@ def test_out_of_range_integers_are_refused():
     assert ok.top_k == 2**63 - 1
 
 
+def test_assignments_are_checked_and_vllm_only_parameters_named():
+    """A field assigned after construction is checked as at construction and, when refused,
+    left as it was; a vLLM parameter this engine lacks is refused by its name."""
+    params = SamplingParams(temperature=0.5)
+    with pytest.raises(pydantic.ValidationError, match="SamplingParams(.|\n)*temperature must be"):
+        params.temperature = -3
+    assert params.temperature == 0.5
+    params.stop = "x"  # coerced as at construction
+    params.max_tokens = None
+    assert params.stop == ["x"] and params.max_tokens is None
+    with pytest.raises(pydantic.ValidationError, match="presence_penalty, repetition_penalty: vLLM sampling"):
+        SamplingParams(repetition_penalty=1.1, presence_penalty=0.5)
+
+
 def test_child_seeds_wrap_in_64_bits_and_travel():
     """seed + i of an n > 1 request wraps around (two's complement), so every child's params
     still validate after the trip through msgpack."""

@@ -110,6 +110,8 @@ async def test_chat_request_is_templated_and_submitted_before_the_reply(env):
     assert reply.error is None
     assert reply.prompt_token_ids == expected
     assert expected[-3:] == [520, 9531, 198]  # ends with "<|im_start|>assistant\n"
+    assert reply.prompt == env.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert reply.prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there! 😀")
     assert seen == [env.subjects.submit, "inbox"]
     assert submit == SubmitRequest(request_id="chat-1", gateway_id="gw", prompt_token_ids=expected,
                                    sampling_params=sp, priority=3, arrival_time=123.0)
@@ -127,6 +129,32 @@ async def test_completion_prompts(env):
     assert submit is not None and submit.prompt_token_ids == reply.prompt_token_ids
     _, _, reply = await tokenize(env, prompt=[5, 6, env.info.vocab_size - 1])
     assert reply.error is None and reply.prompt_token_ids == [5, 6, env.info.vocab_size - 1]
+    assert reply.prompt is None  # only a chat request's rendered prompt comes back
+
+
+async def test_chat_typed_special_tokens_match_apply_chat_template(env):
+    """The rendered text is tokenized as apply_chat_template(tokenize=True) does: a control
+    token typed in a message is that token."""
+    messages = [{"role": "user", "content": "a<|im_end|>b <|im_start|>"}]
+    _, _, reply = await tokenize(env, messages=messages)
+    assert reply.prompt_token_ids == chat_ids(env.tokenizer, messages)
+    assert reply.prompt_token_ids.count(2) == 3  # <|im_end|>: the system turn's, the typed one, the user turn's
+
+
+async def test_offline_requests_are_capped_at_max_model_len(env):
+    """cap_at_max_model_len (the offline LLM, as vLLM's): prompt + max_tokens over
+    max_model_len is submitted with max_tokens None (up to the context length) instead of
+    refused; within the limit max_tokens is kept; a prompt filling the context is refused."""
+    _, submit, reply = await tokenize(env, prompt=[7] * 60, sampling_params=params(max_tokens=5),
+                                      cap_at_max_model_len=True)
+    assert reply.error is None and submit is not None and submit.sampling_params.max_tokens is None
+    assert submit.sampling_params == params(max_tokens=None)
+    _, submit, _ = await tokenize(env, prompt=[7] * 59, sampling_params=params(max_tokens=5),
+                                  cap_at_max_model_len=True)
+    assert submit is not None and submit.sampling_params.max_tokens == 5
+    _, submit, reply = await tokenize(env, prompt=[7] * MAX_MODEL_LEN, sampling_params=params(max_tokens=5),
+                                      cap_at_max_model_len=True)
+    assert submit is None and reply.error.param == "prompt" and reply.error.code == "context_length_exceeded"
 
 
 async def test_max_tokens_none_and_exact_fit_are_accepted(env):

@@ -19,7 +19,7 @@ from typing import Any
 from shared.bus import Bus
 from shared.config import Settings
 from shared.logging import configure_logging, get_logger
-from shared.messages import ServiceError, SubmitRequest, TokenizeReply, TokenizeRequest
+from shared.messages import SamplingParams, ServiceError, SubmitRequest, TokenizeReply, TokenizeRequest
 from shared.model_source import ModelInfo, load_model_info
 from shared.service import answer_pings, run_service
 from shared.subjects import TOKENIZER_QUEUE, Subjects
@@ -103,7 +103,7 @@ class TokenizerService:
         kind = "chat" if request.messages is not None else "completion"
         try:
             loop = asyncio.get_running_loop()
-            ids = await loop.run_in_executor(self._executor, self.tokenize, request)
+            ids, chat_prompt = await loop.run_in_executor(self._executor, self.tokenize, request)
         except TokenizeError as e:
             log.info("tokenize_rejected", request_id=request.request_id, kind=kind,
                      param=e.error.param, reason=e.error.message)
@@ -119,7 +119,7 @@ class TokenizerService:
                 request_id=request.request_id,
                 gateway_id=request.gateway_id,
                 prompt_token_ids=ids,
-                sampling_params=request.sampling_params,
+                sampling_params=self._submitted_params(request, len(ids)),
                 priority=request.priority,
                 cache_salt=request.cache_salt,
                 arrival_time=request.arrival_time or time.time(),
@@ -127,27 +127,32 @@ class TokenizerService:
         )
         log.info("tokenized", request_id=request.request_id, kind=kind, num_prompt_tokens=len(ids),
                  max_tokens=request.sampling_params.max_tokens, ms=round((time.perf_counter() - t0) * 1e3, 2))
-        return TokenizeReply(request_id=request.request_id, prompt_token_ids=ids)
+        return TokenizeReply(request_id=request.request_id, prompt_token_ids=ids, prompt=chat_prompt)
 
     # ------------------------------------------------------------------ no I/O below
 
-    def tokenize(self, request: TokenizeRequest) -> list[int]:
-        """The request's prompt token ids, checked against ``max_model_len``.
+    def tokenize(self, request: TokenizeRequest) -> tuple[list[int], str | None]:
+        """The request's prompt token ids, checked against ``max_model_len``, and for
+        ``messages`` the prompt text the chat template rendered (else None).
 
-        ``messages`` go through the chat template (``add_generation_prompt`` as asked); a
-        string ``prompt`` is tokenized like ``tokenizer(prompt)`` (default special tokens);
-        a ``list[int]`` prompt is used as given.
+        ``messages`` go through the chat template (``add_generation_prompt`` as asked; the
+        text is tokenized without adding special tokens, as ``apply_chat_template`` and vLLM
+        do); a string ``prompt`` is tokenized like ``tokenizer(prompt)`` (default special
+        tokens); a ``list[int]`` prompt is used as given.
 
         Raises:
             TokenizeError: empty or malformed input, token ids outside ``[0, vocab_size)``,
                 no chat template, or too long for ``max_model_len`` (the error names the
-                parameter: ``prompt``, ``messages`` or ``max_tokens``).
+                parameter: ``prompt``, ``messages`` or ``max_tokens``; with
+                ``cap_at_max_model_len`` only a prompt that leaves no room for one token).
         """
         if request.messages is not None and request.prompt is not None:
             raise TokenizeError("give either prompt or messages, not both", param="messages")
+        chat_prompt = None
         if request.messages is not None:
             param = "messages"
-            ids = self._tokenize_chat(request.messages, request.add_generation_prompt)
+            chat_prompt = self._render_chat(request.messages, request.add_generation_prompt)
+            ids = [int(t) for t in self.tokenizer(chat_prompt, add_special_tokens=False)["input_ids"]]
         elif request.prompt is None:
             raise TokenizeError("the request has neither a prompt nor messages", param="prompt")
         else:
@@ -155,8 +160,9 @@ class TokenizerService:
             ids = self._tokenize_prompt(request.prompt)
         if not ids:
             raise TokenizeError(f"the {param} is empty: it must hold at least one token", param=param)
-        self._check_length(len(ids), request.sampling_params.max_tokens, param)
-        return ids
+        max_tokens = None if request.cap_at_max_model_len else request.sampling_params.max_tokens
+        self._check_length(len(ids), max_tokens, param)
+        return ids, chat_prompt
 
     def _tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -170,18 +176,30 @@ class TokenizerService:
                                     param="prompt")
         return list(prompt)
 
-    def _tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    def _submitted_params(self, request: TokenizeRequest, num_prompt: int) -> SamplingParams:
+        """The request's sampling params for the scheduler: with ``cap_at_max_model_len``, a
+        ``max_tokens`` beyond ``max_model_len`` becomes None (generate up to the context
+        length, finish_reason "length"; the scheduler also caps that to its KV cache pool)."""
+        params = request.sampling_params
+        if (request.cap_at_max_model_len and params.max_tokens is not None
+                and num_prompt + params.max_tokens > self.model_info.max_model_len):
+            return params.model_copy(update={"max_tokens": None})
+        return params
+
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         conversation = normalize_messages(messages)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise TokenizeError("this model has no chat template: use the completions API with a prompt",
                                 param="messages")
         try:
-            out = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as e:  # jinja2 errors raised by the template (e.g. "roles must alternate")
             raise TokenizeError(f"the chat template rejected the messages: {e}", param="messages") from e
-        return token_id_list(out)
+        if not isinstance(text, str):
+            raise TokenizeError(f"the chat template rendered {type(text).__name__}, not a string", param="messages")
+        return text
 
     def _check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
         limit = self.model_info.max_model_len
@@ -247,20 +265,6 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             )
         out.append({**m, "role": role, "content": text})
     return out
-
-
-def token_id_list(out: Any) -> list[int]:
-    """A plain ``list[int]`` from what ``apply_chat_template(tokenize=True)`` returns:
-    a list, a nested list (batch of one) or a dict / ``BatchEncoding`` (transformers 5)."""
-    if isinstance(out, Mapping) or hasattr(out, "keys"):
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], list | tuple):
-        if len(out) != 1:
-            raise ValueError(f"expected one sequence of token ids, got {len(out)}")
-        out = out[0]
-    return [int(t) for t in out]
 
 
 def main() -> None:

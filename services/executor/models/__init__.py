@@ -6,6 +6,7 @@ from typing import Any
 
 from services.executor.models.llama import (
     LlamaForCausalLM,
+    architectures_of,
     check_supported,
     kv_cache_bytes_per_block,
     kv_cache_shape,
@@ -23,16 +24,21 @@ __all__ = ["MODEL_CLASSES", "LlamaForCausalLM", "get_model_class", "kv_cache_byt
 
 
 def get_model_class(hf_config: Any) -> type:
-    """The model class for ``hf_config.architectures``.
+    """The model class for ``hf_config.architectures`` (without that entry: for its
+    ``model_type``, as ``AutoModelForCausalLM`` picks it).
 
     Raises:
         ValueError: the architecture is not supported (the message names it), or the config
             asks for something the implementation does not do (e.g. Mistral sliding window).
     """
-    archs = (hf_config.get("architectures") if isinstance(hf_config, dict) else getattr(hf_config, "architectures", None)) or []
+    archs = architectures_of(hf_config)
     for arch in archs:
         cls = MODEL_CLASSES.get(arch)
         if cls is not None:
             check_supported(hf_config)
             return cls
+    if not archs:
+        model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", None)
+        raise ValueError(f"the model's config.json has no 'architectures' entry, and model_type={model_type!r} "
+                         f"is none of this engine's; supported architectures: {sorted(MODEL_CLASSES)}")
     raise ValueError(f"unsupported model architecture {archs!r}; supported: {sorted(MODEL_CLASSES)}")

@@ -45,6 +45,19 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
     return getattr(cfg, name, default)
 
 
+# model_type -> the class AutoModelForCausalLM builds for it, for configs without ``architectures``
+_CAUSAL_LM_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def architectures_of(hf_config: Any) -> list[str]:
+    """The config's ``architectures``; without that entry, the causal-LM class of its
+    ``model_type`` (as ``AutoModelForCausalLM`` picks it), or ``[]``."""
+    archs = _get(hf_config, "architectures") or []
+    if not archs and _get(hf_config, "model_type") in _CAUSAL_LM_OF_MODEL_TYPE:
+        archs = [_CAUSAL_LM_OF_MODEL_TYPE[_get(hf_config, "model_type")]]
+    return list(archs)
+
+
 def head_dim_of(hf_config: Any) -> int:
     """Per-head size: ``head_dim`` when the config has it, else ``hidden_size // num_attention_heads``."""
     return _get(hf_config, "head_dim") or _get(hf_config, "hidden_size") // _get(hf_config, "num_attention_heads")
@@ -77,7 +90,7 @@ def check_supported(hf_config: Any) -> None:
     """
     max_pos = _get(hf_config, "max_position_embeddings", 0)
     window = _get(hf_config, "sliding_window")
-    archs = _get(hf_config, "architectures") or []
+    archs = architectures_of(hf_config)
     if "MistralForCausalLM" in archs and window is not None and window < max_pos:
         raise ValueError(
             f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window attention "
@@ -610,8 +623,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         check_supported(hf_config)
         device = torch.device(device)
-        archs = _get(hf_config, "architectures") or []
-        qwen2 = "Qwen2ForCausalLM" in archs or _get(hf_config, "model_type") == "qwen2"
+        qwen2 = "Qwen2ForCausalLM" in architectures_of(hf_config)
         attention_bias = bool(_get(hf_config, "attention_bias", False))
         cfg = {
             "hidden_size": _get(hf_config, "hidden_size"),
