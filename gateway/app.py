@@ -431,6 +431,10 @@ class OpenAIServing:
             raise APIError(
                 503, f"no tokenizer is serving the model `{self.model_info.name}`", code="service_unavailable"
             ) from None
+        except nats.errors.MaxPayloadError:  # refused before sending: nothing to abort
+            raise APIError(413, f"the request is larger than the {self.client.bus.nc.max_payload} bytes a NATS "
+                                "message may carry here (the NATS server's max_payload)",
+                           code="request_too_large") from None
         except nats.errors.TimeoutError:
             self.abort_soon([request_id])
             raise APIError(504, "the tokenizer did not answer in time", code="timeout") from None

@@ -213,10 +213,18 @@ class RegisterAck(Message):
 
 
 class Heartbeat(Message):
-    """An executor group is alive (request/reply: answered by ``HeartbeatAck``)."""
+    """An executor group is alive (request/reply: answered by ``HeartbeatAck``).
+
+    ``idle``: no plan is queued or running on the executor. The scheduler, holding a step in
+    flight since before the group's previous idle heartbeat, knows the plan or its result was
+    lost (a NATS reconnect drops messages in transit) and drops the group, which registers
+    again. ``stopping``: the executor is shutting down; its requests go elsewhere now.
+    """
 
     group_id: str
     time: float  # unix seconds
+    idle: bool = False
+    stopping: bool = False
 
 
 class HeartbeatAck(Message):

@@ -264,3 +264,45 @@ def test_a_request_whose_outputs_are_lost_ends_with_a_503(smollm2_path, monkeypa
         assert llm.generate(["One, two,"], params, use_tqdm=False)[0].outputs[0].token_ids == baseline
     finally:
         llm.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lost", ["plan", "result"])
+def test_a_lost_plan_or_result_is_noticed_by_heartbeat(smollm2_path, monkeypatch, lost):
+    """NATS drops messages in transit when a connection or the server restarts. A lost step
+    plan (or its lost result) used to freeze the group until step_timeout_s (600 s); now the
+    executor's idle heartbeats tell the scheduler, which drops the group without blaming
+    anyone; the executor registers again and the requests give their exact tokens."""
+    from pagedllm import LLM, SamplingParams
+
+    original_on_step = executor_service.ExecutorService._on_step
+    original_on_result = scheduler_service.SchedulerService._on_result
+    lose = {"at": -1, "n": 0, "lost": []}
+
+    async def on_step(self, plan):
+        lose["n"] += lost == "plan"
+        if lost == "plan" and lose["n"] == lose["at"]:
+            lose["lost"].append(plan.step_id)
+            return
+        await original_on_step(self, plan)
+
+    async def on_result(self, result):
+        lose["n"] += lost == "result"
+        if lost == "result" and lose["n"] == lose["at"]:
+            lose["lost"].append(result.step_id)
+            return
+        await original_on_result(self, result)
+
+    monkeypatch.setattr(executor_service.ExecutorService, "_on_step", on_step)
+    monkeypatch.setattr(scheduler_service.SchedulerService, "_on_result", on_result)
+    llm = LLM(model=str(smollm2_path), dtype="float32", heartbeat_interval_s=0.2, step_timeout_s=600)
+    try:
+        prompts = ["One, two,", "Three, four, five,"]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        baseline = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        lose["at"] = lose["n"] + 4  # mid-decode
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert len(lose["lost"]) == 1 and again == baseline
+        assert_idle(llm)
+    finally:
+        llm.close()

@@ -65,6 +65,7 @@ class ExecutorService:
         self._plans: asyncio.Queue[StepPlan] = asyncio.Queue()  # received, run in order by _run_steps
         self._first_step_id = 0  # of this registration (RegisterAck.next_step_id): older plans are stale
         self._executing = False  # a step is running on the torch thread
+        self._holding_plan = False  # _run_steps took a plan and has not finished with it
         self._rejoin = False  # register again once the running step is done (the scheduler dropped us)
 
     async def start(self) -> None:
@@ -77,6 +78,15 @@ class ExecutorService:
         self._tasks = [asyncio.create_task(self._register_and_heartbeat()), asyncio.create_task(self._run_steps())]
 
     async def stop(self) -> None:
+        """Tell the scheduler the group is going (its requests are requeued at once rather
+        than after ``heartbeat_timeout_s``), then stop."""
+        if self.registered.is_set() and self.bus is not None:
+            try:
+                await self.bus.request(self.subjects.heartbeat,
+                                       Heartbeat(group_id=self.group_id, time=time.time(), stopping=True),
+                                       HeartbeatAck, timeout=1.0)
+            except Exception:  # no scheduler, or NATS gone: its watchdog notices the silence
+                pass
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -118,7 +128,8 @@ class ExecutorService:
     async def _heartbeat(self) -> None:
         """Say we are alive; if the scheduler no longer knows the group (it dropped it after a
         step timed out, or it restarted), register again, after the running step if any."""
-        msg = Heartbeat(group_id=self.group_id, time=time.time())
+        msg = Heartbeat(group_id=self.group_id, time=time.time(),
+                        idle=self._plans.empty() and not self._holding_plan)
         try:
             ack = await self.bus.request(self.subjects.heartbeat, msg, HeartbeatAck,
                                          timeout=max(1.0, self.settings.heartbeat_interval_s))
@@ -150,11 +161,15 @@ class ExecutorService:
         registration's answer or the new registration's first plan."""
         while True:
             plan = await self._plans.get()
-            await self.registered.wait()
-            if plan.step_id < self._first_step_id:
-                log.info("stale_step_dropped", step_id=plan.step_id, first_step_id=self._first_step_id)
-                continue
-            await self._execute(plan)
+            self._holding_plan = True
+            try:
+                await self.registered.wait()
+                if plan.step_id < self._first_step_id:
+                    log.info("stale_step_dropped", step_id=plan.step_id, first_step_id=self._first_step_id)
+                    continue
+                await self._execute(plan)
+            finally:
+                self._holding_plan = False
 
     async def _execute(self, plan: StepPlan) -> None:
         self._executing = True  # until the rejoin decision below: _heartbeat defers to it

@@ -61,6 +61,15 @@ class Request:
     num_failed_steps: int = 0  # batched
     num_failed_alone: int = 0  # as a suspect (Scheduler.suspects), alone in the step
 
+    def new_request_bytes(self, num_tokens: int | None = None) -> int:
+        """An upper bound of the bytes its ``NewRequestData`` takes in a msgpack ``StepPlan``
+        with ``num_tokens`` tokens (default: the tokens known now): at most 5 bytes per token
+        id and per block id (block size >= 8), its sampling params, ids and counters."""
+        tokens = self.num_tokens if num_tokens is None else num_tokens
+        params = self.sampling_params
+        params_bytes = 160 + sum(len(s.encode()) + 5 for s in params.stop) + 9 * len(params.stop_token_ids)
+        return 5 * (tokens + tokens // 8 + 1) + params_bytes + 2 * len(self.request_id) + 96
+
     @property
     def needs_fork(self) -> bool:
         return self.sampling_params.n > 1 and not self.child_ids and self.parent_request_id is None

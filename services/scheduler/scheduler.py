@@ -39,6 +39,7 @@ from shared.messages import (
 
 DECODE_COST_TOKENS = 16  # routing: one running request's per-step work, in prefill tokens
 MAX_FAILED_STEPS = 3  # a request in this many failed batched steps fails with the error (fail_step)
+PLAN_BYTES_PER_RUNNING = 160  # a bound of a running request's CachedRequestData and counters in a plan
 MAX_FAILED_ALONE = 2  # a suspect that fails this many steps alone fails with the error (fail_step)
 
 
@@ -49,6 +50,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" or "priority"
     enable_prefix_caching: bool = True
     async_scheduling: bool = True  # plan step N + 1 while step N runs (two steps in flight)
+    # the largest StepPlan the bus carries (NATS max_payload); None: no limit. A step admits
+    # waiting requests only while their NewRequestData (whole prompts) fit
+    max_plan_bytes: int | None = None
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -206,6 +210,14 @@ class Scheduler:
                                         f"(this engine schedules {self.config.policy})", param="priority")
         if self.groups and (error := self._fit_pools(req)) is not None:
             return error
+        limit = self.config.max_plan_bytes
+        if limit is not None and (size := req.new_request_bytes(req.max_total_tokens)) > limit:
+            return ServiceError(
+                message=(f"The request, with up to {req.max_total_tokens} tokens, may need {size} bytes in a "
+                         f"step plan, over the {limit} bytes a NATS message may carry here: raise the "
+                         "NATS server's max_payload, or shorten the prompt or max_tokens."),
+                param="prompt", code="request_too_large",
+            )
         self.requests[req.request_id] = req
         self.route(req)
         return None
@@ -381,9 +393,16 @@ class Scheduler:
         return group.kv.allocate_slots(req, num_new)
 
     def _admit(self, group: GroupState, budget: int, scheduled: dict[str, int], new_blocks: dict) -> None:
-        """Start waiting requests in queue order while budget, sequences and blocks last."""
+        """Start waiting requests in queue order while budget, sequences, blocks and the plan's
+        bytes (``max_plan_bytes``: each new request carries its whole prompt) last."""
+        limit = self.config.max_plan_bytes
+        plan_bytes = PLAN_BYTES_PER_RUNNING * len(group.running)
         while group.waiting and budget > 0 and len(group.running) < self.config.max_num_seqs:
             req = group.waiting[0]
+            if limit is not None:
+                plan_bytes += req.new_request_bytes()
+                if plan_bytes > limit and scheduled:
+                    break  # the next step takes it
             if not self._admit_one(group, req, budget, scheduled, new_blocks):
                 break  # wait for blocks; keep the queue order
             budget -= scheduled[req.request_id]

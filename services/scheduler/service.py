@@ -10,6 +10,7 @@ in flight), else when its last result arrives.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import defaultdict
 
@@ -44,6 +45,7 @@ from shared.service import answer_pings, refuse_if_served
 
 log = structlog.get_logger("scheduler")
 PROMPT_TAIL_TOKENS = 6  # prompt context the detokenizer needs for the first output token
+PLAN_MARGIN_BYTES = 64 << 10  # of NATS max_payload, for plan fields Request.new_request_bytes omits
 
 
 class SchedulerService:
@@ -68,6 +70,7 @@ class SchedulerService:
         self._own_bus = bus is None
         self._tasks: list[asyncio.Task] = []
         self._step_sent_at: dict[str, list[float]] = {}  # group -> send times of its steps in flight
+        self._idle_heartbeat_at: dict[str, float] = {}  # group -> when its last heartbeat said idle
         # when the last group went and its error: waiting requests fail if none registers in time
         self._groups_lost: tuple[float, ServiceError] | None = None
 
@@ -76,6 +79,10 @@ class SchedulerService:
             self.bus = await Bus.connect(self.settings.nats_url, name="scheduler")
         s, b = self.subjects, self.bus
         await refuse_if_served(b, self.model_info.name, self.name, "scheduler")
+        # plans stay under the server's max_payload, with room for the fields not estimated
+        max_payload = b.nc.max_payload
+        self.scheduler.config = dataclasses.replace(
+            self.scheduler.config, max_plan_bytes=max(max_payload // 2, max_payload - PLAN_MARGIN_BYTES))
         await b.subscribe(s.submit, SubmitRequest, self._on_submit)
         await b.subscribe(s.abort, AbortRequests, self._on_abort)
         await b.subscribe(s.register, RegisterGroup, self._on_register)
@@ -88,9 +95,20 @@ class SchedulerService:
         log.info("scheduler_started", model=self.model_info.name)
 
     async def stop(self) -> None:
+        """Stop; every request still held fails at once with a 503 ``request_lost`` (its state
+        goes with the scheduler), rather than when its client's liveness check notices."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.bus is not None and self.scheduler.requests:
+            lost = ServiceError(message="the scheduler stopped before this request finished; send it again",
+                                type="server_error", code="request_lost", status=503)
+            try:
+                for req in list(self.scheduler.requests.values()):
+                    await self._send_error(req, lost)
+                await self.bus.flush()
+            except Exception:  # NATS already gone: the clients' liveness checks end the requests
+                log.warning("stop_notify_failed", requests=len(self.scheduler.requests))
         if self._own_bus and self.bus is not None:
             await self.bus.close()
 
@@ -137,10 +155,38 @@ class SchedulerService:
         return RegisterAck(group_id=msg.group_id, accepted=True, next_step_id=self.scheduler.next_step_id)
 
     async def _on_heartbeat(self, msg: Heartbeat) -> HeartbeatAck:
+        """Note the group alive. A stopping group, or one whose step in flight was lost (see
+        ``_steps_lost``), is dropped and its requests requeued (no blame: no request failed);
+        the executor, told it is unknown, registers again with a clean state."""
         group = self.scheduler.groups.get(msg.group_id)
-        if group is not None:
-            group.last_heartbeat = time.monotonic()
-        return HeartbeatAck(group_id=msg.group_id, known=group is not None)
+        if group is None:
+            return HeartbeatAck(group_id=msg.group_id, known=False)
+        now = time.monotonic()
+        group.last_heartbeat = now
+        if msg.stopping or self._steps_lost(msg.group_id, msg.idle, now):
+            oldest = group.in_flight[0].plan.step_id if group.in_flight else None
+            moved = self._remove_group(msg.group_id)
+            if msg.stopping:
+                log.info("group_stopped", group_id=msg.group_id, requeued=len(moved))
+            else:
+                log.warning("step_lost", group_id=msg.group_id, step_id=oldest, requeued=len(moved))
+            reason = "executor group stopped" if msg.stopping else "executor step lost"
+            self._note_groups_lost(ServiceError(message=reason, type="server_error", status=503))
+            await self._kick()
+            return HeartbeatAck(group_id=msg.group_id, known=False)
+        return HeartbeatAck(group_id=msg.group_id, known=True)
+
+    def _steps_lost(self, group_id: str, idle: bool, now: float) -> bool:
+        """Whether the group's oldest step in flight is lost: the executor has nothing queued
+        or running (``idle``) in two heartbeats in a row, and the step was sent before the
+        first of them, so its plan had time to arrive; its plan or its result went missing
+        (NATS drops messages in transit when a connection or the server restarts)."""
+        previous = self._idle_heartbeat_at.pop(group_id, None)
+        if not idle:
+            return False
+        self._idle_heartbeat_at[group_id] = now
+        sent = self._step_sent_at.get(group_id)
+        return bool(sent) and previous is not None and sent[0] < previous
 
     async def _on_result(self, result: StepResult) -> None:
         if not self.scheduler.is_in_flight(result.group_id, result.step_id):
@@ -182,7 +228,15 @@ class SchedulerService:
                 if plan is None:
                     break
                 self._step_sent_at.setdefault(group_id, []).append(time.monotonic())
-                await self.bus.publish(self.subjects.step(group_id), plan)
+                try:
+                    await self.bus.publish(self.subjects.step(group_id), plan)
+                except Exception as exc:  # too large, or NATS gone: the planned step never leaves
+                    moved = self._remove_group(group_id)  # the executor registers again (heartbeat)
+                    log.error("step_send_failed", group_id=group_id, step_id=plan.step_id,
+                              error=repr(exc), requeued=len(moved))
+                    self._note_groups_lost(ServiceError(message=f"sending a step failed: {exc!r}",
+                                                        type="server_error", status=503))
+                    break
 
     async def _publish_outputs(self, outcome: StepOutcome) -> None:
         shards: dict[int, DetokStep] = defaultdict(DetokStep)
@@ -229,6 +283,7 @@ class SchedulerService:
         """Drop a group and its steps in flight (their results are then stale); returns its
         requests, routed again."""
         self._step_sent_at.pop(group_id, None)
+        self._idle_heartbeat_at.pop(group_id, None)
         return self.scheduler.remove_group(group_id)
 
     async def _fail_group(self, group_id: str, error: ServiceError) -> None:
@@ -237,6 +292,7 @@ class SchedulerService:
         for another group or for this one when it registers again (its executor does so at
         once after a failed step)."""
         self._step_sent_at.pop(group_id, None)
+        self._idle_heartbeat_at.pop(group_id, None)
         failed, moved = self.scheduler.fail_step(group_id)
         for req in failed:
             await self._send_error(req, error)
