@@ -69,7 +69,7 @@ async def test_two_groups_spread_share_and_survive_a_killed_group(nats_url, smol
     client = EngineClient(bus, model)
     await client.start()
     try:
-        await wait_engine_ready(bus, model, timeout=180)
+        await wait_engine_ready(bus, model, num_detokenizer_shards=1, timeout=180)
         deadline = time.monotonic() + 60
         while len((await stats(bus, model)).groups) < 2:
             assert time.monotonic() < deadline
