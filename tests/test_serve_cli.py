@@ -140,3 +140,32 @@ def test_a_service_still_connecting_to_nats_stops_on_sigterm(smollm2_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_detokenizer_shard_outside_the_shard_count_is_refused(monkeypatch):
+    """detokenizer_shard must be below num_detokenizer_shards (flags, keyword or environment):
+    shard 5 of 2 would never receive a request."""
+    from pydantic import ValidationError
+
+    from shared.config import Settings
+
+    assert Settings(detokenizer_shard=1, num_detokenizer_shards=2).detokenizer_shard == 1
+    with pytest.raises(ValidationError, match="detokenizer_shard=5 must be less than num_detokenizer_shards=2"):
+        Settings(detokenizer_shard=5, num_detokenizer_shards=2)
+    with pytest.raises(ValidationError, match="detokenizer_shard=1 must be less than num_detokenizer_shards=1"):
+        Settings(detokenizer_shard=1)
+    monkeypatch.setenv("PAGEDLLM_DETOKENIZER_SHARD", "2")
+    monkeypatch.setenv("PAGEDLLM_NUM_DETOKENIZER_SHARDS", "2")
+    with pytest.raises(ValidationError, match="detokenizer_shard=2 must be less than num_detokenizer_shards=2"):
+        Settings()
+
+
+def test_log_level_is_one_of_five_names_in_any_case():
+    from pydantic import ValidationError
+
+    from shared.config import Settings
+
+    assert Settings(log_level="warning").log_level == "WARNING"
+    assert Settings().log_level == "INFO"
+    with pytest.raises(ValidationError, match="log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL"):
+        Settings(log_level="foo")
