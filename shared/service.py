@@ -51,22 +51,27 @@ async def run_service(service: Service) -> None:
 
 class ServiceConflictError(RuntimeError):
     """Another instance already serves what this one would (one scheduler per model and NATS,
-    one detokenizer per shard): two would both act on every message and corrupt the output."""
+    one detokenizer per shard, one executor per group id): two would both act on every message
+    and corrupt the output."""
 
 
-async def refuse_if_served(bus: Bus, model: str, service: str, what: str, timeout: float = 0.5) -> None:
+async def refuse_if_served(bus: Bus, model: str, service: str, what: str, timeout: float = 0.5,
+                           advice: str = "run one per model and NATS server") -> None:
     """Raise ``ServiceConflictError`` if something answers pings on ``ping(model, service)``.
 
     Call before subscribing; then ``answer_pings`` on the same name. Two instances started in
     the same instant can both pass: this catches the common mistakes (a second ``serve`` on a
     shared NATS, ``docker compose --scale scheduler=2``), not a race.
+
+    Raises:
+        ServiceConflictError: "another <what> already serves <model> on this NATS server; <advice>".
     """
     try:
         await bus.request(subjects.ping(model, service), Ping(), Pong, timeout=timeout)
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
         return
     raise ServiceConflictError(
-        f"another {what} already serves {model} on this NATS server; run one per model and NATS server"
+        f"another {what} already serves {model} on this NATS server; {advice}"
     )
 
 
