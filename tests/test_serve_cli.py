@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -140,6 +141,43 @@ def test_a_service_still_connecting_to_nats_stops_on_sigterm(smollm2_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+    # several attempts failed (one per 0.5 s); the first is one short line, the rest are quiet
+    stderr = proc.stderr.read()
+    assert "Traceback" not in stderr and "nats: encountered error" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if "nats_connection_error" in line]
+    assert len(lines) == 1 and "errors=1" in lines[0] and "level='warning'" in lines[0], stderr[-3000:]
+
+
+async def test_a_nats_outage_is_logged_as_one_line_per_event():
+    """A lost NATS server: one disconnected line, one line for the first connection error (not
+    one traceback per reconnect attempt), one reconnected line with the number of errors."""
+    from structlog.testing import capture_logs
+
+    from shared.bus import Bus
+    from shared.nats_server import EmbeddedNats
+
+    server = EmbeddedNats().start()
+    bus = await Bus.connect(server.url, name="outage-test")
+    try:
+        with capture_logs() as logs:
+            server.stop()
+            await asyncio.sleep(2)  # about four reconnect attempts
+            server = EmbeddedNats(port=server.port).start()
+            deadline = time.monotonic() + 10
+            while not bus.nc.is_connected:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+        events = sorted((e["event"], e["log_level"]) for e in logs)
+        assert events == [("nats_connection_error", "warning"), ("nats_disconnected", "warning"),
+                          ("nats_reconnected", "info")], logs
+        error = next(e for e in logs if e["event"] == "nats_connection_error")
+        assert error["errors"] == 1 and "exc_info" not in error
+        assert logs[-1]["event"] == "nats_reconnected" and logs[-1]["errors"] >= 3, logs
+    finally:
+        with capture_logs() as logs:
+            await bus.close()
+        assert [e["event"] for e in logs] == ["nats_closed"]  # a stop is not a warning
+        server.stop()
 
 
 def test_a_detokenizer_shard_outside_the_shard_count_is_refused(monkeypatch):
