@@ -148,16 +148,37 @@ class InProcessServices:
                 self.loop.close()
 
 
+def model_info_or_exit(settings: Settings, prefix: str) -> ModelInfo:
+    """:func:`load_model_info` for a command line: a model that is not there or a
+    ``max_model_len`` over the model's limit ends the command with one line.
+
+    Raises:
+        SystemExit: ``<prefix>: <reason>`` (status 1).
+    """
+    try:
+        return load_model_info(settings)
+    except ValueError as exc:  # ModelNotFoundError too
+        raise SystemExit(f"{prefix}: {exc}") from None
+
+
 def run_one_service(name: str, settings: Settings) -> None:
-    """Run one service in this process until SIGTERM (``pagedllm service NAME``)."""
+    """Run one service in this process until SIGTERM (``pagedllm service NAME``).
+
+    Raises:
+        SystemExit: one line ``pagedllm service NAME: <reason>`` (status 1) when the service
+            cannot start: no ``nats_url``, a model that is not there or too short for
+            ``max_model_len``, another instance already serving the same thing, or an
+            ``OSError`` such as the gateway's port in use.
+    """
     from shared.logging import configure_logging
     from shared.service import ServiceConflictError, run_service
 
+    prefix = f"pagedllm service {name}"
     configure_logging(settings.log_level, service=name)
     if not settings.nats_url:
-        raise SystemExit("pagedllm service needs --nats-url (or PAGEDLLM_NATS_URL)")
-    model_info = load_model_info(settings)
+        raise SystemExit(f"{prefix}: needs --nats-url (or PAGEDLLM_NATS_URL)")
+    model_info = model_info_or_exit(settings, prefix)
     try:
         asyncio.run(run_service(build_service(name, settings, model_info)))
-    except ServiceConflictError as exc:
-        raise SystemExit(f"pagedllm service {name}: {exc}") from None
+    except (ServiceConflictError, OSError) as exc:
+        raise SystemExit(f"{prefix}: {exc}") from None

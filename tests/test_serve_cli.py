@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -207,3 +208,40 @@ def test_log_level_is_one_of_five_names_in_any_case():
     assert Settings().log_level == "INFO"
     with pytest.raises(ValidationError, match="log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL"):
         Settings(log_level="foo")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["service", "executor", "--model", "/no/such/model"],
+     "pagedllm service executor: model='/no/such/model' is not a local Hugging Face directory"),
+    (["service", "tokenizer", "--max-model-len", "9000"],
+     "pagedllm service tokenizer: max_model_len=9000 exceeds the model's max_position_embeddings=8192"),
+    (["service", "scheduler", "--log-level", "foo"],
+     "pagedllm service scheduler: invalid settings: log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    (["service", "detokenizer", "--detokenizer-shard", "5", "--num-detokenizer-shards", "2"],
+     "pagedllm service detokenizer: invalid settings: detokenizer_shard=5 must be less than num_detokenizer_shards=2"),
+    (["prepare-model", "/no/such/model"],
+     "pagedllm prepare-model: model='/no/such/model' is not a local Hugging Face directory"),
+])
+def test_a_service_that_cannot_start_says_why_in_one_line(smollm2_path, argv, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+    env.update(PAGEDLLM_CACHE_DIR=str(smollm2_path.parent), PAGEDLLM_NATS_URL=f"nats://127.0.0.1:{free_port()}")
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(message), proc.stderr
+
+
+def test_a_gateway_whose_port_is_taken_says_so_in_one_line(nats_url, smollm2_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+    env["PAGEDLLM_CACHE_DIR"] = str(smollm2_path.parent)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "pagedllm.cli", "service", "gateway", "--nats-url", nats_url, "--port", str(port),
+             "--log-level", "WARNING"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"pagedllm service gateway: gateway cannot listen on 127.0.0.1:{port} (address in use?)"), proc.stderr
