@@ -55,8 +55,19 @@ def pinned_settings(settings: Settings, model_info: ModelInfo, nats_url: str) ->
     )
 
 
+def service_instances(name: str, settings: Settings) -> list[tuple[str, Settings]]:
+    """The instances to start for service ``name``: one, or for the detokenizer one per shard
+    (``detokenizer.<n>``, its ``detokenizer_shard`` set) when ``num_detokenizer_shards`` > 1,
+    since the engine is ready only when every shard answers."""
+    shards = settings.num_detokenizer_shards
+    if name != "detokenizer" or shards == 1:
+        return [(name, settings)]
+    return [(f"{name}.{n}", settings.model_copy(update={"detokenizer_shard": n})) for n in range(shards)]
+
+
 class ServiceProcesses:
-    """Each service in its own child process (``python -m pagedllm.cli service NAME``)."""
+    """Each service in its own child process (``python -m pagedllm.cli service NAME``), one
+    per detokenizer shard (see :func:`service_instances`)."""
 
     def __init__(self, settings: Settings, names: tuple[str, ...] = SERVICE_NAMES) -> None:
         self.settings = settings
@@ -64,14 +75,15 @@ class ServiceProcesses:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
-        env.update(self.settings.to_env())
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
         for name in self.names:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "pagedllm.cli", "service", name], env=env, start_new_session=True,
-                # serve gone means its NATS server too: nothing is left to drain, so no graceful stop
-                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
-            )
+            for label, settings in service_instances(name, self.settings):
+                env = {**base, **settings.to_env()}
+                self.procs[label] = subprocess.Popen(
+                    [sys.executable, "-m", "pagedllm.cli", "service", name], env=env, start_new_session=True,
+                    # serve gone means its NATS server too: nothing is left to drain, so no graceful stop
+                    preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
+                )
 
     def poll(self) -> str | None:
         """The name of a service that exited, if any."""
@@ -98,7 +110,8 @@ class ServiceProcesses:
 
 
 class InProcessServices:
-    """Services as tasks of one event loop on a background thread (the offline ``LLM``).
+    """Services as tasks of one event loop on a background thread (the offline ``LLM``), one
+    per detokenizer shard (see :func:`service_instances`).
 
     They talk over the same NATS subjects as separate processes would.
     """
@@ -120,9 +133,10 @@ class InProcessServices:
 
         async def _start() -> None:
             for name in self.names:
-                service = build_service(name, self.settings, self.model_info)
-                await service.start()
-                self.services.append(service)
+                for _, settings in service_instances(name, self.settings):
+                    service = build_service(name, settings, self.model_info)
+                    await service.start()
+                    self.services.append(service)
 
         self.run(_start())
 

@@ -245,3 +245,42 @@ def test_a_gateway_whose_port_is_taken_says_so_in_one_line(nats_url, smollm2_pat
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines()[-1] == (
         f"pagedllm service gateway: gateway cannot listen on 127.0.0.1:{port} (address in use?)"), proc.stderr
+
+
+def test_serve_and_llm_start_one_detokenizer_per_shard(monkeypatch):
+    """With two shards, serve (child processes) and LLM (in-process services) start shards 0
+    and 1: readiness waits for every shard, so one detokenizer would never be ready."""
+    from pagedllm import launcher
+    from shared.config import Settings
+
+    settings = Settings(num_detokenizer_shards=2, nats_url="nats://127.0.0.1:1")
+    started: list[tuple[str, str]] = []
+
+    class Popen:
+        def __init__(self, argv, env, **_):
+            started.append((argv[-1], env.get("PAGEDLLM_DETOKENIZER_SHARD", "")))
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", Popen)
+    procs = launcher.ServiceProcesses(settings, names=("scheduler", "detokenizer"))
+    procs.start()
+    assert started == [("scheduler", "0"), ("detokenizer", "0"), ("detokenizer", "1")]
+    assert list(procs.procs) == ["scheduler", "detokenizer.0", "detokenizer.1"]
+
+    class Fake:
+        def __init__(self, settings):
+            self.shard = settings.detokenizer_shard
+
+        async def start(self):
+            pass
+
+        async def stop(self):
+            pass
+
+    monkeypatch.setattr(launcher, "build_service", lambda name, settings, info: Fake(settings))
+    services = launcher.InProcessServices(settings, None, ("detokenizer",))
+    services.start()
+    try:
+        assert [s.shard for s in services.services] == [0, 1]
+    finally:
+        services.stop()
+    assert [name for name, _ in launcher.service_instances("detokenizer", Settings())] == ["detokenizer"]
