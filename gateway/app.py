@@ -659,10 +659,11 @@ def create_app(settings: Settings, model_info: ModelInfo, client: EngineClient) 
     @app.get("/health")
     async def health() -> Response:
         """200 when the engine can serve: NATS is up, every engine service answers a ping
-        and the scheduler has an executor group; else 503."""
+        (each of the ``num_detokenizer_shards`` detokenizer shards) and the scheduler has an
+        executor group; else 503."""
         if not client.connected:
             raise APIError(503, "the NATS connection is down", code="service_unavailable")
-        if not await engine_ready(client.bus, model_info.name):
+        if not await engine_ready(client.bus, model_info.name, settings.num_detokenizer_shards):
             raise APIError(503, "the engine is not ready (a service or executor group is missing)",
                            code="service_unavailable")
         return JSONResponse({"status": "ok"})

@@ -64,25 +64,42 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=field.description)
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
+def validation_message(exc: ValidationError) -> str:
+    """A pydantic error as one line: ``setting: reason; ...`` (the setting left out where the
+    reason already names it, as the cross-setting checks do)."""
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"])
+        reason = error["msg"].removeprefix("Value error, ")
+        parts.append(reason if not where or where in reason else f"{where}: {reason}")
+    return "; ".join(parts)
+
+
+def settings_from_args(args: argparse.Namespace, prefix: str = "pagedllm") -> Settings:
+    """The settings of the command line (flags over ``PAGEDLLM_*`` over defaults).
+
+    Raises:
+        SystemExit: invalid settings, as one line ``<prefix>: invalid settings: ...`` (status 1).
+    """
     values = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
     try:
         return Settings(**values)
     except ValidationError as exc:
-        raise SystemExit(f"pagedllm: invalid settings:\n{exc}") from None
+        raise SystemExit(f"{prefix}: invalid settings: {validation_message(exc)}") from None
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> None:
-    from shared.model_source import load_model_info
+    from pagedllm.launcher import model_info_or_exit
 
-    info = load_model_info(settings_from_args(args))
+    prefix = "pagedllm prepare-model"
+    info = model_info_or_exit(settings_from_args(args, prefix), prefix)
     print(f"model {info.name} ready at {info.path}")
 
 
 def cmd_service(args: argparse.Namespace) -> None:
     from pagedllm.launcher import run_one_service
 
-    run_one_service(args.name, settings_from_args(args))
+    run_one_service(args.name, settings_from_args(args, f"pagedllm service {args.name}"))
 
 
 #: serve's step token budget on a CPU when none is given: a long prompt is prefilled in chunks
@@ -104,19 +121,15 @@ def serving_defaults(settings: Settings) -> Settings:
 def cmd_serve(args: argparse.Namespace) -> None:
     import urllib.request
 
-    from pagedllm.launcher import ServiceProcesses, pinned_settings
+    from pagedllm.launcher import ServiceProcesses, model_info_or_exit, pinned_settings
     from shared.logging import configure_logging
-    from shared.model_source import ModelNotFoundError, load_model_info
     from shared.nats_server import EmbeddedNats
 
     settings = serving_defaults(settings_from_args(args))
     configure_logging(settings.log_level, service="serve")
     # SIGTERM stops the stack like Ctrl-C: children are in their own sessions and would outlive us
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        info = load_model_info(settings)
-    except (ModelNotFoundError, ValueError) as exc:
-        raise SystemExit(f"pagedllm: {exc}") from None
+    info = model_info_or_exit(settings, "pagedllm")
     nats_server = EmbeddedNats(new_session=True) if not settings.nats_url else None
     procs: ServiceProcesses | None = None
     health = f"http://{settings.host}:{settings.port}/health"

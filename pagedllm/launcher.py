@@ -55,8 +55,19 @@ def pinned_settings(settings: Settings, model_info: ModelInfo, nats_url: str) ->
     )
 
 
+def service_instances(name: str, settings: Settings) -> list[tuple[str, Settings]]:
+    """The instances to start for service ``name``: one, or for the detokenizer one per shard
+    (``detokenizer.<n>``, its ``detokenizer_shard`` set) when ``num_detokenizer_shards`` > 1,
+    since the engine is ready only when every shard answers."""
+    shards = settings.num_detokenizer_shards
+    if name != "detokenizer" or shards == 1:
+        return [(name, settings)]
+    return [(f"{name}.{n}", settings.model_copy(update={"detokenizer_shard": n})) for n in range(shards)]
+
+
 class ServiceProcesses:
-    """Each service in its own child process (``python -m pagedllm.cli service NAME``)."""
+    """Each service in its own child process (``python -m pagedllm.cli service NAME``), one
+    per detokenizer shard (see :func:`service_instances`)."""
 
     def __init__(self, settings: Settings, names: tuple[str, ...] = SERVICE_NAMES) -> None:
         self.settings = settings
@@ -64,14 +75,15 @@ class ServiceProcesses:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
-        env.update(self.settings.to_env())
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
         for name in self.names:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "pagedllm.cli", "service", name], env=env, start_new_session=True,
-                # serve gone means its NATS server too: nothing is left to drain, so no graceful stop
-                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
-            )
+            for label, settings in service_instances(name, self.settings):
+                env = {**base, **settings.to_env()}
+                self.procs[label] = subprocess.Popen(
+                    [sys.executable, "-m", "pagedllm.cli", "service", name], env=env, start_new_session=True,
+                    # serve gone means its NATS server too: nothing is left to drain, so no graceful stop
+                    preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
+                )
 
     def poll(self) -> str | None:
         """The name of a service that exited, if any."""
@@ -98,7 +110,8 @@ class ServiceProcesses:
 
 
 class InProcessServices:
-    """Services as tasks of one event loop on a background thread (the offline ``LLM``).
+    """Services as tasks of one event loop on a background thread (the offline ``LLM``), one
+    per detokenizer shard (see :func:`service_instances`).
 
     They talk over the same NATS subjects as separate processes would.
     """
@@ -120,9 +133,10 @@ class InProcessServices:
 
         async def _start() -> None:
             for name in self.names:
-                service = build_service(name, self.settings, self.model_info)
-                await service.start()
-                self.services.append(service)
+                for _, settings in service_instances(name, self.settings):
+                    service = build_service(name, settings, self.model_info)
+                    await service.start()
+                    self.services.append(service)
 
         self.run(_start())
 
@@ -148,16 +162,37 @@ class InProcessServices:
                 self.loop.close()
 
 
+def model_info_or_exit(settings: Settings, prefix: str) -> ModelInfo:
+    """:func:`load_model_info` for a command line: a model that is not there or a
+    ``max_model_len`` over the model's limit ends the command with one line.
+
+    Raises:
+        SystemExit: ``<prefix>: <reason>`` (status 1).
+    """
+    try:
+        return load_model_info(settings)
+    except ValueError as exc:  # ModelNotFoundError too
+        raise SystemExit(f"{prefix}: {exc}") from None
+
+
 def run_one_service(name: str, settings: Settings) -> None:
-    """Run one service in this process until SIGTERM (``pagedllm service NAME``)."""
+    """Run one service in this process until SIGTERM (``pagedllm service NAME``).
+
+    Raises:
+        SystemExit: one line ``pagedllm service NAME: <reason>`` (status 1) when the service
+            cannot start: no ``nats_url``, a model that is not there or too short for
+            ``max_model_len``, another instance already serving the same thing, or an
+            ``OSError`` such as the gateway's port in use.
+    """
     from shared.logging import configure_logging
     from shared.service import ServiceConflictError, run_service
 
+    prefix = f"pagedllm service {name}"
     configure_logging(settings.log_level, service=name)
     if not settings.nats_url:
-        raise SystemExit("pagedllm service needs --nats-url (or PAGEDLLM_NATS_URL)")
-    model_info = load_model_info(settings)
+        raise SystemExit(f"{prefix}: needs --nats-url (or PAGEDLLM_NATS_URL)")
+    model_info = model_info_or_exit(settings, prefix)
     try:
         asyncio.run(run_service(build_service(name, settings, model_info)))
-    except ServiceConflictError as exc:
-        raise SystemExit(f"pagedllm service {name}: {exc}") from None
+    except (ServiceConflictError, OSError) as exc:
+        raise SystemExit(f"{prefix}: {exc}") from None

@@ -60,7 +60,8 @@ class LLM:
         try:
             self._services.start()
             self._bus, self._client = self._services.run(self._connect_client())
-            self._services.run(wait_engine_ready(self._bus, self.model_info.name, timeout=300))
+            self._services.run(wait_engine_ready(self._bus, self.model_info.name,
+                                                 self.settings.num_detokenizer_shards, timeout=300))
         except BaseException:
             self.close()
             raise

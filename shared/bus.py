@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import msgpack
 import nats
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -36,6 +38,67 @@ def decode(data: bytes, message_type: type[M]) -> M:
 
 Handler = Callable[[M], Awaitable[BaseModel | None]]
 
+#: while the server stays unreachable, a connection error is logged again at most this often
+CONNECTION_ERROR_LOG_INTERVAL_S = 30.0
+CONNECTION_ERRORS = (
+    OSError, asyncio.TimeoutError, nats.errors.NoServersError, nats.errors.StaleConnectionError,
+    nats.errors.ConnectionClosedError,
+)
+
+
+class ConnectionEvents:
+    """nats.py's ``error_cb``, ``disconnected_cb`` and ``reconnected_cb`` for one connection:
+    one short structured log line per event, instead of nats.py's default ``nats: encountered
+    error`` traceback every reconnect attempt (every 0.5 s while the server is down).
+
+    A connection error (``CONNECTION_ERRORS``: refused, timed out, unexpected EOF, ...) is
+    logged without a traceback: the first of an outage, then at most once per
+    ``CONNECTION_ERROR_LOG_INTERVAL_S``, with ``errors``, the number of connection errors since
+    the connection was last up. Another NATS error (slow consumer, ...) is one line each; any
+    other exception keeps its traceback.
+    """
+
+    def __init__(self, name: str, url: str) -> None:
+        self.name = name
+        self.url = url
+        self.errors = 0  # connection errors since the connection was last up
+        self._last_logged = 0.0
+        self.client: Client | None = None  # set once connected
+
+    async def on_error(self, exc: Exception) -> None:
+        if not isinstance(exc, CONNECTION_ERRORS):
+            if isinstance(exc, nats.errors.Error):  # slow consumer, drain timeout, ...: says what it is
+                log.warning("nats_error", connection=self.name, error=str(exc) or type(exc).__name__)
+            else:
+                log.error("nats_error", connection=self.name, error=repr(exc), exc_info=exc)
+            return
+        self.errors += 1
+        now = time.monotonic()
+        if self.errors > 1 and now - self._last_logged < CONNECTION_ERROR_LOG_INTERVAL_S:
+            return
+        self._last_logged = now
+        log.warning("nats_connection_error", connection=self.name, url=self.url,
+                    error=str(exc) or type(exc).__name__, errors=self.errors)
+
+    async def on_disconnected(self) -> None:
+        if self.client is not None and self.client.is_closed:  # our own close (a stop): nothing lost
+            log.debug("nats_closed", connection=self.name, url=self.url)
+            return
+        log.warning("nats_disconnected", connection=self.name, url=self.url)
+
+    def on_connected(self) -> None:
+        """The first connection is up (nats.py has no callback for it): log it if it took
+        retries, and start counting errors afresh."""
+        if self.errors:
+            log.info("nats_connected", connection=self.name, url=self.url, errors=self.errors)
+        self.errors = 0
+        self._last_logged = 0.0
+
+    async def on_reconnected(self) -> None:
+        log.info("nats_reconnected", connection=self.name, url=self.url, errors=self.errors)
+        self.errors = 0
+        self._last_logged = 0.0
+
 
 class Bus:
     """One NATS connection with typed helpers.
@@ -50,9 +113,16 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str = "pagedllm") -> Bus:
+        """Connect to ``url``, retrying for ever (every 0.5 s) until the server answers, and
+        reconnecting the same way after a loss; errors, disconnections and reconnections are
+        logged as one line each (:class:`ConnectionEvents`)."""
+        events = ConnectionEvents(name, url)
         nc = await nats.connect(  # drain_timeout: a stop with the server gone waits 5 s, not 30
-            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5, drain_timeout=5
+            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5, drain_timeout=5,
+            error_cb=events.on_error, disconnected_cb=events.on_disconnected, reconnected_cb=events.on_reconnected,
         )
+        events.client = nc
+        events.on_connected()
         return cls(nc)
 
     async def publish(self, subject: str, message: BaseModel) -> None:

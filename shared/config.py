@@ -10,19 +10,21 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class Settings(BaseSettings):
     """Engine and service settings.
 
     Raises:
-        pydantic.ValidationError: a value is out of range, or a setting that a later
-            version implements was asked for (the message names the parameter).
+        pydantic.ValidationError: a value is out of range (``detokenizer_shard`` not below
+            ``num_detokenizer_shards``, an unknown ``log_level``, ...), or a setting that a
+            later version implements was asked for (the message names the parameter).
     """
 
     model_config = SettingsConfigDict(env_prefix="PAGEDLLM_", extra="forbid", protected_namespaces=())
@@ -68,7 +70,7 @@ class Settings(BaseSettings):
     num_detokenizer_shards: int = Field(1, ge=1)
     detokenizer_shard: int = Field(0, ge=0)
     cache_dir: Path = Field(Path.home() / ".cache" / "pagedllm", description="Converted-model cache")
-    log_level: str = "INFO"
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
     step_timeout_s: float = Field(600.0, gt=0, description="Max seconds one executor step may take")
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_timeout_s: float = Field(10.0, gt=0)
@@ -86,6 +88,24 @@ class Settings(BaseSettings):
         if v != 1:
             raise ValueError("tensor_parallel_size > 1 is not implemented yet; use 1")
         return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, v: str) -> str:
+        """The level upper-cased; any other name than the five of ``LOG_LEVELS`` is refused."""
+        if v.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (any case), got {v!r}")
+        return v.upper()
+
+    @model_validator(mode="after")
+    def _check_detokenizer_shard(self) -> Settings:
+        """A shard outside ``range(num_detokenizer_shards)`` would never receive a request."""
+        if self.detokenizer_shard >= self.num_detokenizer_shards:
+            raise ValueError(
+                f"detokenizer_shard={self.detokenizer_shard} must be less than "
+                f"num_detokenizer_shards={self.num_detokenizer_shards} (shards are numbered from 0)"
+            )
+        return self
 
     def to_env(self) -> dict[str, str]:
         """The settings as ``PAGEDLLM_*`` environment variables, for child processes."""

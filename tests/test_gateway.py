@@ -38,7 +38,7 @@ from shared.messages import (
     TokenizeRequest,
 )
 from shared.model_source import ModelInfo
-from shared.service import ENGINE_SERVICES, answer_pings
+from shared.service import answer_pings, engine_ping_names
 from shared.subjects import TOKENIZER_QUEUE, Subjects
 
 ANSWER = ["The", " capital", " of", " France", " is", " Paris."]
@@ -64,7 +64,7 @@ class FakeBackend:
         )
         await self.bus.subscribe(self.subjects.abort, AbortRequests, self._on_abort)
         await self.bus.subscribe(self.subjects.stats_get, StatsQuery, self._on_stats)
-        for service in ENGINE_SERVICES:
+        for service in engine_ping_names(1):
             await answer_pings(self.bus, self.model, service)
         await self.bus.flush()
 
@@ -175,6 +175,36 @@ async def test_health_is_503_until_the_engine_is_ready(nats_url):
             assert_openai_error(await http.get("/health"), 503)
     finally:
         await service.stop()
+
+
+async def test_health_needs_every_detokenizer_shard(nats_url):
+    """With two detokenizer shards and only shard 0 up (it answers the plain ``detokenizer``
+    ping too), /health is 503: shard 1's requests would be lost. Once shard 1 answers, 200."""
+    model = f"shards-{uuid.uuid4().hex[:8]}"
+    info = ModelInfo(path=Path("/models/x"), name=model, max_model_len=106, eos_token_ids=(2,), vocab_size=1000)
+    bus = await Bus.connect(nats_url, name="fake-shards")
+    service = GatewayService(Settings(nats_url=nats_url, host="127.0.0.1", port=0, num_detokenizer_shards=2), info)
+    try:
+        backend = FakeBackend(bus, model)
+        await bus.subscribe(backend.subjects.stats_get, StatsQuery, backend._on_stats)
+        for name in ("tokenizer", "scheduler", "executor", "detokenizer", "detokenizer.0"):
+            await answer_pings(bus, model, name)
+        await service.start()
+        async with httpx.AsyncClient(base_url=service.url, timeout=10) as http:
+            error = assert_openai_error(await http.get("/health"), 503)
+            assert error["code"] == "service_unavailable"
+            await answer_pings(bus, model, "detokenizer.1")
+            assert (await http.get("/health")).status_code == 200
+    finally:
+        await service.stop()
+        await bus.close()
+
+
+def test_engine_ping_names_name_every_detokenizer_shard():
+    assert engine_ping_names(1) == ("tokenizer", "scheduler", "executor", "detokenizer.0")
+    assert engine_ping_names(3)[-3:] == ("detokenizer.0", "detokenizer.1", "detokenizer.2")
+    with pytest.raises(ValueError, match="num_detokenizer_shards"):
+        engine_ping_names(0)
 
 
 async def test_health_and_models(gw):

@@ -30,7 +30,7 @@ from shared.messages import (
     TokenizeRequest,
 )
 from shared.model_source import ModelInfo
-from shared.service import ENGINE_SERVICES, answer_pings
+from shared.service import answer_pings, engine_ping_names
 from shared.subjects import TOKENIZER_QUEUE, Subjects
 
 ANSWER = ["The", " capital", " of", " France", " is", " Paris."]
@@ -50,7 +50,7 @@ class FakeBackend:
 
     async def start(self) -> None:
         await self.bus.subscribe(self.subjects.tokenize, TokenizeRequest, self._on_tokenize, queue=TOKENIZER_QUEUE)
-        for service in ENGINE_SERVICES:
+        for service in engine_ping_names(1):
             await answer_pings(self.bus, self.model, service)
         await self.bus.flush()
 

@@ -69,7 +69,7 @@ async def test_two_groups_spread_share_and_survive_a_killed_group(nats_url, smol
     client = EngineClient(bus, model)
     await client.start()
     try:
-        await wait_engine_ready(bus, model, timeout=180)
+        await wait_engine_ready(bus, model, num_detokenizer_shards=1, timeout=180)
         deadline = time.monotonic() + 60
         while len((await stats(bus, model)).groups) < 2:
             assert time.monotonic() < deadline
@@ -110,3 +110,59 @@ async def test_two_groups_spread_share_and_survive_a_killed_group(nats_url, smol
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+class _StubRunner:
+    """A ModelRunner stand-in (no model load): what registration reads."""
+
+    num_blocks, block_size = 8, 16
+
+    def __init__(self, settings, model_info) -> None:
+        self.requests: dict = {}
+
+
+async def test_a_second_executor_of_a_group_id_is_refused(nats_url, monkeypatch):
+    """Two executors with one --group-id would both run every step of the group and answer it
+    twice: the second refuses to start, naming the group. Another group id starts, and the
+    first one, re-registering (after a failed step), does not refuse itself."""
+    from pathlib import Path
+
+    from services.executor import service as executor_service
+    from shared.config import Settings
+    from shared.messages import RegisterAck, RegisterGroup
+    from shared.model_source import ModelInfo
+    from shared.service import ServiceConflictError
+
+    monkeypatch.setattr(executor_service, "ModelRunner", _StubRunner)
+    model = f"dup-{uuid.uuid4().hex[:6]}"
+    info = ModelInfo(path=Path("/models/x"), name=model, max_model_len=64, eos_token_ids=(2,), vocab_size=100)
+    bus = await Bus.connect(nats_url, name="fake-scheduler")
+    registered: list[str] = []
+
+    async def on_register(msg: RegisterGroup) -> RegisterAck:
+        registered.append(msg.group_id)
+        return RegisterAck(group_id=msg.group_id, accepted=True)
+
+    await bus.subscribe(Subjects(model).register, RegisterGroup, on_register)
+    settings = Settings(nats_url=nats_url, group_id="g1", heartbeat_interval_s=60)
+    first = executor_service.ExecutorService(settings, info)
+    duplicate = executor_service.ExecutorService(settings, info)
+    other = executor_service.ExecutorService(settings.model_copy(update={"group_id": "g2"}), info)
+    try:
+        await first.start()
+        await asyncio.wait_for(first.registered.wait(), 5)
+        with pytest.raises(ServiceConflictError, match="another executor of group 'g1' already serves") as exc:
+            await duplicate.start()
+        assert "--group-id" in str(exc.value)
+        await other.start()
+        await asyncio.wait_for(other.registered.wait(), 5)
+        first._start_rejoin()  # what a failed step does
+        deadline = time.monotonic() + 5
+        while registered.count("g1") < 2 or not first.registered.is_set():
+            assert time.monotonic() < deadline, registered
+            await asyncio.sleep(0.05)
+        assert sorted(registered) == ["g1", "g1", "g2"]
+    finally:
+        for service in (first, duplicate, other):
+            await service.stop()
+        await bus.close()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -140,3 +142,145 @@ def test_a_service_still_connecting_to_nats_stops_on_sigterm(smollm2_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+    # several attempts failed (one per 0.5 s); the first is one short line, the rest are quiet
+    stderr = proc.stderr.read()
+    assert "Traceback" not in stderr and "nats: encountered error" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if "nats_connection_error" in line]
+    assert len(lines) == 1 and "errors=1" in lines[0] and "level='warning'" in lines[0], stderr[-3000:]
+
+
+async def test_a_nats_outage_is_logged_as_one_line_per_event():
+    """A lost NATS server: one disconnected line, one line for the first connection error (not
+    one traceback per reconnect attempt), one reconnected line with the number of errors."""
+    from structlog.testing import capture_logs
+
+    from shared.bus import Bus
+    from shared.nats_server import EmbeddedNats
+
+    server = EmbeddedNats().start()
+    bus = await Bus.connect(server.url, name="outage-test")
+    try:
+        with capture_logs() as logs:
+            server.stop()
+            await asyncio.sleep(2)  # about four reconnect attempts
+            server = EmbeddedNats(port=server.port).start()
+            deadline = time.monotonic() + 10
+            while not bus.nc.is_connected:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+        events = sorted((e["event"], e["log_level"]) for e in logs)
+        assert events == [("nats_connection_error", "warning"), ("nats_disconnected", "warning"),
+                          ("nats_reconnected", "info")], logs
+        error = next(e for e in logs if e["event"] == "nats_connection_error")
+        assert error["errors"] == 1 and "exc_info" not in error
+        assert logs[-1]["event"] == "nats_reconnected" and logs[-1]["errors"] >= 3, logs
+    finally:
+        with capture_logs() as logs:
+            await bus.close()
+        assert [e["event"] for e in logs] == ["nats_closed"]  # a stop is not a warning
+        server.stop()
+
+
+def test_a_detokenizer_shard_outside_the_shard_count_is_refused(monkeypatch):
+    """detokenizer_shard must be below num_detokenizer_shards (flags, keyword or environment):
+    shard 5 of 2 would never receive a request."""
+    from pydantic import ValidationError
+
+    from shared.config import Settings
+
+    assert Settings(detokenizer_shard=1, num_detokenizer_shards=2).detokenizer_shard == 1
+    with pytest.raises(ValidationError, match="detokenizer_shard=5 must be less than num_detokenizer_shards=2"):
+        Settings(detokenizer_shard=5, num_detokenizer_shards=2)
+    with pytest.raises(ValidationError, match="detokenizer_shard=1 must be less than num_detokenizer_shards=1"):
+        Settings(detokenizer_shard=1)
+    monkeypatch.setenv("PAGEDLLM_DETOKENIZER_SHARD", "2")
+    monkeypatch.setenv("PAGEDLLM_NUM_DETOKENIZER_SHARDS", "2")
+    with pytest.raises(ValidationError, match="detokenizer_shard=2 must be less than num_detokenizer_shards=2"):
+        Settings()
+
+
+def test_log_level_is_one_of_five_names_in_any_case():
+    from pydantic import ValidationError
+
+    from shared.config import Settings
+
+    assert Settings(log_level="warning").log_level == "WARNING"
+    assert Settings().log_level == "INFO"
+    with pytest.raises(ValidationError, match="log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL"):
+        Settings(log_level="foo")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["service", "executor", "--model", "/no/such/model"],
+     "pagedllm service executor: model='/no/such/model' is not a local Hugging Face directory"),
+    (["service", "tokenizer", "--max-model-len", "9000"],
+     "pagedllm service tokenizer: max_model_len=9000 exceeds the model's max_position_embeddings=8192"),
+    (["service", "scheduler", "--log-level", "foo"],
+     "pagedllm service scheduler: invalid settings: log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    (["service", "detokenizer", "--detokenizer-shard", "5", "--num-detokenizer-shards", "2"],
+     "pagedllm service detokenizer: invalid settings: detokenizer_shard=5 must be less than num_detokenizer_shards=2"),
+    (["prepare-model", "/no/such/model"],
+     "pagedllm prepare-model: model='/no/such/model' is not a local Hugging Face directory"),
+])
+def test_a_service_that_cannot_start_says_why_in_one_line(smollm2_path, argv, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+    env.update(PAGEDLLM_CACHE_DIR=str(smollm2_path.parent), PAGEDLLM_NATS_URL=f"nats://127.0.0.1:{free_port()}")
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.cli", *argv], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(message), proc.stderr
+
+
+def test_a_gateway_whose_port_is_taken_says_so_in_one_line(nats_url, smollm2_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+    env["PAGEDLLM_CACHE_DIR"] = str(smollm2_path.parent)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "pagedllm.cli", "service", "gateway", "--nats-url", nats_url, "--port", str(port),
+             "--log-level", "WARNING"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"pagedllm service gateway: gateway cannot listen on 127.0.0.1:{port} (address in use?)"), proc.stderr
+
+
+def test_serve_and_llm_start_one_detokenizer_per_shard(monkeypatch):
+    """With two shards, serve (child processes) and LLM (in-process services) start shards 0
+    and 1: readiness waits for every shard, so one detokenizer would never be ready."""
+    from pagedllm import launcher
+    from shared.config import Settings
+
+    settings = Settings(num_detokenizer_shards=2, nats_url="nats://127.0.0.1:1")
+    started: list[tuple[str, str]] = []
+
+    class Popen:
+        def __init__(self, argv, env, **_):
+            started.append((argv[-1], env.get("PAGEDLLM_DETOKENIZER_SHARD", "")))
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", Popen)
+    procs = launcher.ServiceProcesses(settings, names=("scheduler", "detokenizer"))
+    procs.start()
+    assert started == [("scheduler", "0"), ("detokenizer", "0"), ("detokenizer", "1")]
+    assert list(procs.procs) == ["scheduler", "detokenizer.0", "detokenizer.1"]
+
+    class Fake:
+        def __init__(self, settings):
+            self.shard = settings.detokenizer_shard
+
+        async def start(self):
+            pass
+
+        async def stop(self):
+            pass
+
+    monkeypatch.setattr(launcher, "build_service", lambda name, settings, info: Fake(settings))
+    services = launcher.InProcessServices(settings, None, ("detokenizer",))
+    services.start()
+    try:
+        assert [s.shard for s in services.services] == [0, 1]
+    finally:
+        services.stop()
+    assert [name for name, _ in launcher.service_instances("detokenizer", Settings())] == ["detokenizer"]

@@ -31,7 +31,7 @@ from shared.messages import (
     StepResult,
 )
 from shared.model_source import ModelInfo
-from shared.service import answer_pings
+from shared.service import answer_pings, refuse_if_served
 from shared.subjects import Subjects
 
 log = structlog.get_logger("executor")
@@ -69,12 +69,24 @@ class ExecutorService:
         self._rejoin = False  # register again once the running step is done (the scheduler dropped us)
 
     async def start(self) -> None:
+        """Load the model, connect (if needed), serve the group's step subject and start
+        registering with the scheduler.
+
+        Raises:
+            ServiceConflictError: another executor already serves this group id (both would
+                run every step and answer it twice).
+        """
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(self._torch_thread, ModelRunner, self.settings, self.model_info)
         if self.bus is None:
             self.bus = await Bus.connect(self.settings.nats_url, name=f"executor-{self.group_id}")
+        group_ping = f"{self.name}.{self.group_id}"
+        await refuse_if_served(self.bus, self.model_info.name, group_ping, f"executor of group {self.group_id!r}",
+                               advice="give each executor its own --group-id (PAGEDLLM_GROUP_ID)")
         await self.bus.subscribe(self.subjects.step(self.group_id), StepPlan, self._on_step)
-        await self.bus.flush()
+        # answered from now on (registered or not, re-registering included): a second executor
+        # of this group id would take this group's steps too
+        await answer_pings(self.bus, self.model_info.name, group_ping)
         self._tasks = [asyncio.create_task(self._register_and_heartbeat()), asyncio.create_task(self._run_steps())]
 
     async def stop(self) -> None:
