@@ -420,6 +420,20 @@ async def test_internal_error_is_500_and_server_keeps_serving(gw, monkeypatch):
     assert out.choices[0].text == FULL
 
 
+async def test_a_request_over_nats_max_payload_is_413_and_server_keeps_serving(gw, monkeypatch):
+    """A body too large for one NATS message (a default nats-server takes 1 MiB) is refused
+    with 413 request_too_large, not a 500; nothing stays in flight."""
+    monkeypatch.setattr(gw.service.client.bus.nc, "_max_payload", 4096)
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": "word " * 2000})
+    error = assert_openai_error(r, 413)
+    assert error["code"] == "request_too_large" and "4096 bytes" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert gw.service.client.num_in_flight == 0
+    monkeypatch.undo()
+    out = await gw.oai.completions.create(model=gw.model, prompt=PROMPT)
+    assert out.choices[0].text == FULL
+
+
 async def test_engine_error_mid_stream(gw):
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": "please fail"})
     error = assert_openai_error(r, 500)

@@ -109,6 +109,7 @@ class SchedulerService:
                 await self.bus.flush()
             except Exception:  # NATS already gone: the clients' liveness checks end the requests
                 log.warning("stop_notify_failed", requests=len(self.scheduler.requests))
+            self.scheduler.abort(list(self.scheduler.requests), "error")
         if self._own_bus and self.bus is not None:
             await self.bus.close()
 

@@ -1,0 +1,164 @@
+"""The scheduler service's handling of its groups and requests over a real NATS server, with
+no model: a group whose step was lost (idle heartbeats) or that stops is dropped at once and
+its requests requeued; a plan that cannot be sent drops its group; plans stay under NATS's
+max_payload; a stopping scheduler fails the requests it holds at once."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import nats.errors
+import pytest
+
+from services.scheduler.service import SchedulerService
+from shared.config import Settings
+from shared.messages import (
+    GatewayStep,
+    Heartbeat,
+    RegisterGroup,
+    RequestDelta,
+    SamplingParams,
+    StepPlan,
+    SubmitRequest,
+)
+from shared.model_source import ModelInfo
+
+
+@pytest.fixture
+async def env(nats_url, monkeypatch):
+    """A started SchedulerService on the session's NATS server; ``plans`` and ``errors``
+    collect the step plans and the request errors it sends (taken at its publish calls)."""
+    name = f"sched-{uuid.uuid4().hex[:8]}"
+    info = ModelInfo(path=Path("/models") / name, name=name, max_model_len=4096, eos_token_ids=(2,), vocab_size=50000)
+    svc = SchedulerService(Settings(nats_url=nats_url, served_model_name=name), info)
+    await svc.start()
+    plans: list[StepPlan] = []
+    errors: list[RequestDelta] = []  # sent to gateways
+    publish = svc.bus.publish
+
+    async def recording(subject, message):
+        await publish(subject, message)
+        if isinstance(message, StepPlan):
+            plans.append(message)
+        elif isinstance(message, GatewayStep):
+            errors.extend(d for d in message.outputs if d.error is not None)
+
+    monkeypatch.setattr(svc.bus, "publish", recording)
+    try:
+        yield SimpleNamespace(svc=svc, plans=plans, errors=errors)
+    finally:
+        await svc.stop()
+
+
+async def register(svc: SchedulerService, num_blocks: int = 256) -> None:
+    ack = await svc._on_register(RegisterGroup(group_id="g", model=svc.model_info.name, num_blocks=num_blocks,
+                                               block_size=16, max_model_len=svc.model_info.max_model_len))
+    assert ack.accepted
+
+
+async def submit(svc: SchedulerService, rid: str, num_prompt: int = 20, gateway: str = "gw") -> None:
+    await svc._on_submit(SubmitRequest(request_id=rid, gateway_id=gateway, prompt_token_ids=[7] * num_prompt,
+                                       sampling_params=SamplingParams(max_tokens=8)))
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+def heartbeat(idle: bool = False, stopping: bool = False) -> Heartbeat:
+    return Heartbeat(group_id="g", time=0.0, idle=idle, stopping=stopping)
+
+
+async def test_two_idle_heartbeats_with_a_step_in_flight_drop_the_group(env):
+    service, plans = env.svc, env.plans
+    await register(service)
+    await submit(service, "r0")
+    await until(lambda: len(plans) == 2)  # async scheduling: two plans in flight
+    assert (await service._on_heartbeat(heartbeat(idle=False))).known
+    assert (await service._on_heartbeat(heartbeat(idle=True))).known  # the plan may still be on its way
+    assert (await service._on_heartbeat(heartbeat(idle=False))).known  # it was: busy
+    assert (await service._on_heartbeat(heartbeat(idle=True))).known
+    ack = await service._on_heartbeat(heartbeat(idle=True))  # idle twice, the step sent before both: lost
+    assert not ack.known and "g" not in service.scheduler.groups
+    req = service.scheduler.requests["r0"]
+    assert req.num_failed_steps == 0 and service.scheduler.unrouted == [req]  # requeued, not blamed
+    await register(service)  # the executor registers again: the request runs anew
+    await until(lambda: len(plans) >= 3)
+    assert [n.request_id for n in plans[2].new_requests] == ["r0"]
+    assert plans[2].new_requests[0].num_computed_tokens == 0
+
+
+async def test_idle_heartbeats_without_a_step_in_flight_keep_the_group(env):
+    service = env.svc
+    await register(service)
+    for _ in range(3):
+        assert (await service._on_heartbeat(heartbeat(idle=True))).known
+    assert "g" in service.scheduler.groups
+
+
+async def test_a_stopping_executor_hands_its_requests_back_at_once(env):
+    service, plans = env.svc, env.plans
+    await register(service)
+    await submit(service, "r0")
+    await until(lambda: len(plans) == 2)
+    ack = await service._on_heartbeat(heartbeat(stopping=True))
+    assert not ack.known and not service.scheduler.groups
+    assert [r.request_id for r in service.scheduler.unrouted] == ["r0"]
+
+
+async def test_a_plan_that_cannot_be_sent_drops_the_group(env, monkeypatch):
+    service, plans = env.svc, env.plans
+    await register(service)
+    recording = service.bus.publish
+
+    async def failing(subject, message):
+        if isinstance(message, StepPlan):
+            raise nats.errors.MaxPayloadError()
+        await recording(subject, message)
+
+    monkeypatch.setattr(service.bus, "publish", failing)
+    await submit(service, "r0")
+    assert not service.scheduler.groups and [r.request_id for r in service.scheduler.unrouted] == ["r0"]
+    assert (await service._on_heartbeat(heartbeat())).known is False  # the executor registers again
+    monkeypatch.setattr(service.bus, "publish", recording)
+    await register(service)
+    await until(lambda: len(plans) == 2)
+    assert [n.request_id for n in plans[0].new_requests] == ["r0"]
+
+
+async def test_plans_stay_under_max_payload(env):
+    """max_plan_bytes comes from the server's max_payload; a step admits waiting requests
+    while their prompts fit (the rest start in the next steps); one that never could is
+    refused with request_too_large."""
+    service, plans = env.svc, env.plans
+    limit = service.scheduler.config.max_plan_bytes
+    assert limit == service.bus.nc.max_payload - (64 << 10)
+    service.scheduler.config = type(service.scheduler.config)(max_plan_bytes=40_000)
+    for i in range(4):  # no group yet: they wait, then start together
+        await submit(service, f"r{i}", num_prompt=2000)  # at most 11,515 bytes each
+    await register(service, num_blocks=4096)
+    await until(lambda: len(plans) >= 2)
+    assert [n.request_id for n in plans[0].new_requests] == ["r0", "r1", "r2"]
+    assert [n.request_id for n in plans[1].new_requests] == ["r3"]
+    await submit(service, "big", num_prompt=4000)  # max_tokens 8 -> 4,008 tokens: 22,810 bytes, fits
+    assert "big" in service.scheduler.requests
+    service.scheduler.config = type(service.scheduler.config)(max_plan_bytes=20_000)
+    await submit(service, "too-big", num_prompt=4000)
+    [delta] = env.errors
+    assert delta.request_id == "too-big" and delta.error.code == "request_too_large"
+    assert "max_payload" in delta.error.message and "too-big" not in service.scheduler.requests
+
+
+async def test_a_stopping_scheduler_fails_its_requests_at_once(env):
+    await submit(env.svc, "r0")  # no group: it waits
+    await env.svc.stop()
+    [delta] = env.errors
+    assert delta.request_id == "r0" and delta.finished and delta.finish_reason == "error"
+    assert delta.error.code == "request_lost" and delta.error.status == 503
