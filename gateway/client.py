@@ -30,6 +30,8 @@ from shared.messages import (
     AbortRequests,
     FinishReason,
     GatewayStep,
+    Ping,
+    Pong,
     RequestDelta,
     RequestsKnown,
     RequestsQuery,
@@ -79,11 +81,15 @@ class EngineClient:
         self._last_output: dict[str, float] = {}  # request id -> monotonic time of its last delta
         self._misses: dict[str, int] = {}  # request id -> liveness checks in a row it was missing
         self._sub: Subscription | None = None
+        self._ping_sub: Subscription | None = None
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Subscribe to this gateway's subject (flushed, so no output can be missed)."""
         self._sub = await self.bus.subscribe(subjects.gateway(self.gateway_id), GatewayStep, self._on_step)
+        # the scheduler's check that this gateway still wants its requests (it aborts them when
+        # nobody answers here: the gateway died without aborting them)
+        self._ping_sub = await self.bus.subscribe(subjects.gateway_ping(self.gateway_id), Ping, self._on_ping)
         await self.bus.flush()
         self._watch = asyncio.create_task(self._watch_liveness())
 
@@ -98,12 +104,16 @@ class EngineClient:
                 await self.abort(pending)
             except Exception:  # the connection is gone: the streams still end
                 log.warning("abort_on_stop_failed", num_requests=len(pending))
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # already closed or draining
-                pass
-            self._sub = None
+        for sub in (self._sub, self._ping_sub):
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # already closed or draining
+                    pass
+        self._sub = self._ping_sub = None
+
+    async def _on_ping(self, _: Ping) -> Pong:
+        return Pong(service="gateway")
 
     @property
     def connected(self) -> bool:

@@ -72,6 +72,10 @@ def gateway(gateway_id: str) -> str:  # GatewayStep
     return f"{PREFIX}.gw.{gateway_id}"
 
 
+def gateway_ping(gateway_id: str) -> str:  # Ping -> Pong (request/reply): is the gateway there?
+    return f"{PREFIX}.gw.{gateway_id}.ping"
+
+
 def detok_shard(request_id: str, num_shards: int) -> int:
     """The detokenizer shard of a request: a stable hash of its id."""
     return zlib.crc32(request_id.encode()) % num_shards

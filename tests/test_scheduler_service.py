@@ -14,6 +14,7 @@ import nats.errors
 import pytest
 
 from services.scheduler.service import SchedulerService
+from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
     GatewayStep,
@@ -162,3 +163,28 @@ async def test_a_stopping_scheduler_fails_its_requests_at_once(env):
     [delta] = env.errors
     assert delta.request_id == "r0" and delta.finished and delta.finish_reason == "error"
     assert delta.error.code == "request_lost" and delta.error.status == 503
+
+
+async def test_requests_of_a_gateway_gone_are_aborted(nats_url):
+    """A gateway that died without aborting its requests (no responder on its ping subject)
+    has them aborted within heartbeat_timeout_s; those of a live gateway (an EngineClient)
+    run on."""
+    from gateway.client import EngineClient
+
+    name = f"sched-{uuid.uuid4().hex[:8]}"
+    info = ModelInfo(path=Path("/models") / name, name=name, max_model_len=4096, eos_token_ids=(2,), vocab_size=50000)
+    svc = SchedulerService(Settings(nats_url=nats_url, served_model_name=name, heartbeat_timeout_s=0.3), info)
+    await svc.start()
+    bus = await Bus.connect(nats_url, name="test-gateway")
+    client = EngineClient(bus, name, gateway_id="gw-alive")
+    await client.start()
+    try:
+        await submit(svc, "mine", gateway="gw-alive")  # no group: both wait
+        await submit(svc, "orphan", gateway="gw-dead")
+        await until(lambda: "orphan" not in svc.scheduler.requests)
+        await asyncio.sleep(0.7)  # two more checks
+        assert list(svc.scheduler.requests) == ["mine"]
+    finally:
+        await client.stop()
+        await bus.close()
+        await svc.stop()

@@ -14,6 +14,7 @@ import dataclasses
 import time
 from collections import defaultdict
 
+import nats.errors
 import structlog
 
 from services.scheduler.request import Request
@@ -28,6 +29,8 @@ from shared.messages import (
     GatewayStep,
     Heartbeat,
     HeartbeatAck,
+    Ping,
+    Pong,
     RegisterAck,
     RegisterGroup,
     RequestDelta,
@@ -91,7 +94,8 @@ class SchedulerService:
         await b.subscribe(s.stats_get, StatsQuery, self._on_stats_query)
         await b.subscribe(s.requests_get, RequestsQuery, self._on_requests_query)
         await answer_pings(b, self.model_info.name, self.name)
-        self._tasks = [asyncio.create_task(self._watchdog()), asyncio.create_task(self._publish_stats())]
+        self._tasks = [asyncio.create_task(self._watchdog()), asyncio.create_task(self._publish_stats()),
+                       asyncio.create_task(self._watch_gateways())]
         log.info("scheduler_started", model=self.model_info.name)
 
     async def stop(self) -> None:
@@ -340,6 +344,26 @@ class SchedulerService:
                     await self._fail_group(
                         group_id, ServiceError(message="executor step timed out", type="server_error", status=500))
             await self._fail_waiting_without_groups(now)
+
+    async def _watch_gateways(self) -> None:
+        """Every ``heartbeat_timeout_s``, ping the gateway of each request held; a gateway that
+        nobody answers for (NATS says there is no responder: it died without aborting its
+        requests) has its requests aborted, so that they free their blocks instead of running
+        to max_tokens for nobody. A slow answer is no verdict."""
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_timeout_s)
+            by_gateway: dict[str, list[str]] = defaultdict(list)
+            for req in self.scheduler.requests.values():
+                by_gateway[req.gateway_id].append(req.request_id)
+            for gateway_id, request_ids in by_gateway.items():
+                try:
+                    await self.bus.request(subj.gateway_ping(gateway_id), Ping(), Pong, timeout=2.0)
+                except nats.errors.NoRespondersError:
+                    aborted = self.scheduler.abort(request_ids, "abort")
+                    log.warning("gateway_lost", gateway_id=gateway_id, aborted=len(aborted))
+                    await self._kick()
+                except Exception:  # slow, or NATS away: ask again next time
+                    continue
 
     async def _publish_stats(self) -> None:
         while True:
