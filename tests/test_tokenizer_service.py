@@ -7,6 +7,7 @@ test sees (NATS keeps one publisher's order within a subscription).
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
@@ -251,6 +252,38 @@ async def test_detokenizer_streams_exact_text_and_finishes_on_eos(env):
     assert last.finished and last.finish_reason == "stop" and last.stop_reason is None
     assert token_ids + last.token_ids == ids + [EOS] and last.num_output_tokens == len(ids) + 1
     assert abort_pending == 0  # the scheduler ended it: no abort
+
+
+async def test_a_stopping_detokenizer_ends_its_live_requests(env, nats_url):
+    """A detokenizer that stops takes its requests' text state with it: each live request
+    fails at once at its gateway (503 request_lost, under the client's id and index for a
+    sample of n > 1) and is aborted at the scheduler; finished ones are not mentioned."""
+    info = dataclasses.replace(env.info, name=f"detok-stop-{uuid.uuid4().hex[:6]}")
+    service = DetokenizerService(Settings(nats_url=nats_url, served_model_name=info.name), info, tokenizer=env.tokenizer)
+    await service.start()
+    subjects = subj.Subjects(info.name)
+    gw = f"gw-{uuid.uuid4().hex[:6]}"
+    gateway_sub = await env.bus.nc.subscribe(subj.gateway(gw))
+    abort_sub = await env.bus.nc.subscribe(subjects.abort)
+    await env.bus.flush()
+    news = [DetokNewRequest(request_id=rid, gateway_id=gw, prompt_tail_ids=[1], num_prompt_tokens=3, **extra)
+            for rid, extra in (("live", {}), ("done", {}),
+                               ("p#1", {"parent_request_id": "p", "index": 1}))]
+    await env.bus.publish(subjects.detok(0), DetokStep(new_requests=news, updates=[
+        TokenUpdate(request_id="live", new_token_ids=[28]),
+        TokenUpdate(request_id="done", new_token_ids=[28], finish_reason="length"),
+        TokenUpdate(request_id="p#1", new_token_ids=[28]),
+    ]))
+    first = decode((await gateway_sub.next_msg(timeout=5)).data, GatewayStep)
+    assert len(first.outputs) == 3 and sorted(service.requests) == ["live", "p#1"]
+    await service.stop()
+    aborted = decode((await abort_sub.next_msg(timeout=5)).data, AbortRequests)
+    assert sorted(aborted.request_ids) == ["live", "p#1"]
+    ended = decode((await gateway_sub.next_msg(timeout=5)).data, GatewayStep).outputs
+    assert sorted((d.request_id, d.index) for d in ended) == [("live", 0), ("p", 1)]
+    assert all(d.finished and d.finish_reason == "error" and d.error.code == "request_lost" for d in ended)
+    await gateway_sub.unsubscribe()
+    await abort_sub.unsubscribe()
 
 
 async def test_detokenizer_one_message_per_gateway(env):

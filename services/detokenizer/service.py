@@ -103,16 +103,38 @@ class DetokenizerService:
         log.info("detokenizer_started", model=self.model_info.name, subject=subject)
 
     async def stop(self) -> None:
-        """Drain the subscription and close an owned connection."""
+        """Drain the subscription, end the requests still live here and close an owned
+        connection. Their text state goes with this process: each fails at once with a 503
+        ``request_lost`` to its gateway and is aborted at the scheduler (else it would run on,
+        for nobody, until the client's liveness check noticed)."""
         if self._sub is not None:
             try:
                 await self._sub.drain()
             except Exception:  # connection already closed
                 pass
             self._sub = None
+        if self.requests and self.bus is not None:
+            await self._fail_live_requests()
         if self._own_bus and self.bus is not None:
             await self.bus.close()
             self.bus = None
+
+    async def _fail_live_requests(self) -> None:
+        lost = ServiceError(message="the detokenizer stopped before this request finished; send it again",
+                            type="server_error", code="request_lost", status=503)
+        by_gateway: dict[str, list[RequestDelta]] = defaultdict(list)
+        for req in self.requests.values():
+            by_gateway[req.gateway_id].append(RequestDelta(
+                request_id=req.client_request_id or req.request_id, index=req.index, finished=True,
+                finish_reason="error", error=lost))
+        try:
+            await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=list(self.requests)))
+            for gateway_id, deltas in by_gateway.items():
+                await self.bus.publish(subj.gateway(gateway_id), GatewayStep(outputs=deltas))
+            await self.bus.flush()
+        except Exception:  # NATS already gone: the clients' liveness checks end the requests
+            log.warning("stop_notify_failed", requests=len(self.requests))
+        self.requests.clear()
 
     async def handle(self, step: DetokStep) -> None:
         """Process one step and publish its outputs (abort first, then one message per gateway)."""
