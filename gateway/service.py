@@ -37,10 +37,11 @@ class GatewayService:
     """The gateway: FastAPI app + uvicorn + ``EngineClient``.
 
     Args:
-        settings: ``host``, ``port``, ``nats_url`` (used when ``bus`` is None), ``log_level``.
+        settings: ``host``, ``port``, ``nats_url`` (used when ``bus`` is None), ``log_level``,
+            ``gateway_drain_timeout_s`` (on ``stop``, the seconds in-flight HTTP requests may
+            take to finish).
         model_info: the served model (its name selects the NATS subjects).
         bus: a connected bus to use (not closed by ``stop``); None = connect to ``settings.nats_url``.
-        drain_timeout_s: on ``stop``, how long in-flight HTTP requests may take to finish.
     """
 
     name = "gateway"
@@ -50,12 +51,10 @@ class GatewayService:
         settings: Settings,
         model_info: ModelInfo,
         bus: Bus | None = None,
-        *,
-        drain_timeout_s: float = 5.0,
     ) -> None:
         self.settings = settings
         self.model_info = model_info
-        self.drain_timeout_s = drain_timeout_s
+        self.drain_timeout_s = settings.gateway_drain_timeout_s
         self.bus = bus
         self._owns_bus = bus is None
         self.client: EngineClient | None = None

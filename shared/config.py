@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     step_timeout_s: float = Field(600.0, gt=0, description="Max seconds one executor step may take")
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_timeout_s: float = Field(10.0, gt=0)
+    gateway_drain_timeout_s: float = Field(
+        5.0, ge=0, description="On stop, seconds the gateway lets in-flight HTTP requests finish before cutting them"
+    )
 
     @field_validator("block_size")
     @classmethod

@@ -569,7 +569,7 @@ async def test_port_in_use_and_stop_aborts_in_flight(gw, nats_url):
     with pytest.raises(OSError):
         await GatewayService(Settings(nats_url=nats_url, port=gw.service.port), info).start()
 
-    second = GatewayService(Settings(nats_url=nats_url, port=0), info, drain_timeout_s=0.3)
+    second = GatewayService(Settings(nats_url=nats_url, port=0, gateway_drain_timeout_s=0.3), info)
     await second.start()
     assert second.port != gw.service.port and second.ready()
     body = {"model": gw.model, "prompt": "slow", "stream": True}
