@@ -175,13 +175,15 @@ class EngineClient:
         cache_salt: str | None = None,
         add_generation_prompt: bool = True,
         cap_at_max_model_len: bool = False,
+        return_prompt: bool = False,
     ) -> TokenizeReply:
         """Send a request to the tokenizer; its outputs then arrive for ``stream(request_id)``.
 
         The output queue is registered before the request is sent, so no output is lost.
         ``cap_at_max_model_len``: a prompt + ``max_tokens`` over ``max_model_len`` is accepted
         and stops there with finish_reason "length" (the offline API, as vLLM's ``LLM``)
-        instead of being refused (the OpenAI server).
+        instead of being refused (the OpenAI server). ``return_prompt``: the reply of a chat
+        request carries the prompt text the chat template rendered.
 
         Returns:
             The tokenizer's reply. When ``reply.error`` is set the request was refused and
@@ -205,6 +207,7 @@ class EngineClient:
             cache_salt=cache_salt,
             arrival_time=time.time(),
             cap_at_max_model_len=cap_at_max_model_len,
+            return_prompt=return_prompt,
         )
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._queues[request_id] = queue

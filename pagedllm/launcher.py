@@ -15,8 +15,11 @@ from typing import Any
 
 from shared.bus import Bus
 from shared.config import Settings
+from shared.logging import get_logger
 from shared.model_source import ModelInfo, load_model_info
 from shared.nats_server import die_with_parent
+
+log = get_logger("launcher")
 
 SERVICE_NAMES = ("scheduler", "tokenizer", "detokenizer", "executor", "gateway")
 
@@ -150,8 +153,10 @@ class InProcessServices:
                     await service.stop()
                 except Exception:
                     pass
-            # its idle threads would outlive the loop
-            await asyncio.wait_for(self.loop.shutdown_default_executor(), 10)
+            try:  # its idle threads would outlive the loop
+                await asyncio.wait_for(self.loop.shutdown_default_executor(), 10)
+            except Exception:  # a job still running (Python 3.11 then waits for it anyway)
+                log.warning("default_executor_shutdown_failed")
 
         try:
             self.run(_stop(), timeout=30)

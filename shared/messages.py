@@ -158,6 +158,7 @@ class TokenizeRequest(Message):
     # prompt + max_tokens may exceed max_model_len: the request then stops at max_model_len with
     # finish_reason "length" (vLLM's offline LLM); False: refused, as the OpenAI server does
     cap_at_max_model_len: bool = False
+    return_prompt: bool = False  # reply with the prompt text the chat template rendered
 
 
 class TokenizeReply(Message):
@@ -166,7 +167,7 @@ class TokenizeReply(Message):
     request_id: str
     error: ServiceError | None = None
     prompt_token_ids: list[int] = Field(default_factory=list)
-    prompt: str | None = None  # a chat request's prompt as the chat template rendered it
+    prompt: str | None = None  # a chat request's rendered prompt, when asked (return_prompt)
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler
@@ -215,15 +216,19 @@ class RegisterAck(Message):
 class Heartbeat(Message):
     """An executor group is alive (request/reply: answered by ``HeartbeatAck``).
 
-    ``idle``: no plan is queued or running on the executor. The scheduler, holding a step in
-    flight since before the group's previous idle heartbeat, knows the plan or its result was
-    lost (a NATS reconnect drops messages in transit) and drops the group, which registers
-    again. ``stopping``: the executor is shutting down; its requests go elsewhere now.
+    ``idle``: no plan is queued or running on the executor; ``last_step_id``: the newest plan
+    it has received. An idle executor that never received the scheduler's oldest step in
+    flight, in two heartbeats in a row with the step sent before the first, lost its plan; one
+    that received it lost its result if the scheduler has not had it for
+    ``heartbeat_timeout_s`` (a NATS reconnect drops messages in transit). The scheduler then
+    drops the group, which registers again. ``stopping``: the executor is shutting down; its
+    requests go elsewhere now.
     """
 
     group_id: str
     time: float  # unix seconds
     idle: bool = False
+    last_step_id: int = 0
     stopping: bool = False
 
 

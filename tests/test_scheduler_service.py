@@ -73,8 +73,8 @@ async def until(predicate, timeout: float = 5.0) -> None:
     raise AssertionError("timed out")
 
 
-def heartbeat(idle: bool = False, stopping: bool = False) -> Heartbeat:
-    return Heartbeat(group_id="g", time=0.0, idle=idle, stopping=stopping)
+def heartbeat(idle: bool = False, stopping: bool = False, last_step_id: int = 0) -> Heartbeat:
+    return Heartbeat(group_id="g", time=0.0, idle=idle, stopping=stopping, last_step_id=last_step_id)
 
 
 async def test_two_idle_heartbeats_with_a_step_in_flight_drop_the_group(env):
@@ -94,6 +94,23 @@ async def test_two_idle_heartbeats_with_a_step_in_flight_drop_the_group(env):
     await until(lambda: len(plans) >= 3)
     assert [n.request_id for n in plans[2].new_requests] == ["r0"]
     assert plans[2].new_requests[0].num_computed_tokens == 0
+
+
+async def test_a_result_missing_for_heartbeat_timeout_s_drops_the_group(env):
+    """The executor received the oldest step (last_step_id) and is idle: its result was lost,
+    unless it is still in the scheduler's backlog, so the group is dropped only after
+    heartbeat_timeout_s of idle heartbeats saying so."""
+    service, plans = env.svc, env.plans
+    service.settings = service.settings.model_copy(update={"heartbeat_timeout_s": 0.5})
+    await register(service)
+    await submit(service, "r0")
+    await until(lambda: len(plans) == 2)
+    answered = plans[0].step_id
+    for _ in range(3):
+        assert (await service._on_heartbeat(heartbeat(idle=True, last_step_id=answered))).known
+    await asyncio.sleep(0.6)
+    ack = await service._on_heartbeat(heartbeat(idle=True, last_step_id=answered))
+    assert not ack.known and service.scheduler.unrouted[0].request_id == "r0"
 
 
 async def test_idle_heartbeats_without_a_step_in_flight_keep_the_group(env):
@@ -143,12 +160,12 @@ async def test_plans_stay_under_max_payload(env):
     assert limit == service.bus.nc.max_payload - (64 << 10)
     service.scheduler.config = type(service.scheduler.config)(max_plan_bytes=40_000)
     for i in range(4):  # no group yet: they wait, then start together
-        await submit(service, f"r{i}", num_prompt=2000)  # at most 11,515 bytes each
+        await submit(service, f"r{i}", num_prompt=2000)  # at most 11,773 bytes each
     await register(service, num_blocks=4096)
     await until(lambda: len(plans) >= 2)
     assert [n.request_id for n in plans[0].new_requests] == ["r0", "r1", "r2"]
     assert [n.request_id for n in plans[1].new_requests] == ["r3"]
-    await submit(service, "big", num_prompt=4000)  # max_tokens 8 -> 4,008 tokens: 22,810 bytes, fits
+    await submit(service, "big", num_prompt=4000)  # max_tokens 8 -> 4,008 tokens: 23,068 bytes, fits
     assert "big" in service.scheduler.requests
     service.scheduler.config = type(service.scheduler.config)(max_plan_bytes=20_000)
     await submit(service, "too-big", num_prompt=4000)
@@ -166,25 +183,30 @@ async def test_a_stopping_scheduler_fails_its_requests_at_once(env):
 
 
 async def test_requests_of_a_gateway_gone_are_aborted(nats_url):
-    """A gateway that died without aborting its requests (no responder on its ping subject)
-    has them aborted within heartbeat_timeout_s; those of a live gateway (an EngineClient)
-    run on."""
+    """A gateway that died without aborting its requests (no responder on its ping subject,
+    twice in a row) has them aborted; those of a live gateway (an EngineClient) run on, and so
+    do those of one that missed one ping (reconnecting after a NATS blip)."""
     from gateway.client import EngineClient
 
     name = f"sched-{uuid.uuid4().hex[:8]}"
     info = ModelInfo(path=Path("/models") / name, name=name, max_model_len=4096, eos_token_ids=(2,), vocab_size=50000)
-    svc = SchedulerService(Settings(nats_url=nats_url, served_model_name=name, heartbeat_timeout_s=0.3), info)
+    svc = SchedulerService(Settings(nats_url=nats_url, served_model_name=name, heartbeat_timeout_s=1.0), info)
     await svc.start()
     bus = await Bus.connect(nats_url, name="test-gateway")
     client = EngineClient(bus, name, gateway_id="gw-alive")
     await client.start()
+    late = EngineClient(bus, name, gateway_id="gw-late")
     try:
-        await submit(svc, "mine", gateway="gw-alive")  # no group: both wait
+        await submit(svc, "mine", gateway="gw-alive")  # no group: they wait
         await submit(svc, "orphan", gateway="gw-dead")
+        await submit(svc, "late", gateway="gw-late")
+        await until(lambda: svc._gateway_misses.get("gw-late") == 1)  # the first round missed it
+        await late.start()
         await until(lambda: "orphan" not in svc.scheduler.requests)
-        await asyncio.sleep(0.7)  # two more checks
-        assert list(svc.scheduler.requests) == ["mine"]
+        await asyncio.sleep(1.2)  # one more round
+        assert sorted(svc.scheduler.requests) == ["late", "mine"]
     finally:
+        await late.stop()
         await client.stop()
         await bus.close()
         await svc.stop()

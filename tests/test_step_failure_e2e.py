@@ -295,7 +295,8 @@ def test_a_lost_plan_or_result_is_noticed_by_heartbeat(smollm2_path, monkeypatch
 
     monkeypatch.setattr(executor_service.ExecutorService, "_on_step", on_step)
     monkeypatch.setattr(scheduler_service.SchedulerService, "_on_result", on_result)
-    llm = LLM(model=str(smollm2_path), dtype="float32", heartbeat_interval_s=0.2, step_timeout_s=600)
+    llm = LLM(model=str(smollm2_path), dtype="float32", heartbeat_interval_s=0.2, heartbeat_timeout_s=3,
+              step_timeout_s=600)
     try:
         prompts = ["One, two,", "Three, four, five,"]
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -42,6 +42,7 @@ class Env:
     info: ModelInfo
     subjects: subj.Subjects
     tokenizer: object
+    tokenizer_service: TokenizerService
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -58,7 +59,7 @@ async def env(nats_url, smollm2_path, tmp_path_factory):
     await detokenizer_service.start()
     bus = await Bus.connect(nats_url, name="test-client")
     try:
-        yield Env(bus, info, subj.Subjects(name), tokenizer_service.tokenizer)
+        yield Env(bus, info, subj.Subjects(name), tokenizer_service.tokenizer, tokenizer_service)
     finally:
         await bus.close()
         await detokenizer_service.stop()
@@ -106,7 +107,7 @@ async def test_chat_request_is_templated_and_submitted_before_the_reply(env):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there! 😀"}]
     sp = params(temperature=0.0, stop=["\n"], max_tokens=5)
     seen, submit, reply = await tokenize(env, request_id="chat-1", messages=messages, sampling_params=sp,
-                                         priority=3, arrival_time=123.0)
+                                         priority=3, arrival_time=123.0, return_prompt=True)
     expected = chat_ids(env.tokenizer, messages)
     assert reply.error is None
     assert reply.prompt_token_ids == expected
@@ -130,7 +131,9 @@ async def test_completion_prompts(env):
     assert submit is not None and submit.prompt_token_ids == reply.prompt_token_ids
     _, _, reply = await tokenize(env, prompt=[5, 6, env.info.vocab_size - 1])
     assert reply.error is None and reply.prompt_token_ids == [5, 6, env.info.vocab_size - 1]
-    assert reply.prompt is None  # only a chat request's rendered prompt comes back
+    assert reply.prompt is None  # only a chat request's rendered prompt comes back, when asked
+    _, _, reply = await tokenize(env, messages=[{"role": "user", "content": "Hi"}])
+    assert reply.prompt is None and reply.prompt_token_ids
 
 
 async def test_chat_typed_special_tokens_match_apply_chat_template(env):
@@ -140,6 +143,18 @@ async def test_chat_typed_special_tokens_match_apply_chat_template(env):
     _, _, reply = await tokenize(env, messages=messages)
     assert reply.prompt_token_ids == chat_ids(env.tokenizer, messages)
     assert reply.prompt_token_ids.count(2) == 3  # <|im_end|>: the system turn's, the typed one, the user turn's
+
+
+async def test_a_submit_over_nats_max_payload_is_refused_with_413(env, monkeypatch):
+    """A prompt too large for one NATS message to the scheduler is refused at once (413
+    request_too_large), not left without a reply until the gateway's timeout."""
+    monkeypatch.setattr(env.tokenizer_service.bus.nc, "_max_payload", 620)
+    bulky = params(max_tokens=1, stop=["x" * 400])  # the submit carries the params, the reply does not
+    seen, submit, reply = await tokenize(env, prompt=[300] * 10, sampling_params=bulky)  # 545 bytes
+    assert reply.error is None and submit is not None
+    seen, submit, reply = await tokenize(env, prompt=[300] * 60, sampling_params=bulky)  # 697 bytes
+    assert submit is None and seen == ["inbox"]
+    assert reply.error.code == "request_too_large" and reply.error.status == 413 and reply.error.param == "prompt"
 
 
 async def test_offline_requests_are_capped_at_max_model_len(env):

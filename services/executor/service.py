@@ -66,6 +66,7 @@ class ExecutorService:
         self._first_step_id = 0  # of this registration (RegisterAck.next_step_id): older plans are stale
         self._executing = False  # a step is running on the torch thread
         self._holding_plan = False  # _run_steps took a plan and has not finished with it
+        self._last_step_id = 0  # the newest plan received (Heartbeat.last_step_id)
         self._rejoin = False  # register again once the running step is done (the scheduler dropped us)
 
     async def start(self) -> None:
@@ -141,7 +142,7 @@ class ExecutorService:
         """Say we are alive; if the scheduler no longer knows the group (it dropped it after a
         step timed out, or it restarted), register again, after the running step if any."""
         msg = Heartbeat(group_id=self.group_id, time=time.time(),
-                        idle=self._plans.empty() and not self._holding_plan)
+                        idle=self._plans.empty() and not self._holding_plan, last_step_id=self._last_step_id)
         try:
             ack = await self.bus.request(self.subjects.heartbeat, msg, HeartbeatAck,
                                          timeout=max(1.0, self.settings.heartbeat_interval_s))
@@ -163,6 +164,7 @@ class ExecutorService:
         self._tasks.append(asyncio.create_task(self._register()))
 
     async def _on_step(self, plan: StepPlan) -> None:
+        self._last_step_id = max(self._last_step_id, plan.step_id)
         self._plans.put_nowait(plan)
 
     async def _run_steps(self) -> None:

@@ -64,11 +64,14 @@ class Request:
     def new_request_bytes(self, num_tokens: int | None = None) -> int:
         """An upper bound of the bytes its ``NewRequestData`` takes in a msgpack ``StepPlan``
         with ``num_tokens`` tokens (default: the tokens known now): at most 5 bytes per token
-        id and per block id (block size >= 8), its sampling params, ids and counters."""
+        id and per block id (block size >= 8), its sampling params (field names and the widest
+        values: 256), its id in the plan's maps, the field names and counters (256), and the
+        ids of the samples an n > 1 request forks."""
         tokens = self.num_tokens if num_tokens is None else num_tokens
         params = self.sampling_params
-        params_bytes = 160 + sum(len(s.encode()) + 5 for s in params.stop) + 9 * len(params.stop_token_ids)
-        return 5 * (tokens + tokens // 8 + 1) + params_bytes + 2 * len(self.request_id) + 96
+        params_bytes = 256 + sum(len(s.encode()) + 5 for s in params.stop) + 9 * len(params.stop_token_ids)
+        forks = (params.n - 1) * (len(self.request_id) + 8)
+        return 5 * (tokens + tokens // 8 + 1) + params_bytes + 3 * len(self.request_id) + 256 + forks
 
     @property
     def needs_fork(self) -> bool:

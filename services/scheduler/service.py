@@ -72,8 +72,12 @@ class SchedulerService:
         self.bus = bus
         self._own_bus = bus is None
         self._tasks: list[asyncio.Task] = []
+        self._submit_sub = None
+        self._gateway_misses: dict[str, int] = {}  # gateway -> pings in a row nobody answered
         self._step_sent_at: dict[str, list[float]] = {}  # group -> send times of its steps in flight
         self._idle_heartbeat_at: dict[str, float] = {}  # group -> when its last heartbeat said idle
+        # group -> (step id, since when) its executor answered the step and its result is missing
+        self._unanswered_since: dict[str, tuple[int, float]] = {}
         # when the last group went and its error: waiting requests fail if none registers in time
         self._groups_lost: tuple[float, ServiceError] | None = None
 
@@ -86,7 +90,7 @@ class SchedulerService:
         max_payload = b.nc.max_payload
         self.scheduler.config = dataclasses.replace(
             self.scheduler.config, max_plan_bytes=max(max_payload // 2, max_payload - PLAN_MARGIN_BYTES))
-        await b.subscribe(s.submit, SubmitRequest, self._on_submit)
+        self._submit_sub = await b.subscribe(s.submit, SubmitRequest, self._on_submit)
         await b.subscribe(s.abort, AbortRequests, self._on_abort)
         await b.subscribe(s.register, RegisterGroup, self._on_register)
         await b.subscribe(s.heartbeat, Heartbeat, self._on_heartbeat)
@@ -104,6 +108,12 @@ class SchedulerService:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._submit_sub is not None:  # no new request is taken while the held ones are failed
+            try:
+                await self._submit_sub.unsubscribe()
+            except Exception:  # the connection is gone
+                pass
+            self._submit_sub = None
         if self.bus is not None and self.scheduler.requests:
             lost = ServiceError(message="the scheduler stopped before this request finished; send it again",
                                 type="server_error", code="request_lost", status=503)
@@ -168,7 +178,7 @@ class SchedulerService:
             return HeartbeatAck(group_id=msg.group_id, known=False)
         now = time.monotonic()
         group.last_heartbeat = now
-        if msg.stopping or self._steps_lost(msg.group_id, msg.idle, now):
+        if msg.stopping or self._steps_lost(msg, now):
             oldest = group.in_flight[0].plan.step_id if group.in_flight else None
             moved = self._remove_group(msg.group_id)
             if msg.stopping:
@@ -181,17 +191,33 @@ class SchedulerService:
             return HeartbeatAck(group_id=msg.group_id, known=False)
         return HeartbeatAck(group_id=msg.group_id, known=True)
 
-    def _steps_lost(self, group_id: str, idle: bool, now: float) -> bool:
-        """Whether the group's oldest step in flight is lost: the executor has nothing queued
-        or running (``idle``) in two heartbeats in a row, and the step was sent before the
-        first of them, so its plan had time to arrive; its plan or its result went missing
-        (NATS drops messages in transit when a connection or the server restarts)."""
+    def _steps_lost(self, msg: Heartbeat, now: float) -> bool:
+        """Whether the group's oldest step in flight is lost (NATS drops messages in transit
+        when a connection or the server restarts). The executor has nothing queued or running
+        (``idle``) and:
+        - never received the step (``last_step_id`` below it) in two heartbeats in a row, the
+          step sent before the first, so its plan had time to arrive: the plan was lost;
+        - or received it, and the scheduler has not had its result for ``heartbeat_timeout_s``
+          since an idle heartbeat first said so: the result was lost (a result still waiting
+          in this process's backlog gets that long to be handled).
+        """
+        group_id = msg.group_id
         previous = self._idle_heartbeat_at.pop(group_id, None)
-        if not idle:
+        group = self.scheduler.groups[group_id]
+        if not msg.idle or not group.in_flight:
+            self._unanswered_since.pop(group_id, None)
             return False
         self._idle_heartbeat_at[group_id] = now
-        sent = self._step_sent_at.get(group_id)
-        return bool(sent) and previous is not None and sent[0] < previous
+        oldest = group.in_flight[0].plan.step_id
+        if msg.last_step_id < oldest:
+            self._unanswered_since.pop(group_id, None)
+            sent = self._step_sent_at.get(group_id)
+            return bool(sent) and previous is not None and sent[0] < previous
+        step, since = self._unanswered_since.get(group_id, (None, now))
+        if step != oldest:
+            self._unanswered_since[group_id] = (oldest, now)
+            return False
+        return now - since > self.settings.heartbeat_timeout_s
 
     async def _on_result(self, result: StepResult) -> None:
         if not self.scheduler.is_in_flight(result.group_id, result.step_id):
@@ -241,6 +267,8 @@ class SchedulerService:
                               error=repr(exc), requeued=len(moved))
                     self._note_groups_lost(ServiceError(message=f"sending a step failed: {exc!r}",
                                                         type="server_error", status=503))
+                    # its requests may now be queued on a group this loop has already passed
+                    asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._kick()))
                     break
 
     async def _publish_outputs(self, outcome: StepOutcome) -> None:
@@ -289,6 +317,7 @@ class SchedulerService:
         requests, routed again."""
         self._step_sent_at.pop(group_id, None)
         self._idle_heartbeat_at.pop(group_id, None)
+        self._unanswered_since.pop(group_id, None)
         return self.scheduler.remove_group(group_id)
 
     async def _fail_group(self, group_id: str, error: ServiceError) -> None:
@@ -298,6 +327,7 @@ class SchedulerService:
         once after a failed step)."""
         self._step_sent_at.pop(group_id, None)
         self._idle_heartbeat_at.pop(group_id, None)
+        self._unanswered_since.pop(group_id, None)
         failed, moved = self.scheduler.fail_step(group_id)
         for req in failed:
             await self._send_error(req, error)
@@ -347,23 +377,30 @@ class SchedulerService:
 
     async def _watch_gateways(self) -> None:
         """Every ``heartbeat_timeout_s``, ping the gateway of each request held; a gateway that
-        nobody answers for (NATS says there is no responder: it died without aborting its
-        requests) has its requests aborted, so that they free their blocks instead of running
-        to max_tokens for nobody. A slow answer is no verdict."""
+        nobody answers for twice in a row (NATS says there is no responder: it died without
+        aborting its requests) has its requests aborted, so that they free their blocks instead
+        of running to max_tokens for nobody. Twice: a live gateway reconnecting after a NATS
+        blip has no subscription for a moment. A slow answer is no verdict."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_timeout_s)
             by_gateway: dict[str, list[str]] = defaultdict(list)
             for req in self.scheduler.requests.values():
                 by_gateway[req.gateway_id].append(req.request_id)
+            self._gateway_misses = {g: n for g, n in self._gateway_misses.items() if g in by_gateway}
             for gateway_id, request_ids in by_gateway.items():
                 try:
                     await self.bus.request(subj.gateway_ping(gateway_id), Ping(), Pong, timeout=2.0)
                 except nats.errors.NoRespondersError:
-                    aborted = self.scheduler.abort(request_ids, "abort")
-                    log.warning("gateway_lost", gateway_id=gateway_id, aborted=len(aborted))
-                    await self._kick()
+                    misses = self._gateway_misses[gateway_id] = self._gateway_misses.get(gateway_id, 0) + 1
+                    if misses >= 2:
+                        del self._gateway_misses[gateway_id]
+                        aborted = self.scheduler.abort(request_ids, "abort")
+                        log.warning("gateway_lost", gateway_id=gateway_id, aborted=len(aborted))
+                        await self._kick()
+                    continue
                 except Exception:  # slow, or NATS away: ask again next time
                     continue
+                self._gateway_misses.pop(gateway_id, None)
 
     async def _publish_stats(self) -> None:
         while True:

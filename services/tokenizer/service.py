@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import nats.errors
+
 from shared.bus import Bus
 from shared.config import Settings
 from shared.logging import configure_logging, get_logger
@@ -113,21 +115,29 @@ class TokenizerService:
             error = ServiceError(message=f"tokenization failed: {e}", type="internal_server_error", status=500)
             return TokenizeReply(request_id=request.request_id, error=error)
         assert self.bus is not None
-        await self.bus.publish(
-            self.subjects.submit,
-            SubmitRequest(
-                request_id=request.request_id,
-                gateway_id=request.gateway_id,
-                prompt_token_ids=ids,
-                sampling_params=self._submitted_params(request, len(ids)),
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                arrival_time=request.arrival_time or time.time(),
-            ),
-        )
+        try:
+            await self.bus.publish(
+                self.subjects.submit,
+                SubmitRequest(
+                    request_id=request.request_id,
+                    gateway_id=request.gateway_id,
+                    prompt_token_ids=ids,
+                    sampling_params=self._submitted_params(request, len(ids)),
+                    priority=request.priority,
+                    cache_salt=request.cache_salt,
+                    arrival_time=request.arrival_time or time.time(),
+                ),
+            )
+        except nats.errors.MaxPayloadError:  # not sent: refuse it rather than leave the client waiting
+            error = ServiceError(message=f"the request's {len(ids)} prompt tokens are more than one NATS message "
+                                         f"may carry here ({self.bus.nc.max_payload} bytes: the NATS server's "
+                                         "max_payload)", param="messages" if kind == "chat" else "prompt",
+                                 code="request_too_large", status=413)
+            return TokenizeReply(request_id=request.request_id, error=error)
         log.info("tokenized", request_id=request.request_id, kind=kind, num_prompt_tokens=len(ids),
                  max_tokens=request.sampling_params.max_tokens, ms=round((time.perf_counter() - t0) * 1e3, 2))
-        return TokenizeReply(request_id=request.request_id, prompt_token_ids=ids, prompt=chat_prompt)
+        return TokenizeReply(request_id=request.request_id, prompt_token_ids=ids,
+                             prompt=chat_prompt if request.return_prompt else None)
 
     # ------------------------------------------------------------------ no I/O below
 
