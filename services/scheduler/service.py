@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import nats.errors
 import structlog
+from nats.aio.subscription import Subscription
 
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig, StepOutcome
@@ -72,7 +73,7 @@ class SchedulerService:
         self.bus = bus
         self._own_bus = bus is None
         self._tasks: list[asyncio.Task] = []
-        self._submit_sub = None
+        self._submit_sub: Subscription | None = None
         self._gateway_misses: dict[str, int] = {}  # gateway -> pings in a row nobody answered
         self._step_sent_at: dict[str, list[float]] = {}  # group -> send times of its steps in flight
         self._idle_heartbeat_at: dict[str, float] = {}  # group -> when its last heartbeat said idle
@@ -315,19 +316,21 @@ class SchedulerService:
     def _remove_group(self, group_id: str) -> list[Request]:
         """Drop a group and its steps in flight (their results are then stale); returns its
         requests, routed again."""
+        self._forget_steps(group_id)
+        return self.scheduler.remove_group(group_id)
+
+    def _forget_steps(self, group_id: str) -> None:
+        """Drop what this service tracks about the group's steps in flight."""
         self._step_sent_at.pop(group_id, None)
         self._idle_heartbeat_at.pop(group_id, None)
         self._unanswered_since.pop(group_id, None)
-        return self.scheduler.remove_group(group_id)
 
     async def _fail_group(self, group_id: str, error: ServiceError) -> None:
         """A group failed a step: the step's culprit, if known, fails with the error
         (``Scheduler.fail_step``); the group is dropped and its other requests are requeued,
         for another group or for this one when it registers again (its executor does so at
         once after a failed step)."""
-        self._step_sent_at.pop(group_id, None)
-        self._idle_heartbeat_at.pop(group_id, None)
-        self._unanswered_since.pop(group_id, None)
+        self._forget_steps(group_id)
         failed, moved = self.scheduler.fail_step(group_id)
         for req in failed:
             await self._send_error(req, error)
