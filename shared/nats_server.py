@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -15,16 +16,18 @@ from pathlib import Path
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """``preexec_fn`` of a child in its own session: Linux sends it ``sig`` when the process
-    that started it dies, even by SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so ``pagedllm
-    serve`` killed with -9 leaves no orphans. A no-op elsewhere."""
-    if sys.platform != "linux":
-        return
-    import ctypes
+# resolved here, not in the forked child: an import there could wait for a lock that another
+# thread of the parent held at the fork
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, sig)  # PR_SET_PDEATHSIG
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """``preexec_fn`` of a child: Linux sends it ``sig`` when the process (strictly, the
+    thread) that started it dies, even by SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so ``pagedllm
+    serve`` or a script using ``LLM`` killed with -9 leaves no orphans. A no-op elsewhere."""
+    if _LIBC is None:
+        return
+    _LIBC.prctl(1, sig)  # PR_SET_PDEATHSIG
     if os.getppid() == 1:  # the parent died before the prctl: go now
         os.kill(os.getpid(), sig)
 
@@ -74,7 +77,7 @@ class EmbeddedNats:
         )
         self._proc = subprocess.Popen(
             [find_nats_server(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=self.new_session, preexec_fn=die_with_parent if self.new_session else None,
+            start_new_session=self.new_session, preexec_fn=die_with_parent,  # no orphan when its owner dies
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

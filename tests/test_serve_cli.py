@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -113,6 +114,30 @@ def test_serve_killed_with_sigkill_leaves_no_orphans(smollm2_path):
     for leftover in alive:
         leftover.kill()
     assert not alive, names
+
+
+def test_an_embedded_nats_server_dies_with_its_owner():
+    """The embedded nats-server of a process (an offline LLM's, a test session's) that is
+    killed with SIGKILL goes too, instead of running on as an orphan."""
+    code = ("import sys, time; from shared.nats_server import EmbeddedNats; "
+            "s = EmbeddedNats().start(); print(s._proc.pid, flush=True); time.sleep(60)")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+    server = psutil.Process(int(owner.stdout.readline()))
+    assert server.is_running() and "nats-server" in server.name()
+    owner.kill()
+    owner.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if server.status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        server.kill()
+        raise AssertionError("the nats-server outlived its owner")
 
 
 def test_serve_prefills_in_small_chunks_on_a_cpu_unless_told():
