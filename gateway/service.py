@@ -54,7 +54,6 @@ class GatewayService:
     ) -> None:
         self.settings = settings
         self.model_info = model_info
-        self.drain_timeout_s = settings.gateway_drain_timeout_s
         self.bus = bus
         self._owns_bus = bus is None
         self.client: EngineClient | None = None
@@ -97,7 +96,7 @@ class GatewayService:
             log_level=self.settings.log_level.lower(),
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=self.drain_timeout_s,
+            timeout_graceful_shutdown=self.settings.gateway_drain_timeout_s,
         )
         self._server = _UvicornServer(config)
         self._task = asyncio.create_task(self._serve(), name="gateway-uvicorn")
@@ -146,12 +145,13 @@ class GatewayService:
         )
 
     async def stop(self) -> None:
-        """Stop listening, let in-flight requests finish (up to ``drain_timeout_s``), abort
-        the rest, and close the bus if this service opened it."""
+        """Stop listening, let in-flight requests finish (up to
+        ``settings.gateway_drain_timeout_s``), abort the rest, and close the bus if this
+        service opened it."""
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             try:
-                await asyncio.wait_for(asyncio.shield(self._task), self.drain_timeout_s + 5.0)
+                await asyncio.wait_for(asyncio.shield(self._task), self.settings.gateway_drain_timeout_s + 5.0)
             except (TimeoutError, OSError):
                 pass
             except Exception:

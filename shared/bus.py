@@ -91,11 +91,14 @@ class ConnectionEvents:
         retries, and start counting errors afresh."""
         if self.errors:
             log.info("nats_connected", connection=self.name, url=self.url, errors=self.errors)
-        self.errors = 0
-        self._last_logged = 0.0
+        self._up()
 
     async def on_reconnected(self) -> None:
         log.info("nats_reconnected", connection=self.name, url=self.url, errors=self.errors)
+        self._up()
+
+    def _up(self) -> None:
+        """The connection is up: the next outage's first error is logged."""
         self.errors = 0
         self._last_logged = 0.0
 

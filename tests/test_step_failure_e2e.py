@@ -275,26 +275,20 @@ def test_a_lost_plan_or_result_is_noticed_by_heartbeat(smollm2_path, monkeypatch
     anyone; the executor registers again and the requests give their exact tokens."""
     from pagedllm import LLM, SamplingParams
 
-    original_on_step = executor_service.ExecutorService._on_step
-    original_on_result = scheduler_service.SchedulerService._on_result
+    # the executor's plan handler, or the scheduler's result handler, drops one message
+    owner, handler = ((executor_service.ExecutorService, "_on_step") if lost == "plan"
+                      else (scheduler_service.SchedulerService, "_on_result"))
+    original = getattr(owner, handler)
     lose = {"at": -1, "n": 0, "lost": []}
 
-    async def on_step(self, plan):
-        lose["n"] += lost == "plan"
-        if lost == "plan" and lose["n"] == lose["at"]:
-            lose["lost"].append(plan.step_id)
+    async def dropping(self, msg):
+        lose["n"] += 1
+        if lose["n"] == lose["at"]:
+            lose["lost"].append(msg.step_id)
             return
-        await original_on_step(self, plan)
+        await original(self, msg)
 
-    async def on_result(self, result):
-        lose["n"] += lost == "result"
-        if lost == "result" and lose["n"] == lose["at"]:
-            lose["lost"].append(result.step_id)
-            return
-        await original_on_result(self, result)
-
-    monkeypatch.setattr(executor_service.ExecutorService, "_on_step", on_step)
-    monkeypatch.setattr(scheduler_service.SchedulerService, "_on_result", on_result)
+    monkeypatch.setattr(owner, handler, dropping)
     llm = LLM(model=str(smollm2_path), dtype="float32", heartbeat_interval_s=0.2, heartbeat_timeout_s=3,
               step_timeout_s=600)
     try:

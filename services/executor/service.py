@@ -64,7 +64,6 @@ class ExecutorService:
         self._pinging = False
         self._plans: asyncio.Queue[StepPlan] = asyncio.Queue()  # received, run in order by _run_steps
         self._first_step_id = 0  # of this registration (RegisterAck.next_step_id): older plans are stale
-        self._executing = False  # a step is running on the torch thread
         self._holding_plan = False  # _run_steps took a plan and has not finished with it
         self._last_step_id = 0  # the newest plan received (Heartbeat.last_step_id)
         self._rejoin = False  # register again once the running step is done (the scheduler dropped us)
@@ -150,8 +149,8 @@ class ExecutorService:
             return  # the scheduler is busy or away: its own watchdog decides
         if ack.known or not self.registered.is_set():
             return
-        log.warning("group_unknown_to_scheduler", group_id=self.group_id, executing=self._executing)
-        if self._executing:
+        log.warning("group_unknown_to_scheduler", group_id=self.group_id, holding_plan=self._holding_plan)
+        if self._holding_plan:  # _run_steps rejoins once done with it
             self._rejoin = True
         else:
             self._start_rejoin()
@@ -178,21 +177,18 @@ class ExecutorService:
             self._holding_plan = True
             try:
                 await self.registered.wait()
-                if plan.step_id < self._first_step_id:
+                if plan.step_id >= self._first_step_id:
+                    await self._execute(plan)
+                else:
                     log.info("stale_step_dropped", step_id=plan.step_id, first_step_id=self._first_step_id)
-                    continue
-                await self._execute(plan)
             finally:
                 self._holding_plan = False
+            if self._rejoin:  # the step failed, or the scheduler dropped the group meanwhile:
+                self._start_rejoin()  # start clean and join again (its requests are recomputed)
 
     async def _execute(self, plan: StepPlan) -> None:
-        self._executing = True  # until the rejoin decision below: _heartbeat defers to it
-        try:
-            await self._execute_and_answer(plan)
-        finally:
-            self._executing = False
-
-    async def _execute_and_answer(self, plan: StepPlan) -> None:
+        """Run one plan on the torch thread and publish its result (a failure as an error
+        result, after which the group registers again)."""
         t0 = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
@@ -207,7 +203,5 @@ class ExecutorService:
             )
         result.execute_time_s = time.perf_counter() - t0
         await self.bus.publish(self.subjects.result, result)
-        if result.error is not None or self._rejoin:
-            # The scheduler drops (or dropped) this group and recomputes its requests; start
-            # clean and join again.
-            self._start_rejoin()
+        if result.error is not None:  # the scheduler drops this group
+            self._rejoin = True
