@@ -44,6 +44,17 @@ CONNECTION_ERRORS = (
     OSError, asyncio.TimeoutError, nats.errors.NoServersError, nats.errors.StaleConnectionError,
     nats.errors.ConnectionClosedError,
 )
+#: nats.py raises a plain ``nats.errors.Error`` when the TCP connection opens but the server's
+#: INFO line does not come (a server starting or stopping accepts and closes): an outage too
+_HANDSHAKE_ERROR_MESSAGES = ("when expecting INFO message", "info message, json parse error")
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc``, given to nats.py's ``error_cb``, says the server cannot be reached (or
+    not yet): a refused or dropped connection, a timeout, or a handshake without the INFO line."""
+    if isinstance(exc, CONNECTION_ERRORS):
+        return True
+    return type(exc) is nats.errors.Error and any(m in str(exc) for m in _HANDSHAKE_ERROR_MESSAGES)
 
 
 class ConnectionEvents:
@@ -51,10 +62,10 @@ class ConnectionEvents:
     one short structured log line per event, instead of nats.py's default ``nats: encountered
     error`` traceback every reconnect attempt (every 0.5 s while the server is down).
 
-    A connection error (``CONNECTION_ERRORS``: refused, timed out, unexpected EOF, ...) is
-    logged without a traceback: the first of an outage, then at most once per
-    ``CONNECTION_ERROR_LOG_INTERVAL_S``, with ``errors``, the number of connection errors since
-    the connection was last up. Another NATS error (slow consumer, ...) is one line each; any
+    A connection error (:func:`is_connection_error`: refused, timed out, unexpected EOF, no
+    INFO line in the handshake, ...) is logged without a traceback: the first of an outage,
+    then at most once per ``CONNECTION_ERROR_LOG_INTERVAL_S``, with ``errors``, the number of
+    connection errors since the connection was last up. Another NATS error (slow consumer, ...) is one line each; any
     other exception keeps its traceback.
     """
 
@@ -66,7 +77,7 @@ class ConnectionEvents:
         self.client: Client | None = None  # set once connected
 
     async def on_error(self, exc: Exception) -> None:
-        if not isinstance(exc, CONNECTION_ERRORS):
+        if not is_connection_error(exc):
             if isinstance(exc, nats.errors.Error):  # slow consumer, drain timeout, ...: says what it is
                 log.warning("nats_error", connection=self.name, error=str(exc) or type(exc).__name__)
             else:
