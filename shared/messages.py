@@ -257,12 +257,14 @@ class NewRequestData(Message):
 
 
 class CachedRequestData(Message):
-    """A running request the executor knows: only the blocks appended this step."""
+    """A running request the executor knows: only the blocks appended this step, and the one
+    entry a copy-on-write changed in place (``(position in the block table, new block id)``;
+    the K/V copy itself is in ``StepPlan.block_copies``)."""
 
     request_id: str
     new_block_ids: list[int] = Field(default_factory=list)
     num_computed_tokens: int
-    block_ids: list[int] | None = None  # the whole table, when it changed in place (copy-on-write)
+    replaced_block: tuple[int, int] | None = None
 
 
 class StepPlan(Message):

@@ -54,8 +54,9 @@ class FakeExecutor:
                     self.slots[dst * self.block_size + off] = self.slots[src * self.block_size + off]
         for cached in plan.cached_requests:
             st = self.state[cached.request_id]
-            if cached.block_ids is not None:
-                st["blocks"] = list(cached.block_ids)
+            if cached.replaced_block is not None:
+                position, block_id = cached.replaced_block
+                st["blocks"][position] = block_id
             st["blocks"].extend(cached.new_block_ids)
             assert st["computed"] == cached.num_computed_tokens
         sampled = {}
@@ -646,3 +647,78 @@ def test_async_scheduling_keeps_two_steps_in_flight_and_drops_the_token_after_a_
     assert sum(p.num_scheduled_tokens.get("cap", 0) for p in plans) == 7 + 6 - 1  # never past max_tokens
     assert max(depth) == (1 if async_scheduling else 0)  # one more plan waits while a step runs
     assert sched.groups["g0"].kv.num_free_blocks == 32 and not sched.requests
+
+
+def _plans_of_a_forking_workload(max_plan_bytes: int | None) -> tuple[dict[str, list[int]], list[StepPlan], list]:
+    """24 requests with long non-ASCII ids and 300–1,000-token prompts, every fourth with
+    n = 3 (forks, then copies-on-write of the shared partial block), some in chunked prefills."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096, max_plan_bytes=max_plan_bytes))
+    sched.add_group("g0", num_blocks=2048, block_size=16)
+    ex = FakeExecutor(2048, 16)
+    reqs = []
+    for i in range(24):
+        req = make_request(f"chatcmpl-{i:032x}-ünï", 300 + 31 * i, 8, seed=i)
+        if i % 4 == 0:
+            req.sampling_params = req.sampling_params.model_copy(update={"n": 3})
+        assert sched.add_request(req) is None
+        reqs.append(req)
+    outputs, plans = run(sched, ex)
+    return outputs, plans, reqs
+
+
+def test_plans_stay_within_max_plan_bytes():
+    """Admission keeps every plan within ``max_plan_bytes`` (plus the plan's own header)
+    with long request ids, n > 1 forks and their copies-on-write, finished ids and chunked
+    prefills. A copy-on-write sends the one table entry it changed, not the whole table."""
+    from shared.bus import encode
+
+    limit = 12_000
+    header = len(encode(StepPlan(step_id=10**9, group_id="g0")))
+    unbounded = max(len(encode(p)) for p in _plans_of_a_forking_workload(None)[1])
+    assert unbounded > limit + header  # the bound is what keeps the plans small
+    outputs, plans, reqs = _plans_of_a_forking_workload(limit)
+    sizes = [len(encode(p)) for p in plans]
+    assert max(sizes) <= limit + header, sorted(sizes)[-5:]
+    for req in reqs:
+        if req.sampling_params.n == 1:
+            assert outputs[req.request_id] == expected(req)
+        else:
+            assert {f"{req.request_id}#1", f"{req.request_id}#2"} <= set(outputs)
+    replaced = [c.replaced_block for p in plans for c in p.cached_requests if c.replaced_block is not None]
+    assert len(replaced) == sum(len(p.block_copies) for p in plans) > 0
+    assert all(dst == copy[1] for p in plans for (_, dst), copy in zip(
+        [c.replaced_block for c in p.cached_requests if c.replaced_block], p.block_copies, strict=True))
+
+
+@pytest.mark.parametrize("rid", ["r", "chatcmpl-" + "f" * 32 + "#127", "ü" * 60])
+def test_plan_byte_bounds_hold_for_the_widest_values(rid):
+    """``Request.new_request_bytes`` and ``Request.cached_request_bytes`` bound what a request
+    adds to an encoded ``StepPlan``, with integers too big for 3 msgpack bytes, multi-byte
+    ids, stop strings and an n > 1 fork; a running request's copy-on-write included."""
+    from shared.bus import encode
+    from shared.messages import CachedRequestData, NewRequestData
+
+    req = make_request(rid, 500, 8)
+    req.prompt_token_ids = [70_000 + i for i in range(500)]
+    req.sampling_params = SamplingParams(n=4, max_tokens=2**31 - 1, temperature=1.5, top_p=0.5, top_k=40,
+                                         seed=2**40, stop=["éé", "stop"], stop_token_ids=[2**20, 7],
+                                         ignore_eos=True, skip_special_tokens=False, include_stop_str_in_output=True)
+    blocks = [100_000 + i for i in range(req.num_tokens // 16 + 1)]
+
+    def new_plan(*rids: str) -> StepPlan:
+        return StepPlan(step_id=2**40, group_id="g0", num_scheduled_tokens={r: 2**20 for r in rids},
+                        forks={r: [f"{r}#{i}" for i in range(1, 4)] for r in rids}, new_requests=[NewRequestData(
+                            request_id=r, prompt_token_ids=req.all_token_ids, sampling_params=req.sampling_params,
+                            block_ids=blocks, num_computed_tokens=2**20, num_output_tokens=2**20) for r in rids])
+
+    def cached_plan(*rids: str) -> StepPlan:
+        return StepPlan(step_id=2**40, group_id="g0", num_scheduled_tokens={r: 2**20 for r in rids},
+                        block_copies=[(2**20, 2**20 + 1) for _ in rids], cached_requests=[CachedRequestData(
+                            request_id=r, new_block_ids=blocks[:3], num_computed_tokens=2**20,
+                            replaced_block=(2**20, 2**20 + 1)) for r in rids])
+
+    # what the request adds to a plan that has the fields already (another request "x")
+    added = len(encode(new_plan("x", rid))) - len(encode(new_plan("x")))
+    assert 0.5 * req.new_request_bytes() < added <= req.new_request_bytes()
+    added = len(encode(cached_plan("x", rid))) - len(encode(cached_plan("x")))
+    assert 0.5 * req.cached_request_bytes(3) < added <= req.cached_request_bytes(3)

@@ -184,8 +184,9 @@ class ModelRunner:
             )
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]
-            if cached.block_ids is not None:  # changed in place by a copy-on-write
-                state.block_ids = list(cached.block_ids)
+            if cached.replaced_block is not None:  # a copy-on-write gave it its own block
+                position, block_id = cached.replaced_block
+                state.block_ids[position] = block_id
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 

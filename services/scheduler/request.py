@@ -70,8 +70,16 @@ class Request:
         tokens = self.num_tokens if num_tokens is None else num_tokens
         params = self.sampling_params
         params_bytes = 256 + sum(len(s.encode()) + 5 for s in params.stop) + 9 * len(params.stop_token_ids)
-        forks = (params.n - 1) * (len(self.request_id) + 8)
-        return 5 * (tokens + tokens // 8 + 1) + params_bytes + 3 * len(self.request_id) + 256 + forks
+        forks = (params.n - 1) * (len(self.request_id.encode()) + 8)
+        return 5 * (tokens + tokens // 8 + 1) + params_bytes + 3 * len(self.request_id.encode()) + 256 + forks
+
+    def cached_request_bytes(self, num_new_blocks: int) -> int:
+        """An upper bound of the bytes it takes in a msgpack ``StepPlan`` as a running request
+        with ``num_new_blocks`` blocks appended: its ``CachedRequestData`` (a copy-on-write's
+        ``replaced_block`` and ``block_copies`` entry included) and its
+        ``num_scheduled_tokens`` entry, at most 5 bytes per integer; its id twice, the field
+        names and headers (128)."""
+        return 2 * len(self.request_id.encode()) + 128 + 5 * num_new_blocks
 
     @property
     def needs_fork(self) -> bool:

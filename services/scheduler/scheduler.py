@@ -39,7 +39,6 @@ from shared.messages import (
 
 DECODE_COST_TOKENS = 16  # routing: one running request's per-step work, in prefill tokens
 MAX_FAILED_STEPS = 3  # a request in this many failed batched steps fails with the error (fail_step)
-PLAN_BYTES_PER_RUNNING = 160  # a bound of a running request's CachedRequestData and counters in a plan
 MAX_FAILED_ALONE = 2  # a suspect that fails this many steps alone fails with the error (fail_step)
 
 
@@ -396,7 +395,11 @@ class Scheduler:
         """Start waiting requests in queue order while budget, sequences, blocks and the plan's
         bytes (``max_plan_bytes``: each new request carries its whole prompt) last."""
         limit = self.config.max_plan_bytes
-        plan_bytes = PLAN_BYTES_PER_RUNNING * len(group.running)
+        plan_bytes = 0
+        if limit is not None and group.waiting:  # what the running requests scheduled take
+            plan_bytes = sum(req.cached_request_bytes(len(new_blocks[req.request_id]))
+                             for req in group.running if req.request_id in scheduled)
+            plan_bytes += sum(len(rid.encode()) + 5 for rid in group.to_forget)
         while group.waiting and budget > 0 and len(group.running) < self.config.max_num_seqs:
             req = group.waiting[0]
             if limit is not None:
@@ -446,13 +449,13 @@ class Scheduler:
             if num is None:
                 continue
             if req.request_id in group.known:
+                copy = copied.get(req.request_id)
                 plan.cached_requests.append(
                     CachedRequestData(
                         request_id=req.request_id,
                         new_block_ids=new_blocks[req.request_id],
                         num_computed_tokens=req.num_computed_tokens,
-                        # after a copy-on-write the table changed in place: send it whole
-                        block_ids=list(req.block_ids) if req.request_id in copied else None,
+                        replaced_block=None if copy is None else (req.block_ids.index(copy[1]), copy[1]),
                     )
                 )
             else:
