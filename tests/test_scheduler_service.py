@@ -1,7 +1,8 @@
 """The scheduler service's handling of its groups and requests over a real NATS server, with
 no model: a group whose step was lost (idle heartbeats) or that stops is dropped at once and
 its requests requeued; a plan that cannot be sent drops its group; plans stay under NATS's
-max_payload; a stopping scheduler fails the requests it holds at once."""
+max_payload; a stopping scheduler fails the requests it holds at once; the requests of a gateway
+or detokenizer shard gone are aborted or failed."""
 
 from __future__ import annotations
 
@@ -14,18 +15,24 @@ import nats.errors
 import pytest
 
 from services.scheduler.service import SchedulerService
+from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
+    AbortRequests,
     GatewayStep,
     Heartbeat,
+    Ping,
+    Pong,
     RegisterGroup,
     RequestDelta,
     SamplingParams,
+    ServiceError,
     StepPlan,
     SubmitRequest,
 )
 from shared.model_source import ModelInfo
+from shared.service import answer_pings
 
 
 @pytest.fixture
@@ -196,11 +203,12 @@ async def test_requests_of_a_gateway_gone_are_aborted(nats_url):
     client = EngineClient(bus, name, gateway_id="gw-alive")
     await client.start()
     late = EngineClient(bus, name, gateway_id="gw-late")
+    await answer_pings(bus, name, "detokenizer.0")
     try:
         await submit(svc, "mine", gateway="gw-alive")  # no group: they wait
         await submit(svc, "orphan", gateway="gw-dead")
         await submit(svc, "late", gateway="gw-late")
-        await until(lambda: svc._gateway_misses.get("gw-late") == 1)  # the first round missed it
+        await until(lambda: svc._peer_misses.get(subjects.gateway_ping("gw-late")) == 1)  # the first round missed it
         await late.start()
         await until(lambda: "orphan" not in svc.scheduler.requests)
         await asyncio.sleep(1.2)  # one more round
@@ -208,5 +216,53 @@ async def test_requests_of_a_gateway_gone_are_aborted(nats_url):
     finally:
         await late.stop()
         await client.stop()
+        await bus.close()
+        await svc.stop()
+
+
+async def test_an_abort_with_an_error_reports_it_to_the_gateway(env):
+    """A detokenizer that lost requests' state sends them back with an error: the scheduler
+    sends it to each held request's gateway and frees it; unknown ids are ignored."""
+    await submit(env.svc, "r0")
+    await submit(env.svc, "r1")
+    lost = ServiceError(message="lost", type="server_error", code="request_lost", status=503)
+    await env.svc._on_abort(AbortRequests(request_ids=["r0", "gone"], reason="error", error=lost))
+    assert [(d.request_id, d.finish_reason, d.error) for d in env.errors] == [("r0", "error", lost)]
+    assert list(env.svc.scheduler.requests) == ["r1"]
+
+
+async def test_requests_of_a_detokenizer_shard_gone_fail(nats_url):
+    """With no detokenizer answering for a shard twice in a row, the scheduler fails that
+    shard's requests with a 503 request_lost (their outputs would go nowhere); the other
+    shard's requests run on."""
+    name = f"sched-{uuid.uuid4().hex[:8]}"
+    info = ModelInfo(path=Path("/models") / name, name=name, max_model_len=4096, eos_token_ids=(2,), vocab_size=50000)
+    svc = SchedulerService(Settings(nats_url=nats_url, served_model_name=name, heartbeat_timeout_s=1.0,
+                                    num_detokenizer_shards=2), info)
+    await svc.start()
+    bus = await Bus.connect(nats_url, name="test-peers")
+    failed: list[RequestDelta] = []
+
+    async def on_step(step: GatewayStep) -> None:
+        failed.extend(step.outputs)
+
+    async def pong(_: Ping) -> Pong:
+        return Pong(service="gateway")
+
+    try:
+        await bus.subscribe(subjects.gateway("gw"), GatewayStep, on_step)
+        await bus.subscribe(subjects.gateway_ping("gw"), Ping, pong)
+        await answer_pings(bus, name, "detokenizer.1")  # shard 0 has none
+        ids = [f"r{i}" for i in range(6)]
+        shard0 = sorted(r for r in ids if subjects.detok_shard(r, 2) == 0)
+        assert shard0 and len(shard0) < len(ids)
+        for rid in ids:
+            await submit(svc, rid)  # no group: they wait
+        await until(lambda: len(svc.scheduler.requests) < len(ids), timeout=10)
+        await until(lambda: len(failed) == len(shard0))
+        assert sorted(d.request_id for d in failed) == shard0
+        assert all(d.finish_reason == "error" and d.error.code == "request_lost" for d in failed)
+        assert sorted(svc.scheduler.requests) == sorted(set(ids) - set(shard0))
+    finally:
         await bus.close()
         await svc.stop()

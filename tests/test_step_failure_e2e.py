@@ -267,6 +267,40 @@ def test_a_request_whose_outputs_are_lost_ends_with_a_503(smollm2_path, monkeypa
 
 
 @pytest.mark.timeout(300)
+def test_a_request_whose_detokenizer_state_is_lost_fails_at_once(smollm2_path, monkeypatch):
+    """A detokenizer that replaced one that died gets updates for requests it never
+    registered: each fails at once with a 503 request_lost (through the scheduler, which knows
+    its gateway) and frees its blocks, instead of generating to max_tokens for nobody; the
+    engine then serves as before."""
+    from pagedllm import LLM, SamplingParams
+    from services.detokenizer.service import DetokenizerService
+
+    original_process = DetokenizerService.process
+    steps = {"n": 0, "lose_at": -1}
+
+    def process(self, step):
+        steps["n"] += 1
+        if steps["n"] == steps["lose_at"]:
+            self.requests.clear()  # as if a new detokenizer had taken the shard over
+        return original_process(self, step)
+
+    monkeypatch.setattr(DetokenizerService, "process", process)
+    llm = LLM(model=str(smollm2_path), dtype="float32")
+    try:
+        short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        baseline = llm.generate(["One, two,"], short, use_tqdm=False)[0].outputs[0].token_ids
+        steps["lose_at"] = steps["n"] + 5
+        with pytest.raises(ValueError, match="the detokenizer lost this request's state"):
+            llm.generate(["One, two,"], SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True),
+                         use_tqdm=False)
+        assert_idle(llm)  # aborted at the scheduler, blocks freed
+        assert steps["n"] < steps["lose_at"] + 5  # it did not run on to max_tokens
+        assert llm.generate(["One, two,"], short, use_tqdm=False)[0].outputs[0].token_ids == baseline
+    finally:
+        llm.close()
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("lost", ["plan", "result"])
 def test_a_lost_plan_or_result_is_noticed_by_heartbeat(smollm2_path, monkeypatch, lost):
     """NATS drops messages in transit when a connection or the server restarts. A lost step

@@ -346,6 +346,39 @@ async def test_detokenizer_stop_string_finishes_and_aborts(env):
     assert abort_pending == 0
 
 
+async def test_an_update_for_a_request_never_registered_here_fails_it(env):
+    """A detokenizer that replaced one that died never got the requests' first outputs: an
+    update for such a request asks the scheduler to fail it (503 request_lost; the scheduler
+    knows its gateway). A finished request's late update and an unknown request's last update
+    are ignored."""
+    gw = f"gw-{uuid.uuid4().hex[:6]}"
+    step = DetokStep(
+        new_requests=[DetokNewRequest(request_id="f1", gateway_id=gw, prompt_tail_ids=[], num_prompt_tokens=3)],
+        updates=[TokenUpdate(request_id="f1", new_token_ids=[28], finish_reason="length")],
+    )
+    await detok_round(env, step, [gw])
+    step = DetokStep(updates=[TokenUpdate(request_id="f1", new_token_ids=[28]),  # finished here
+                              TokenUpdate(request_id="ghost", new_token_ids=[28, 29]),
+                              TokenUpdate(request_id="ghost-last", new_token_ids=[28], finish_reason="length")])
+    marker = f"marker-{uuid.uuid4().hex[:6]}"
+    marker_sub = await env.bus.nc.subscribe(subj.gateway(marker))
+    abort_sub = await env.bus.nc.subscribe(env.subjects.abort)
+    try:
+        await env.bus.publish(env.subjects.detok(0), step)
+        await env.bus.publish(env.subjects.detok(0), DetokStep(
+            new_requests=[DetokNewRequest(request_id=marker, gateway_id=marker, prompt_tail_ids=[],
+                                          num_prompt_tokens=1)],
+            updates=[TokenUpdate(request_id=marker, new_token_ids=[28], finish_reason="length")]))
+        await marker_sub.next_msg(timeout=10)
+        lost = decode((await abort_sub.next_msg(timeout=1)).data, AbortRequests)
+        assert abort_sub.pending_msgs == 0
+    finally:
+        await marker_sub.unsubscribe()
+        await abort_sub.unsubscribe()
+    assert lost.request_ids == ["ghost"] and lost.reason == "error"
+    assert lost.error.code == "request_lost" and lost.error.status == 503
+
+
 async def test_a_second_scheduler_or_detokenizer_of_a_shard_is_refused(env, nats_url, tmp_path):
     """Two schedulers, or two detokenizers of one shard, on one NATS would both act on every
     message (doubled, garbled text): the second one refuses to start. Another shard starts."""

@@ -4,13 +4,16 @@ recv ``DetokStep`` (one per scheduler step for this shard) -> register new reque
 each update's tokens to its ``IncrementalDetokenizer`` -> send one ``GatewayStep`` per
 gateway (a ``RequestDelta`` per updated request) and, when stop strings matched, one
 ``AbortRequests(reason="stop")`` so the scheduler frees those requests' blocks.
-A finished request's state is dropped at once; later updates for it are ignored.
+A finished request's state is dropped at once; later updates for it are ignored. An update
+for a request this shard never registered (its state went with a detokenizer that was
+replaced, or its first output was sent while none served the shard) fails it: an
+``AbortRequests`` with a 503 ``request_lost``, which the scheduler reports to its gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +36,10 @@ from shared.service import answer_pings, refuse_if_served, run_service
 
 log = get_logger("detokenizer")
 
+#: finished request ids remembered, so that an update still in flight for one is not taken
+#: for a request whose state was lost
+RECENTLY_FINISHED = 4096
+
 
 @dataclass
 class DetokRequest:
@@ -50,10 +57,12 @@ class DetokRequest:
 
 @dataclass
 class StepOutputs:
-    """What one ``DetokStep`` produced: deltas per gateway, requests to abort (stop string)."""
+    """What one ``DetokStep`` produced: deltas per gateway, requests to abort (stop string),
+    requests never registered here (their state was lost)."""
 
     by_gateway: dict[str, list[RequestDelta]]
     aborted: list[str]
+    lost: list[str]
 
 
 class DetokenizerService:
@@ -77,6 +86,7 @@ class DetokenizerService:
         self.bus = bus
         self.tokenizer = tokenizer
         self.requests: dict[str, DetokRequest] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()  # the last RECENTLY_FINISHED ids
         self._own_bus = bus is None
         self._sub: Any = None
 
@@ -142,6 +152,12 @@ class DetokenizerService:
         assert self.bus is not None
         if out.aborted:
             await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=out.aborted, reason="stop"))
+        if out.lost:
+            log.warning("request_state_lost", request_ids=out.lost)
+            await self.bus.publish(self.subjects.abort, AbortRequests(
+                request_ids=out.lost, reason="error", error=ServiceError(
+                    message="the detokenizer lost this request's state (it was restarted); send it again",
+                    type="server_error", code="request_lost", status=503)))
         for gateway_id, deltas in out.by_gateway.items():
             await self.bus.publish(subj.gateway(gateway_id), GatewayStep(outputs=deltas))
 
@@ -153,20 +169,27 @@ class DetokenizerService:
             self._register(new)
         by_gateway: dict[str, list[RequestDelta]] = defaultdict(list)
         aborted: list[str] = []
+        lost: list[str] = []
         for update in step.updates:
             req = self.requests.get(update.request_id)
             if req is None:
-                log.debug("update_ignored", request_id=update.request_id, reason="unknown or finished")
+                if update.request_id in self._finished:
+                    log.debug("update_ignored", request_id=update.request_id, reason="finished")
+                elif update.finish_reason is None:  # a last update needs no abort
+                    lost.append(update.request_id)
                 continue
             delta = self._apply(req, update)
             by_gateway[req.gateway_id].append(delta)
             if delta.finished:
                 del self.requests[req.request_id]
+                self._finished[req.request_id] = None
+                if len(self._finished) > RECENTLY_FINISHED:
+                    self._finished.popitem(last=False)
                 if update.finish_reason is None:  # we ended it (stop string): the scheduler must too
                     aborted.append(req.request_id)
                 log.info("request_detokenized", request_id=req.request_id, finish_reason=delta.finish_reason,
                          stop_reason=delta.stop_reason, num_output_tokens=delta.num_output_tokens)
-        return StepOutputs(by_gateway=dict(by_gateway), aborted=aborted)
+        return StepOutputs(by_gateway=dict(by_gateway), aborted=aborted, lost=lost)
 
     def _register(self, new: DetokNewRequest) -> None:
         if new.request_id in self.requests:

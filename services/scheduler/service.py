@@ -74,7 +74,7 @@ class SchedulerService:
         self._own_bus = bus is None
         self._tasks: list[asyncio.Task] = []
         self._submit_sub: Subscription | None = None
-        self._gateway_misses: dict[str, int] = {}  # gateway -> pings in a row nobody answered
+        self._peer_misses: dict[str, int] = {}  # ping subject -> pings in a row nobody answered
         self._step_sent_at: dict[str, list[float]] = {}  # group -> send times of its steps in flight
         self._idle_heartbeat_at: dict[str, float] = {}  # group -> when its last heartbeat said idle
         # group -> (step id, since when) its executor answered the step and its result is missing
@@ -100,7 +100,7 @@ class SchedulerService:
         await b.subscribe(s.requests_get, RequestsQuery, self._on_requests_query)
         await answer_pings(b, self.model_info.name, self.name)
         self._tasks = [asyncio.create_task(self._watchdog()), asyncio.create_task(self._publish_stats()),
-                       asyncio.create_task(self._watch_gateways())]
+                       asyncio.create_task(self._watch_peers())]
         log.info("scheduler_started", model=self.model_info.name)
 
     async def stop(self) -> None:
@@ -151,9 +151,23 @@ class SchedulerService:
         await self._kick()
 
     async def _on_abort(self, msg: AbortRequests) -> None:
-        for req in self.scheduler.abort(msg.request_ids, msg.reason):
-            log.info("request_aborted", request_id=req.request_id, reason=msg.reason)
+        if msg.error is not None:  # a detokenizer lost their state: their clients must hear it
+            await self._fail_requests(msg.request_ids, msg.error)
+        else:
+            for req in self.scheduler.abort(msg.request_ids, msg.reason):
+                log.info("request_aborted", request_id=req.request_id, reason=msg.reason)
         await self._kick()
+
+    async def _fail_requests(self, request_ids: list[str], error: ServiceError) -> None:
+        """Finish each of these requests still held, with every sample of its n > 1 request
+        (the client's stream ends at the error), then send ``error`` to its gateway. Ids not
+        held are ignored."""
+        held = [self.scheduler.requests[rid] for rid in request_ids if rid in self.scheduler.requests]
+        families = list(dict.fromkeys(req.parent_request_id or req.request_id for req in held))
+        for req in self.scheduler.abort(families, "error"):  # before any await: blocks free at once
+            log.warning("request_failed", request_id=req.request_id, code=error.code, reason=error.message)
+        for req in held:
+            await self._send_error(req, error)
 
     async def _on_register(self, msg: RegisterGroup) -> RegisterAck:
         if msg.block_size < 1 or msg.num_blocks < 1:
@@ -378,32 +392,51 @@ class SchedulerService:
                         group_id, ServiceError(message="executor step timed out", type="server_error", status=500))
             await self._fail_waiting_without_groups(now)
 
-    async def _watch_gateways(self) -> None:
-        """Every ``heartbeat_timeout_s``, ping the gateway of each request held; a gateway that
-        nobody answers for twice in a row (NATS says there is no responder: it died without
-        aborting its requests) has its requests aborted, so that they free their blocks instead
-        of running to max_tokens for nobody. Twice: a live gateway reconnecting after a NATS
-        blip has no subscription for a moment. A slow answer is no verdict."""
+    async def _watch_peers(self) -> None:
+        """Every ``heartbeat_timeout_s``, check the gateways and detokenizer shards of the
+        requests held: a gateway gone has its requests aborted, so that they free their blocks
+        instead of running to max_tokens for nobody; a detokenizer shard gone has its requests
+        failed with a 503 ``request_lost`` (their outputs would go nowhere)."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_timeout_s)
             by_gateway: dict[str, list[str]] = defaultdict(list)
+            by_shard: dict[int, list[str]] = defaultdict(list)
+            n = self.settings.num_detokenizer_shards
             for req in self.scheduler.requests.values():
                 by_gateway[req.gateway_id].append(req.request_id)
-            self._gateway_misses = {g: n for g, n in self._gateway_misses.items() if g in by_gateway}
+                by_shard[subj.detok_shard(req.request_id, n)].append(req.request_id)
+            watched = {subj.gateway_ping(g) for g in by_gateway}
+            watched |= {subj.ping(self.model_info.name, f"detokenizer.{shard}") for shard in by_shard}
+            self._peer_misses = {s: k for s, k in self._peer_misses.items() if s in watched}
             for gateway_id, request_ids in by_gateway.items():
-                try:
-                    await self.bus.request(subj.gateway_ping(gateway_id), Ping(), Pong, timeout=2.0)
-                except nats.errors.NoRespondersError:
-                    misses = self._gateway_misses[gateway_id] = self._gateway_misses.get(gateway_id, 0) + 1
-                    if misses >= 2:
-                        del self._gateway_misses[gateway_id]
-                        aborted = self.scheduler.abort(request_ids, "abort")
-                        log.warning("gateway_lost", gateway_id=gateway_id, aborted=len(aborted))
-                        await self._kick()
-                    continue
-                except Exception:  # slow, or NATS away: ask again next time
-                    continue
-                self._gateway_misses.pop(gateway_id, None)
+                if await self._gone(subj.gateway_ping(gateway_id)):
+                    aborted = self.scheduler.abort(request_ids, "abort")
+                    log.warning("gateway_lost", gateway_id=gateway_id, aborted=len(aborted))
+                    await self._kick()
+            for shard, request_ids in by_shard.items():
+                if await self._gone(subj.ping(self.model_info.name, f"detokenizer.{shard}")):
+                    log.warning("detokenizer_lost", shard=shard, requests=len(request_ids))
+                    await self._fail_requests(request_ids, ServiceError(
+                        message=f"no detokenizer serves shard {shard} of this model; send the request again",
+                        type="server_error", code="request_lost", status=503))
+                    await self._kick()
+
+    async def _gone(self, ping_subject: str) -> bool:
+        """Whether nobody has answered on ``ping_subject`` twice in a row (NATS says there is
+        no responder). Twice: a live peer reconnecting after a NATS blip has no subscription
+        for a moment. A slow answer, or NATS away, is no verdict."""
+        try:
+            await self.bus.request(ping_subject, Ping(), Pong, timeout=2.0)
+        except nats.errors.NoRespondersError:
+            misses = self._peer_misses[ping_subject] = self._peer_misses.get(ping_subject, 0) + 1
+            if misses >= 2:
+                del self._peer_misses[ping_subject]
+                return True
+            return False
+        except Exception:  # slow, or NATS away: ask again next time
+            return False
+        self._peer_misses.pop(ping_subject, None)
+        return False
 
     async def _publish_stats(self) -> None:
         while True:
