@@ -65,8 +65,8 @@ class ConnectionEvents:
     A connection error (:func:`is_connection_error`: refused, timed out, unexpected EOF, no
     INFO line in the handshake, ...) is logged without a traceback: the first of an outage,
     then at most once per ``CONNECTION_ERROR_LOG_INTERVAL_S``, with ``errors``, the number of
-    connection errors since the connection was last up. Another NATS error (slow consumer, ...) is one line each; any
-    other exception keeps its traceback.
+    connection errors since the connection was last up. Another NATS error (slow consumer,
+    ...) is one line each; any other exception keeps its traceback.
     """
 
     def __init__(self, name: str, url: str) -> None:

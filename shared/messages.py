@@ -185,7 +185,7 @@ class SubmitRequest(Message):
 
 class AbortRequests(Message):
     """Stop these requests and free their blocks (client gone, stop string matched, or their
-    detokenizer state lost). With ``error``, the scheduler first sends it to the gateway of
+    detokenizer state lost). With ``error``, the scheduler also sends it to the gateway of
     each request it still holds (the sender does not know the gateways)."""
 
     request_ids: list[str]
