@@ -18,6 +18,9 @@ parameter group at a time from the heuristic's choice (coordinate descent): a li
 candidate with its time, ``max|diff|`` against SDPA and, on a GPU, its registers, spills and
 shared memory; then the fastest against the default, measured in the same run. A candidate
 that fails (out of shared memory, say) prints why and the sweep goes on; so does a grid entry.
+A candidate whose fault leaves the CUDA context unusable (an illegal memory access is sticky:
+every later call fails) is excluded and the sweep goes on in a new process (``exec``, same
+arguments plus ``--resume-sweep`` and ``--exclude``), from the shape it broke.
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="also tune the launch options (see the docstring)")
     p.add_argument("--sweep-decode", type=_pairs, default=[(64, 4096), (1, 32768)], help="B:ctx,...")
     p.add_argument("--sweep-prefill", type=_pairs, default=[(4, 4096)], help="B:len,...")
+    p.add_argument("--resume-sweep", type=int, default=0,
+                   help="skip the grid and the first N sweep shapes (set by the sweep's own restart)")
+    p.add_argument("--exclude", action="append", default=[],
+                   help="a sweep candidate not to run, as its line prints it (set by the restart)")
     args = p.parse_args(argv)
     if args.smoke:
         args.decode_batch, args.decode_context = [2], [40]
@@ -223,8 +230,33 @@ def build_info(case: Case, options: dict) -> str:
     return "; ".join(info)
 
 
+class CudaContextLost(Exception):
+    """A sweep candidate's fault left the CUDA context unusable; ``candidate`` is its
+    :func:`describe` string."""
+
+    def __init__(self, candidate: str) -> None:
+        super().__init__(candidate)
+        self.candidate = candidate
+
+
+def cuda_alive(device: torch.device) -> bool:
+    """Whether ``device`` still runs work (always True off CUDA). After an illegal memory
+    access every CUDA call fails, this one included."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        return torch.ones(1, device=device).add_(1).item() == 2.0
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def try_options(case: Case, options: dict, iters: int, device: torch.device, expected: torch.Tensor) -> float | None:
-    """Print one sweep line; the median ms, or None where the launch failed."""
+    """Print one sweep line; the median ms, or None where the launch failed.
+
+    Raises:
+        CudaContextLost: the failure left the CUDA context unusable.
+    """
     try:
         info = build_info(case, options)
         diff = (case.run(**options).float() - expected.float()).abs().max().item()
@@ -232,14 +264,18 @@ def try_options(case: Case, options: dict, iters: int, device: torch.device, exp
     except Exception as exc:  # noqa: BLE001 - a config the GPU cannot take is a result too
         print(f"  sweep {case.label} | {describe(options)} | failed: {type(exc).__name__}: "
               f"{str(exc).splitlines()[0][:160] if str(exc) else ''}", flush=True)
+        if not cuda_alive(device):
+            raise CudaContextLost(describe(options)) from exc
         return None
     print(f"  sweep {case.label} | {describe(options)} | {ms:9.3f} ms {case.work / ms / 1e9:7.3f} {case.unit}"
           f" | max|diff| {diff:.1e} | {info}", flush=True)
     return ms
 
 
-def sweep(case: Case, stages: list[list[dict]], iters: int, device: torch.device) -> None:
-    """Coordinate descent: each stage's candidates extend the best options so far."""
+def sweep(case: Case, stages: list[list[dict]], iters: int, device: torch.device, exclude: frozenset[str] = frozenset()
+          ) -> None:
+    """Coordinate descent: each stage's candidates extend the best options so far; those whose
+    :func:`describe` is in ``exclude`` are skipped (they broke the CUDA context before)."""
     from kernels.triton_attention import AttentionTiles
 
     try:
@@ -257,6 +293,9 @@ def sweep(case: Case, stages: list[list[dict]], iters: int, device: torch.device
             if "tiles" in change:  # merge tile fields: set ones replace, None ones keep the base's
                 merged = [c if c is not None else b for c, b in zip(change["tiles"], base["tiles"], strict=True)]
                 options["tiles"] = AttentionTiles(*merged)
+            if describe(options) in exclude:
+                print(f"  sweep {case.label} | {describe(options)} | excluded: it broke the CUDA context", flush=True)
+                continue
             ms = try_options(case, options, iters, device, expected)
             if ms is not None and (best_ms is None or ms < best_ms):
                 best_ms, best = ms, options
@@ -296,9 +335,15 @@ def prefill_stages(smoke: bool) -> list[list[dict]]:
 
 
 def run_guarded(label: str, fn: Callable[[], None], device: torch.device) -> None:
-    """Run one grid entry or sweep; a failure (out of memory, say) prints and the run goes on."""
+    """Run one grid entry or sweep; a failure (out of memory, say) prints and the run goes on.
+
+    Raises:
+        CudaContextLost: from a sweep; the context is gone, nothing else can run here.
+    """
     try:
         fn()
+    except CudaContextLost:
+        raise
     except Exception as exc:  # noqa: BLE001
         print(f"{label} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
               flush=True)
@@ -307,6 +352,7 @@ def run_guarded(label: str, fn: Callable[[], None], device: torch.device) -> Non
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if torch.cuda.is_available():
         device = torch.device("cuda")
@@ -329,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         gib = 4 * batch * tokens * args.num_kv_heads * args.head_dim * elem / 2**30  # contiguous + paged K, V
         return gib if gib > args.max_gib else None
 
-    for batch in args.decode_batch:
+    for batch in args.decode_batch if not args.resume_sweep else []:
         for ctx in args.decode_context:
             label = f"decode  B={batch:4d} ctx={ctx:6d}"
             if gib := too_big(batch, ctx):
@@ -337,18 +383,29 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             run_guarded(label, lambda b=batch, c=ctx: print(
                 bench_case(decode_case(args, device, b, c), args.iters, device), flush=True), device)
-    for batch in args.prefill_batch:
+    for batch in args.prefill_batch if not args.resume_sweep else []:
         for length in args.prefill_len:
             run_guarded(f"prefill B={batch:4d} len={length:6d}", lambda b=batch, n=length: print(
                 bench_case(prefill_case(args, device, b, n), args.iters, device), flush=True), device)
     if not args.sweep:
         return
-    for batch, ctx in args.sweep_decode:
-        run_guarded(f"sweep decode B={batch} ctx={ctx}", lambda b=batch, c=ctx: sweep(
-            decode_case(args, device, b, c), decode_stages(c, args.smoke), args.iters, device), device)
-    for batch, length in args.sweep_prefill:
-        run_guarded(f"sweep prefill B={batch} len={length}", lambda b=batch, n=length: sweep(
-            prefill_case(args, device, b, n), prefill_stages(args.smoke), args.iters, device), device)
+    exclude = frozenset(args.exclude)
+    shapes = [(f"sweep decode B={batch} ctx={ctx}", lambda b=batch, c=ctx: sweep(
+        decode_case(args, device, b, c), decode_stages(c, args.smoke), args.iters, device, exclude))
+        for batch, ctx in args.sweep_decode]
+    shapes += [(f"sweep prefill B={batch} len={length}", lambda b=batch, n=length: sweep(
+        prefill_case(args, device, b, n), prefill_stages(args.smoke), args.iters, device, exclude))
+        for batch, length in args.sweep_prefill]
+    for index, (label, fn) in enumerate(shapes):
+        if index < args.resume_sweep:
+            continue
+        try:
+            run_guarded(label, fn, device)
+        except CudaContextLost as lost:
+            print(f"{label} | the CUDA context is lost after {lost.candidate}; the sweep goes on in a new "
+                  "process without it", flush=True)
+            os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv,
+                                      "--resume-sweep", str(index), "--exclude", lost.candidate])
 
 
 if __name__ == "__main__":

@@ -514,3 +514,47 @@ def test_benchmark_smoke_prints_figures():
     best = [line for line in lines if line.startswith("best")]
     assert [line.split("|")[0].split()[1] for line in best] == ["decode", "prefill"], proc.stdout
     assert all(" default " in line and " sdpa " in line for line in best), proc.stdout
+
+
+SWEEP_FAULT_SCRIPT = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("kernels_bench", sys.argv[1])
+kb = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kb)
+FAULT = sys.argv[2]
+broken = []
+original_run = kb.Case.run
+
+def run(self, **options):  # the FAULT candidate breaks the context; every later call fails
+    if broken or (options and kb.describe(options) == FAULT):
+        broken.append(1)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    return original_run(self, **options)
+
+kb.Case.run = run
+kb.cuda_alive = lambda device: not broken
+kb.main(["--smoke", "--sweep"])
+"""
+
+
+def test_benchmark_sweep_goes_on_after_a_sticky_fault(tmp_path):
+    """A sweep candidate that leaves the CUDA context unusable (simulated: it and every later
+    call fail, and ``cuda_alive`` says so) is excluded and the sweep goes on in a new process
+    from the shape it broke; the grid and the shapes done before are not run again."""
+    fault = "path=single splits=- block_m=32 tile_n=16 warps=- stages=-"  # a prefill candidate
+    script = tmp_path / "fault.py"
+    script.write_text(SWEEP_FAULT_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(ROOT / "benchmarks" / "kernels.py"), fault],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines if line.startswith(("decode", "prefill"))] == ["decode", "prefill"]
+    assert len([line for line in lines if fault in line and "failed: RuntimeError: CUDA error" in line]) == 1
+    assert len([line for line in lines if f"the CUDA context is lost after {fault}" in line]) == 1
+    assert len([line for line in lines if fault in line and "excluded" in line]) == 1
+    best = [line.split("|")[0].split()[1] for line in lines if line.startswith("best")]
+    assert best == ["decode", "prefill"], proc.stdout  # each shape once: prefill in the new process
+    resumed = lines[next(i for i, line in enumerate(lines) if "the CUDA context is lost" in line):]
+    assert not [line for line in resumed if "sweep decode" in line], proc.stdout
