@@ -367,9 +367,9 @@ class OpenAIServing:
         self._background: set[asyncio.Task[None]] = set()
         self.metrics = GatewayMetrics(model_info.name)
 
-    def check_model(self, name: str) -> None:
-        """Raises: APIError(404) for a model this gateway does not serve."""
-        if name not in self.model_names:
+    def check_model(self, name: str | None) -> None:
+        """Raises: APIError(404) for a model this gateway does not serve (None: the served one)."""
+        if name is not None and name not in self.model_names:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def model_card(self) -> ModelCard:
@@ -421,11 +421,12 @@ class OpenAIServing:
                     priority=body.priority,
                     cache_salt=body.cache_salt,
                     add_generation_prompt=body.add_generation_prompt,
+                    notify_accepted=body.stream,
                 )
             else:
                 reply = await self.client.submit(
                     request_id, prompt=body.prompt_input(), sampling_params=params, priority=body.priority,
-                    cache_salt=body.cache_salt,
+                    cache_salt=body.cache_salt, notify_accepted=body.stream,
                 )
         except nats.errors.NoRespondersError:
             raise APIError(
@@ -443,6 +444,14 @@ class OpenAIServing:
             raise
         if reply.error is not None:
             raise APIError.from_service_error(reply.error)
+        if body.stream:  # no 200 before the scheduler can no longer refuse it (priority, KV cache size)
+            try:
+                error = await self.client.wait_accepted(request_id)
+            except BaseException:  # cancelled: the client left
+                self.abort_soon([request_id])
+                raise
+            if error is not None:
+                raise APIError.from_service_error(error)
         cls = _ChatGeneration if chat else _CompletionGeneration
         log.debug("request_submitted", request_id=request_id, num_prompt_tokens=len(reply.prompt_token_ids))
         gen = cls(request_id, self.model_info.name, body.include_usage, len(reply.prompt_token_ids), params.n)
@@ -450,8 +459,10 @@ class OpenAIServing:
         return gen
 
     def finish(self, gen: _Generation) -> None:
-        """The client is done with ``gen``: abort it if the engine is not."""
+        """The client is done with ``gen``: abort it (and count it aborted) if the engine is not."""
         if not gen.finished:
+            if gen.timer is not None:
+                gen.timer.aborted()
             self.abort_soon([gen.request_id])
 
     async def events(self, gen: _Generation) -> AsyncIterator[BaseModel]:

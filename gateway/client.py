@@ -80,6 +80,8 @@ class EngineClient:
         self._num_samples: dict[str, int] = {}  # request id -> n
         self._last_output: dict[str, float] = {}  # request id -> monotonic time of its last delta
         self._misses: dict[str, int] = {}  # request id -> liveness checks in a row it was missing
+        # request id -> the scheduler's verdict (None: accepted), for submit(notify_accepted=True)
+        self._verdicts: dict[str, asyncio.Future[ServiceError | None]] = {}
         self._sub: Subscription | None = None
         self._ping_sub: Subscription | None = None
         self._watch: asyncio.Task | None = None
@@ -128,10 +130,20 @@ class EngineClient:
     async def _on_step(self, step: GatewayStep) -> None:
         now = time.monotonic()
         for delta in step.outputs:
-            queue = self._queues.get(delta.request_id)
-            if queue is not None:  # unknown ids: finished, aborted or someone else's
-                self._last_output[delta.request_id] = now
-                queue.put_nowait(delta)
+            self._deliver(delta, now)
+
+    def _deliver(self, delta: RequestDelta, now: float) -> None:
+        """Queue one delta for ``stream``; an acceptance, or the first output or error, is
+        also the scheduler's verdict for ``wait_accepted`` (the acceptance is not queued)."""
+        queue = self._queues.get(delta.request_id)
+        if queue is None:  # unknown ids: finished, aborted or someone else's
+            return
+        self._last_output[delta.request_id] = now
+        verdict = self._verdicts.get(delta.request_id)
+        if verdict is not None and not verdict.done():
+            verdict.set_result(delta.error)
+        if not delta.accepted:
+            queue.put_nowait(delta)
 
     async def _watch_liveness(self) -> None:
         """End requests the engine lost (see the class docstring)."""
@@ -154,14 +166,13 @@ class EngineClient:
                     self._misses.pop(rid, None)
                     continue
                 self._misses[rid] = self._misses.get(rid, 0) + 1
-                queue = self._queues.get(rid)
-                if self._misses[rid] >= 2 and queue is not None:
+                if self._misses[rid] >= 2 and rid in self._queues:
                     log.warning("request_lost", request_id=rid)
-                    queue.put_nowait(RequestDelta(
+                    self._deliver(RequestDelta(
                         request_id=rid, finished=True, finish_reason="error",
                         error=ServiceError(message="the engine lost this request (a scheduler or detokenizer "
                                                    "restarted or is unreachable); send it again",
-                                           type="server_error", code="request_lost", status=503)))
+                                           type="server_error", code="request_lost", status=503)), now)
                     self._misses.pop(rid, None)
 
     async def submit(
@@ -176,6 +187,7 @@ class EngineClient:
         add_generation_prompt: bool = True,
         cap_at_max_model_len: bool = False,
         return_prompt: bool = False,
+        notify_accepted: bool = False,
     ) -> TokenizeReply:
         """Send a request to the tokenizer; its outputs then arrive for ``stream(request_id)``.
 
@@ -183,7 +195,8 @@ class EngineClient:
         ``cap_at_max_model_len``: a prompt + ``max_tokens`` over ``max_model_len`` is accepted
         and stops there with finish_reason "length" (the offline API, as vLLM's ``LLM``)
         instead of being refused (the OpenAI server). ``return_prompt``: the reply of a chat
-        request carries the prompt text the chat template rendered.
+        request carries the prompt text the chat template rendered. ``notify_accepted``: the
+        scheduler says when it accepts the request; ``wait_accepted`` waits for that.
 
         Returns:
             The tokenizer's reply. When ``reply.error`` is set the request was refused and
@@ -208,9 +221,12 @@ class EngineClient:
             arrival_time=time.time(),
             cap_at_max_model_len=cap_at_max_model_len,
             return_prompt=return_prompt,
+            notify_accepted=notify_accepted,
         )
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._queues[request_id] = queue
+        if notify_accepted:
+            self._verdicts[request_id] = asyncio.get_running_loop().create_future()
         self._num_samples[request_id] = sampling_params.n
         self._last_output[request_id] = time.monotonic()
         try:
@@ -223,6 +239,21 @@ class EngineClient:
         if reply.error is not None:
             self._drop(request_id, queue)
         return reply
+
+    async def wait_accepted(self, request_id: str) -> ServiceError | None:
+        """Wait for the scheduler's verdict on a request submitted with ``notify_accepted``:
+        None once it is queued (or has output), else the error it was refused with (its
+        queue is then dropped). Returns None at once for a request submitted without it."""
+        verdict = self._verdicts.get(request_id)
+        if verdict is None:
+            return None
+        try:
+            error = await verdict
+        finally:
+            self._verdicts.pop(request_id, None)
+        if error is not None:
+            self._forget(request_id)
+        return error
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
         """Yield the request's outputs until every sample (``n``; ``delta.index``) is
@@ -269,6 +300,11 @@ class EngineClient:
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
-        """Drop every piece of the client's state about ``request_id``."""
+        """Drop every piece of the client's state about ``request_id`` (a ``wait_accepted``
+        still waiting gets an error)."""
         for state in (self._queues, self._num_samples, self._last_output, self._misses):
             state.pop(request_id, None)
+        verdict = self._verdicts.pop(request_id, None)
+        if verdict is not None and not verdict.done():
+            verdict.set_result(ServiceError(message="the request was aborted before the scheduler accepted it",
+                                            type="server_error", code="request_aborted", status=503))

@@ -10,12 +10,14 @@ older than ``STALE_AFTER_S``). Request metrics are measured here, per request, f
 - ``vllm:inter_token_latency_seconds``: between consecutive token deltas of one sample;
 - ``vllm:e2e_request_latency_seconds``: arrival to the last sample's end, once per request;
 - ``vllm:request_success_total{finished_reason}``: one per finished sample (as vLLM, where
-  each of the ``n`` samples is an engine request); ``"error"`` when the engine failed;
+  each of the ``n`` samples is an engine request); ``"error"`` when the engine failed,
+  ``"abort"`` for each unfinished sample of a request whose client left;
 - ``vllm:prompt_tokens_total``: once per request, at its first token (prefill done);
 - ``vllm:generation_tokens_total``: every token delivered.
 
-A request whose client leaves before it finishes counts its tokens but no success and
-no end-to-end latency. Each gateway has its own ``CollectorRegistry``, so several gateways
+A request whose client leaves before it finishes counts its tokens and its aborted samples
+but no end-to-end latency. A request the engine refused (a 4xx error: the scheduler's
+checks) counts nothing, as vLLM counts no request it rejected. Each gateway has its own ``CollectorRegistry``, so several gateways
 (or tests) in one process never clash. Every metric has a ``model_name`` label.
 """
 
@@ -113,12 +115,21 @@ class RequestTimer:
             self.last_token[delta.index] = now
             m.generation_tokens.inc(len(delta.token_ids))
         if delta.finished and self.unfinished > 0:
+            if delta.error is not None and delta.error.status < 500:  # refused, never served
+                self.unfinished = 0
+                return
             reason = "error" if delta.error is not None else (delta.finish_reason or "stop")
             m.success.labels(m.model_name, reason).inc()
             self.unfinished -= 1
             if self.unfinished == 0 or delta.error is not None:  # an error ends every sample
                 self.unfinished = 0
                 m.e2e.observe(now - self.start)
+
+    def aborted(self) -> None:
+        """The client left: each sample not finished yet counts as ``abort``."""
+        if self.unfinished > 0:
+            self.metrics.success.labels(self.metrics.model_name, "abort").inc(self.unfinished)
+            self.unfinished = 0
 
 
 class GatewayMetrics:

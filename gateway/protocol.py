@@ -2,9 +2,11 @@
 
 Field names and defaults follow the OpenAI API reference and vLLM's OpenAI server
 (``top_k``, ``priority``, ``stop_token_ids``, ``ignore_eos`` ... are vLLM extensions).
-Unknown request fields are ignored, as vLLM does. A field that is known but whose value
-this engine cannot honour (``echo=true``, ``logprobs``, penalties ...) fails validation
-with a message that starts with the field's name, so the error's ``param`` names it.
+Unknown request fields are ignored and logged, as vLLM does. A field that is known (to
+OpenAI or vLLM) but whose value this engine cannot honour (``echo=true``, ``logprobs``,
+penalties, guided decoding, ...) fails validation with a message that starts with the
+field's name, so the error's ``param`` names it: ignoring it would change what the output
+means.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from pydantic import (
     model_validator,
 )
 
+from shared.logging import get_logger
 from shared.messages import INT64_MAX, INT64_MIN, SamplingParams
+
+log = get_logger(__name__)
 
 # ---------------------------------------------------------------- errors
 
@@ -90,6 +95,21 @@ class OpenAIRequest(BaseModel):
                                      f"and {INT64_MAX}")
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unserved_fields(cls, data: Any) -> Any:
+        """Refuse the OpenAI / vLLM fields this server does not implement when they ask for
+        something (``_UNSERVED_FIELDS``); log the unknown ones it ignores, as vLLM does."""
+        if not isinstance(data, dict):
+            return data
+        for name, is_noop, what in _UNSERVED_FIELDS:
+            if name in data and not is_noop(data[name]):
+                raise ValueError(f"{name} is not supported by this server ({what})")
+        ignored = sorted(k for k in data if k not in cls.model_fields and k not in _UNSERVED_NAMES)
+        if ignored:
+            log.warning("request_fields_ignored", fields=ignored)
+        return data
+
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> OpenAIRequest:
         for name, accepts, supported in self.unsupported_values:
@@ -115,6 +135,41 @@ def _one_or_none(v: Any) -> bool:
     return v is None or v == 1
 
 
+def _is_empty(v: Any) -> bool:
+    return v is None or v is False or v == [] or v == {} or v == ""
+
+
+def _is_true_or_none(v: Any) -> bool:
+    return v is None or v is True
+
+
+#: (field, is_noop(value), what it does) of OpenAI and vLLM request fields not implemented
+#: here: refused when present with a value other than their no-op one
+_UNSERVED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    *((name, _is_empty, "guided decoding") for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+        "guided_whitespace_pattern", "structured_outputs")),
+    ("bad_words", _is_empty, "banned words"),
+    ("allowed_token_ids", _is_empty, "restricting the vocabulary"),
+    ("prompt_logprobs", _is_empty, "log probabilities of the prompt"),
+    ("use_beam_search", _is_empty, "beam search"),
+    ("length_penalty", lambda v: v is None or v == 1, "beam search"),
+    ("truncate_prompt_tokens", _is_empty, "prompt truncation"),
+    ("return_tokens_as_token_ids", _is_empty, "token ids in place of text"),
+    ("chat_template_kwargs", _is_empty, "the model's chat template is rendered with its defaults"),
+    ("mm_processor_kwargs", _is_empty, "multimodal inputs"),
+    ("documents", _is_empty, "documents for the chat template"),
+    ("logits_processors", _is_empty, "custom logits processors"),
+    ("prompt_embeds", _is_empty, "prompt embeddings"),
+    ("functions", _is_empty, "tools and function calling"),
+    ("function_call", _is_empty, "tools and function calling"),
+    ("audio", _is_empty, "audio output"),
+    ("modalities", lambda v: _is_empty(v) or v == ["text"], "only text output"),
+    ("spaces_between_special_tokens", _is_true_or_none, "special tokens are always decoded with spaces"),
+)
+_UNSERVED_NAMES = frozenset(name for name, _, _ in _UNSERVED_FIELDS)
+
+
 _COMMON_UNSUPPORTED: Unsupported = (
     ("presence_penalty", _zero_or_none, "only 0 is supported"),
     ("frequency_penalty", _zero_or_none, "only 0 is supported"),
@@ -136,7 +191,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(OpenAIRequest):
     """The fields both endpoints share (OpenAI names plus vLLM extensions)."""
 
-    model: str
+    model: str | None = None  # None = the served model (as vLLM; OpenAI requires it)
     temperature: float | None = None  # None = 1.0
     top_p: float | None = None  # None = 1.0
     top_k: int | None = None  # vLLM extension; None, 0 or -1 = disabled
@@ -164,6 +219,13 @@ class _SamplingFields(OpenAIRequest):
     def _positive_limit(cls, v: int | None, info: ValidationInfo) -> int | None:
         if v is not None and v < 1:
             raise ValueError(f"{info.field_name} must be at least 1, got {v}")
+        return v
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, v: str | None) -> str | None:
+        if v is not None and not v:
+            raise ValueError("cache_salt must be a non-empty string if provided")  # as vLLM
         return v
 
     @model_validator(mode="before")
@@ -202,9 +264,11 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # vLLM extension
 
     unsupported_values: ClassVar[Unsupported] = (
         *_COMMON_UNSUPPORTED,
+        ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
         ("echo", _is_false, "only echo=false is supported"),
         ("logprobs", _is_none, "only logprobs=null is supported"),
         ("best_of", _one_or_none, "only best_of=1 is supported"),
@@ -219,7 +283,8 @@ class CompletionRequest(_SamplingFields):
             and (
                 all(isinstance(x, int) and not isinstance(x, bool) for x in v)
                 or all(isinstance(x, str) for x in v)
-                or all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in v)
+                or all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+                       for x in v)
             )
         )
         if not ok:
@@ -309,6 +374,8 @@ class ChatCompletionRequest(_SamplingFields):
     def _no_tools(self) -> ChatCompletionRequest:
         if self.tools and self.tool_choice != "none":
             raise ValueError("tools are not supported (tool_choice='none' is accepted)")
+        if self.tool_choice is not None and self.tools is None:  # as vLLM
+            raise ValueError("tool_choice: when using `tool_choice`, `tools` must be set")
         return self
 
     def messages_input(self) -> list[dict[str, Any]]:
@@ -327,7 +394,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 #: Every request field name (for naming the ``param`` of an error from its message).
 KNOWN_PARAMS: frozenset[str] = frozenset(
-    {*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields, *SamplingParams.model_fields}
+    {*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields, *SamplingParams.model_fields,
+     *_UNSERVED_NAMES}
 )
 
 

@@ -159,6 +159,9 @@ class TokenizeRequest(Message):
     # finish_reason "length" (vLLM's offline LLM); False: refused, as the OpenAI server does
     cap_at_max_model_len: bool = False
     return_prompt: bool = False  # reply with the prompt text the chat template rendered
+    # the scheduler tells the gateway when it accepts the request (RequestDelta.accepted), so
+    # that a streaming HTTP response starts only once it cannot be refused any more
+    notify_accepted: bool = False
 
 
 class TokenizeReply(Message):
@@ -181,6 +184,7 @@ class SubmitRequest(Message):
     priority: int = 0
     arrival_time: float = 0.0
     cache_salt: str | None = None
+    notify_accepted: bool = False  # send the gateway a RequestDelta(accepted=True) once queued
 
 
 class AbortRequests(Message):
@@ -347,6 +351,7 @@ class RequestDelta(Message):
     num_output_tokens: int = 0  # total so far
     num_cached_tokens: int = 0
     error: ServiceError | None = None
+    accepted: bool = False  # only this: the scheduler queued the request (SubmitRequest.notify_accepted)
 
 
 class GatewayStep(Message):

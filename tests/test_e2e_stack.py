@@ -198,6 +198,17 @@ async def test_bad_input_gets_openai_error_then_server_keeps_serving(stack, clie
     assert ok.choices[0].message.content
 
 
+async def test_a_stream_the_scheduler_refuses_is_a_400(client):
+    """The scheduler refuses a priority under the fcfs policy after tokenization: a streaming
+    request still gets a plain 400 (the SDK's BadRequestError), not a 200 with an error event."""
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.chat.completions.create(model=MODEL, messages=QUESTION, stream=True, max_tokens=4,
+                                             extra_body={"priority": -1})
+    assert exc.value.param == "priority"
+    stream = await client.chat.completions.create(model=MODEL, messages=QUESTION, stream=True, max_tokens=4)
+    assert len([c async for c in stream]) >= 2
+
+
 async def test_client_disconnect_aborts_and_every_block_is_free(stack, nats_url, client):
     async with httpx.AsyncClient(base_url=stack, timeout=60) as http:
         body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000,

@@ -105,6 +105,12 @@ class FakeBackend:
 
     async def _generate(self, req: TokenizeRequest, text: str, num_prompt: int) -> None:
         await asyncio.sleep(0.01)
+        if "refuse" in text:  # as the scheduler refuses (priority, KV cache too small) after tokenizing
+            error = ServiceError(message="priority=-1 needs --scheduling-policy priority", param="priority")
+            await self._send(req, finished=True, finish_reason="error", error=error)
+            return
+        if req.notify_accepted:  # as the scheduler, once queued
+            await self._send(req, accepted=True)
         if "slow" in text:
             await self._send(
                 req, text="Hello", token_ids=[7], num_prompt_tokens=num_prompt, num_output_tokens=1
@@ -389,7 +395,7 @@ async def test_errors_then_normal_request(gw):
     error = assert_openai_error(r, 404, "model")
     assert error["code"] == "model_not_found" and error["message"] == "The model `gpt-9` does not exist."
     r = await gw.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-    assert_openai_error(r, 400, "model")
+    assert r.status_code == 200 and r.json()["model"] == gw.model  # no model: the served one, as vLLM
     assert_openai_error(await gw.http.get("/v1/nothing"), 404)
 
     with pytest.raises(openai.BadRequestError) as exc:
@@ -455,8 +461,76 @@ async def test_engine_error_mid_stream(gw):
     assert out.choices[0].text == FULL
 
 
+async def test_a_stream_the_scheduler_refuses_is_a_plain_400(gw):
+    """A streaming request waits for the scheduler's acceptance before its 200: a refusal
+    after tokenization (priority, KV cache too small) is an HTTP 400 that the SDK raises as
+    BadRequestError, not a 200 stream carrying an error event."""
+    for stream in (True, False):
+        r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": "refuse me", "stream": stream})
+        error = assert_openai_error(r, 400, "priority")
+        assert error["message"] == "priority=-1 needs --scheduling-policy priority"
+    with pytest.raises(openai.BadRequestError):
+        await gw.oai.chat.completions.create(model=gw.model, messages=[{"role": "user", "content": "refuse"}],
+                                             stream=True)
+    assert gw.service.client.num_in_flight == 0
+    stream = await gw.oai.chat.completions.create(model=gw.model, messages=[{"role": "user", "content": "x"}],
+                                                  stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == FULL
+    assert gw.backend.requests[next(reversed(gw.backend.requests))].notify_accepted
+
+
+@pytest.mark.parametrize("field,value", [
+    ("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
+    ("structured_outputs", {"choice": ["a"]}), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]),
+    ("prompt_logprobs", 1), ("use_beam_search", True), ("truncate_prompt_tokens", 2),
+    ("return_tokens_as_token_ids", True), ("chat_template_kwargs", {"enable_thinking": True}),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("spaces_between_special_tokens", False),
+])
+async def test_vllm_fields_not_served_are_refused_by_name(gw, field, value):
+    """A vLLM or OpenAI field this server does not implement, asking for something, is a 400
+    naming it (ignoring it would change what the output means); its no-op value is accepted."""
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = await gw.http.post(path, json={"model": gw.model, **body, field: value})
+        assert field in assert_openai_error(r, 400, field)["message"]
+    noop = {"spaces_between_special_tokens": True, "use_beam_search": False}.get(field)
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, field: noop})
+    assert r.status_code == 200, r.text
+
+
+async def test_other_refusals_as_vllm(gw, monkeypatch):
+    """tool_choice without tools, an empty cache_salt, a completions response_format and a
+    boolean token id are 400s; unknown fields are ignored and logged, as vLLM does."""
+    from gateway import protocol
+
+    chat = {"model": gw.model, "messages": [{"role": "user", "content": "x"}]}
+    for tool_choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        r = await gw.http.post("/v1/chat/completions", json={**chat, "tool_choice": tool_choice})
+        assert "`tools` must be set" in assert_openai_error(r, 400, "tool_choice")["message"]
+    r = await gw.http.post("/v1/chat/completions", json={**chat, "cache_salt": ""})
+    assert "non-empty" in assert_openai_error(r, 400, "cache_salt")["message"]
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT,
+                                                    "response_format": {"type": "json_object"}})
+    assert_openai_error(r, 400, "response_format")
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": [[True]]})
+    assert_openai_error(r, 400, "prompt")
+    logged = []
+    monkeypatch.setattr(protocol.log, "warning", lambda event, **kw: logged.append((event, kw)))
+    r = await gw.http.post("/v1/chat/completions", json={**chat, "store": True, "frobnicate": 1})
+    assert r.status_code == 200 and logged == [("request_fields_ignored", {"fields": ["frobnicate", "store"]})]
+
+
+async def _aborts_counted(gw) -> float:
+    """vllm:request_success_total{finished_reason="abort"} of the gateway's /metrics (0 when absent)."""
+    for line in (await gw.http.get("/metrics")).text.splitlines():
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 async def test_streaming_disconnect_aborts(gw):
     body = {"model": gw.model, "prompt": "a slow one", "stream": True, "max_tokens": 50}
+    aborts_before = await _aborts_counted(gw)
     async with httpx.AsyncClient(base_url=gw.base, timeout=10) as http:
         async with http.stream("POST", "/v1/completions", json=body) as r:
             request_id = r.headers["x-request-id"]
@@ -468,6 +542,7 @@ async def test_streaming_disconnect_aborts(gw):
     assert request_id.startswith("cmpl-") and request_id in gw.backend.aborted
     await asyncio.sleep(0.05)
     assert request_id not in gw.service.client._queues
+    assert await _aborts_counted(gw) == aborts_before + 1  # vLLM's finished_reason="abort"
 
 
 async def test_non_streaming_disconnect_aborts(gw):

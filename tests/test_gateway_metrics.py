@@ -257,3 +257,28 @@ def test_registries_are_per_gateway_and_stale_stats_disappear():
     assert b"vllm:num_requests_running" in a.render()
     a.received -= STALE_AFTER_S + 1  # the scheduler went silent
     assert b"vllm:num_requests_running" not in a.render()
+
+
+def test_a_refused_request_counts_nothing_and_an_abandoned_one_counts_aborts():
+    """A request the engine refused (4xx: the scheduler's checks) was never served: no
+    success, no latency, as vLLM. A client that leaves counts each unfinished sample as
+    ``abort`` (vLLM's finished_reason), once."""
+    from shared.messages import ServiceError
+
+    metrics = GatewayMetrics("m")
+    get = metrics.registry.get_sample_value
+    refused = RequestDelta(request_id="r", finished=True, finish_reason="error",
+                           error=ServiceError(message="priority", param="priority"))
+    metrics.timer(n=2).observe(refused)
+    for reason in ("error", "stop", "abort"):
+        assert get("vllm:request_success_total", {"model_name": "m", "finished_reason": reason}) is None
+    assert get("vllm:e2e_request_latency_seconds_count", {"model_name": "m"}) == 0
+
+    timer = metrics.timer(n=3, num_prompt_tokens=4)
+    timer.observe(_delta(0, 1, reason="stop"))
+    timer.observe(_delta(1, 2))
+    timer.aborted()
+    timer.aborted()
+    assert get("vllm:request_success_total", {"model_name": "m", "finished_reason": "abort"}) == 2
+    assert get("vllm:request_success_total", {"model_name": "m", "finished_reason": "stop"}) == 1
+    assert get("vllm:e2e_request_latency_seconds_count", {"model_name": "m"}) == 0

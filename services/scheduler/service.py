@@ -148,6 +148,9 @@ class SchedulerService:
             await self._send_error(req, error)
             return
         log.debug("request_queued", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens)
+        if msg.notify_accepted:
+            await self.bus.publish(subj.gateway(req.gateway_id), GatewayStep(outputs=[
+                RequestDelta(request_id=req.request_id, accepted=True)]))
         await self._kick()
 
     async def _on_abort(self, msg: AbortRequests) -> None:

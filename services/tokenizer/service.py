@@ -126,6 +126,7 @@ class TokenizerService:
                     priority=request.priority,
                     cache_salt=request.cache_salt,
                     arrival_time=request.arrival_time or time.time(),
+                    notify_accepted=request.notify_accepted,
                 ),
             )
         except nats.errors.MaxPayloadError:  # not sent: refuse it rather than leave the client waiting
