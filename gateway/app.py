@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 import nats.errors
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -644,6 +645,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
 def create_app(settings: Settings, model_info: ModelInfo, client: EngineClient) -> FastAPI:
     """The FastAPI app of one gateway, serving ``model_info.name`` through ``client``."""
     app = FastAPI(title="pagedllm", description="OpenAI-compatible API of pagedllm", version="0.1.0")
+    origins = [o.strip() for o in settings.allowed_origins.split(",") if o.strip()]
+    if origins:  # browsers' preflight requests (OPTIONS) and CORS headers, as vLLM's defaults
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
     serving = OpenAIServing(settings, model_info, client)
     app.state.serving = serving
 

@@ -295,6 +295,16 @@ class EngineClient:
         if request_ids:
             await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=request_ids, reason=reason))
 
+    async def fail_all(self, error: ServiceError) -> None:
+        """End every request in flight with ``error`` (each stream yields it and ends) and
+        abort them at the scheduler: a gateway shutting down answers its clients."""
+        pending = list(self._queues)
+        now = time.monotonic()
+        for request_id in pending:
+            self._deliver(RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error), now)
+        if pending:
+            await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=pending))
+
     def _drop(self, request_id: str, queue: asyncio.Queue[RequestDelta]) -> None:
         if self._queues.get(request_id) is queue:
             self._forget(request_id)

@@ -20,9 +20,13 @@ from gateway.client import EngineClient
 from shared.bus import Bus
 from shared.config import Settings
 from shared.logging import get_logger
+from shared.messages import ServiceError
 from shared.model_source import ModelInfo
 
 log = get_logger(__name__)
+
+#: after the drain timeout: how long the requests ended by ``stop`` get to send their answer
+SHUTDOWN_GRACE_S = 3.0
 
 
 class _UvicornServer(uvicorn.Server):
@@ -96,7 +100,9 @@ class GatewayService:
             log_level=self.settings.log_level.lower(),
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=self.settings.gateway_drain_timeout_s,
+            # ``stop`` ends the requests still in flight at the drain timeout; uvicorn cancels
+            # what is left (their clients get no proper answer) only later
+            timeout_graceful_shutdown=self.settings.gateway_drain_timeout_s + SHUTDOWN_GRACE_S,
         )
         self._server = _UvicornServer(config)
         self._task = asyncio.create_task(self._serve(), name="gateway-uvicorn")
@@ -146,16 +152,28 @@ class GatewayService:
 
     async def stop(self) -> None:
         """Stop listening, let in-flight requests finish (up to
-        ``settings.gateway_drain_timeout_s``), abort the rest, and close the bus if this
-        service opened it."""
+        ``settings.gateway_drain_timeout_s``), then end the rest with a 503
+        ``server_shutting_down`` (an OpenAI error body; a stream gets the error event and
+        ``[DONE]``) and abort them; close the bus if this service opened it."""
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), self.settings.gateway_drain_timeout_s + 5.0)
-            except (TimeoutError, OSError):
-                pass
-            except Exception:
-                log.exception("gateway_server_failed")
+            drain = self.settings.gateway_drain_timeout_s
+            for timeout in (drain, SHUTDOWN_GRACE_S + 2.0):
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._task), timeout)
+                    break
+                except TimeoutError:
+                    if timeout == drain and self.client is not None:
+                        log.warning("gateway_drain_timeout", requests=self.client.num_in_flight)
+                        with contextlib.suppress(Exception):  # NATS gone: the streams still end
+                            await self.client.fail_all(ServiceError(
+                                message="the server is shutting down; send the request again",
+                                type="server_error", code="server_shutting_down", status=503))
+                except OSError:
+                    break
+                except Exception:
+                    log.exception("gateway_server_failed")
+                    break
             if not self._task.done():
                 self._server.force_exit = True
                 self._task.cancel()

@@ -75,7 +75,11 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_timeout_s: float = Field(10.0, gt=0)
     gateway_drain_timeout_s: float = Field(
-        5.0, ge=0, description="On stop, seconds the gateway lets in-flight HTTP requests finish before cutting them"
+        5.0, ge=0, description="On stop, seconds the gateway lets in-flight HTTP requests finish before it "
+        "answers them with a 503"
+    )
+    allowed_origins: str = Field(
+        "*", description="Browser origins allowed by CORS, comma-separated ('*' = any, as vLLM; '' = none)"
     )
 
     @field_validator("block_size")

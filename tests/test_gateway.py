@@ -545,6 +545,41 @@ async def test_streaming_disconnect_aborts(gw):
     assert await _aborts_counted(gw) == aborts_before + 1  # vLLM's finished_reason="abort"
 
 
+async def test_requests_in_flight_at_shutdown_get_a_503(gw, nats_url):
+    """A gateway stopping with requests still running past its drain timeout answers them: a
+    503 server_shutting_down with an OpenAI body, and a stream's error event then [DONE]
+    (uvicorn would cancel them: a text/plain 500 and a cut stream). They are aborted."""
+    from gateway.service import SHUTDOWN_GRACE_S
+
+    info = ModelInfo(path=Path("/models") / gw.model, name=gw.model, max_model_len=106, eos_token_ids=(2,),
+                     vocab_size=1000)
+    service = GatewayService(Settings(nats_url=nats_url, host="127.0.0.1", port=0, gateway_drain_timeout_s=0.5),
+                             info)
+    await service.start()
+    body = {"model": gw.model, "prompt": "a slow one", "max_tokens": 50}
+    async with httpx.AsyncClient(base_url=service.url, timeout=20) as http:
+
+        async def stream() -> tuple[int, str]:
+            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                return r.status_code, (await r.aread()).decode()
+
+        plain, streamed = asyncio.create_task(http.post("/v1/completions", json=body)), asyncio.create_task(stream())
+        for _ in range(500):
+            if service.client.num_in_flight == 2 and len(gw.backend.requests) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # both have their first output
+        started = asyncio.get_running_loop().time()
+        await service.stop()
+        assert asyncio.get_running_loop().time() - started < 0.5 + SHUTDOWN_GRACE_S
+        error = assert_openai_error(await plain, 503)
+        assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+        status, raw = await streamed
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    assert status == 200 and json.loads(events[0])["choices"][0]["text"] == "Hello"
+    assert json.loads(events[-2])["error"]["code"] == "server_shutting_down" and events[-1] == "[DONE]"
+
+
 async def test_non_streaming_disconnect_aborts(gw):
     before = set(gw.backend.requests)
     with pytest.raises(httpx.ReadTimeout):
@@ -694,3 +729,13 @@ async def test_metrics_from_scheduler_stats_and_requests(gw):
     assert value(text, "vllm:time_to_first_token_seconds_count") >= 2
     assert value(text, "vllm:e2e_request_latency_seconds_count") >= 2
     assert f'model_name="{gw.model}"' in text
+
+
+async def test_cors_preflight_is_answered_as_vllm(gw):
+    """Browsers' CORS preflight gets any origin allowed (vLLM's default), not a 405."""
+    r = await gw.http.options("/v1/chat/completions", headers={
+        "Origin": "http://example.com", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type,authorization"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = await gw.http.get("/v1/models", headers={"Origin": "http://example.com"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
