@@ -82,7 +82,7 @@ from gateway.protocol import (
 )
 from shared.config import Settings
 from shared.logging import get_logger
-from shared.messages import RequestDelta, ServiceError
+from shared.messages import RequestDelta, SamplingParams, ServiceError, TokenizeReply
 from shared.model_source import ModelInfo
 from shared.service import engine_ready
 
@@ -173,59 +173,88 @@ class _Choice:
     num_tokens: int = 0
 
 
-class _Generation:
-    """One request in flight: folds its ``RequestDelta``s (``n`` samples, told apart by
-    ``delta.index``) into OpenAI chunks and the response."""
+@dataclass
+class _Part:
+    """One prompt of a request and the engine request that serves it (``n`` samples)."""
 
-    def __init__(self, request_id: str, model: str, include_usage: bool, num_prompt_tokens: int, n: int = 1) -> None:
+    engine_id: str
+    num_prompt_tokens: int
+    timer: RequestTimer
+    echo: str = ""  # the prompt text, echoed before each of its samples (completions' echo)
+    num_cached_tokens: int = 0
+
+
+class _Generation:
+    """One request in flight: folds the ``RequestDelta``s of its engine requests (one per
+    prompt, ``parts``; ``n`` samples each, told apart by ``delta.index``) into OpenAI chunks
+    and the response. Choice ``p * n + i`` is sample ``i`` of prompt ``p``, as in vLLM."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool, parts: list[_Part], n: int = 1) -> None:
         self.request_id = request_id
         self.model = model
         self.include_usage = include_usage
         self.created = int(time.time())
-        self.choices = [_Choice() for _ in range(n)]
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_cached_tokens = 0
-        self.timer: RequestTimer | None = None  # set by ``OpenAIServing.begin``
+        self.n = n
+        self.parts = parts
+        self._part_of = {part.engine_id: p for p, part in enumerate(parts)}
+        self.choices = [_Choice() for _ in range(len(parts) * n)]
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.choices)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return sum(part.num_prompt_tokens for part in self.parts)
+
+    @property
     def num_output_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
 
-    def update(self, delta: RequestDelta) -> None:
-        """Fold in one delta.
+    def unfinished_parts(self) -> list[_Part]:
+        """The parts the engine has not ended yet (each sample not finished)."""
+        return [part for p, part in enumerate(self.parts)
+                if not all(c.finished for c in self.choices[p * self.n:(p + 1) * self.n])]
+
+    def update(self, delta: RequestDelta) -> int:
+        """Fold in one delta of one of the parts; its choice index.
 
         Raises:
-            APIError: the engine reported an error for this request.
+            APIError: the engine reported an error for this request (that part has ended).
         """
-        if delta.error is not None:
-            for c in self.choices:
+        p = self._part_of[delta.request_id]
+        part = self.parts[p]
+        part.timer.observe(delta)
+        if delta.error is not None or delta.finish_reason == "error":
+            for c in self.choices[p * self.n:(p + 1) * self.n]:
                 c.finished = True
-            raise APIError.from_service_error(delta.error)
-        if delta.finish_reason == "error":
+            if delta.error is not None:
+                raise APIError.from_service_error(delta.error)
             raise APIError(500, "the engine failed while generating this request")
-        choice = self.choices[delta.index]
+        index = p * self.n + delta.index
+        choice = self.choices[index]
         choice.finished = choice.finished or delta.finished
         choice.pieces.append(delta.text)
         choice.num_tokens = max(delta.num_output_tokens, choice.num_tokens + len(delta.token_ids))
-        self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
-        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        part.num_prompt_tokens = delta.num_prompt_tokens or part.num_prompt_tokens
+        part.num_cached_tokens = max(part.num_cached_tokens, delta.num_cached_tokens)
         if delta.finished:
             choice.finish_reason = delta.finish_reason or "stop"
             choice.stop_reason = delta.stop_reason
+        return index
 
     def usage(self) -> UsageInfo:
+        cached = sum(part.num_cached_tokens for part in self.parts)
         return UsageInfo(
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=self.num_output_tokens,
             total_tokens=self.num_prompt_tokens + self.num_output_tokens,
-            prompt_tokens_details=(
-                PromptTokensDetails(cached_tokens=self.num_cached_tokens) if self.num_cached_tokens else None
-            ),
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None,
         )
+
+    def echo(self, index: int) -> str:
+        """The prompt text choice ``index`` starts with (completions' ``echo``; else "")."""
+        return self.parts[index // self.n].echo
 
     def dump(self, chunk: BaseModel) -> dict[str, Any]:
         """A chunk as JSON-able dict (``usage`` only with ``include_usage``, as OpenAI does)."""
@@ -237,7 +266,8 @@ class _Generation:
     def start_chunks(self) -> list[BaseModel]:
         return []
 
-    def delta_chunks(self, delta: RequestDelta) -> list[BaseModel]:
+    def delta_chunks(self, delta: RequestDelta, index: int) -> list[BaseModel]:
+        """The chunks of one delta folded in as choice ``index``."""
         raise NotImplementedError
 
     def usage_chunk(self) -> BaseModel:
@@ -253,12 +283,16 @@ class _CompletionGeneration(_Generation):
             id=self.request_id, created=self.created, model=self.model, choices=choices
         )
 
-    def delta_chunks(self, delta: RequestDelta) -> list[BaseModel]:
+    def start_chunks(self) -> list[BaseModel]:
+        return [self._chunk([CompletionChoice(index=i, text=self.echo(i))])
+                for i in range(len(self.choices)) if self.echo(i)]
+
+    def delta_chunks(self, delta: RequestDelta, index: int) -> list[BaseModel]:
         if not delta.text and not delta.finished:
             return []
-        c = self.choices[delta.index]
+        c = self.choices[index]
         choice = CompletionChoice(
-            index=delta.index,
+            index=index,
             text=delta.text,
             finish_reason=c.finish_reason if delta.finished else None,
             stop_reason=c.stop_reason if delta.finished else None,
@@ -272,7 +306,8 @@ class _CompletionGeneration(_Generation):
 
     def response(self) -> BaseModel:
         choices = [
-            CompletionChoice(index=i, text="".join(c.pieces), finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            CompletionChoice(index=i, text=self.echo(i) + "".join(c.pieces), finish_reason=c.finish_reason,
+                             stop_reason=c.stop_reason)
             for i, c in enumerate(self.choices)
         ]
         return CompletionResponse(
@@ -292,12 +327,12 @@ class _ChatGeneration(_Generation):
             for i in range(len(self.choices))
         ]
 
-    def delta_chunks(self, delta: RequestDelta) -> list[BaseModel]:
+    def delta_chunks(self, delta: RequestDelta, index: int) -> list[BaseModel]:
         if not delta.text and not delta.finished:
             return []
-        c = self.choices[delta.index]
+        c = self.choices[index]
         choice = ChatStreamChoice(
-            index=delta.index,
+            index=index,
             delta=DeltaMessage(content=delta.text or None),
             finish_reason=c.finish_reason if delta.finished else None,
             stop_reason=c.stop_reason if delta.finished else None,
@@ -399,11 +434,13 @@ class OpenAIServing:
             log.exception("abort_failed", request_ids=request_ids)
 
     async def begin(self, body: AnyRequest) -> _Generation:
-        """Validate ``body`` and submit it.
+        """Validate ``body`` and submit it: one engine request per prompt (a completions
+        batch has several), all accepted or none (the others are aborted).
 
         Raises:
-            APIError: unknown model (404), invalid parameters or a refused prompt (400),
-                no tokenizer (503) or no answer from it (504).
+            APIError: unknown model (404), invalid parameters or a refused prompt (400; a
+                streaming request also once the scheduler refused it), no tokenizer (503) or
+                no answer from it (504).
         """
         arrival = time.perf_counter()
         self.check_model(body.model)
@@ -413,22 +450,53 @@ class OpenAIServing:
             raise validation_error(exc.errors()) from None
         chat = isinstance(body, ChatCompletionRequest)
         request_id = new_request_id("chatcmpl" if chat else "cmpl")
+        inputs: list[dict[str, Any]]
+        if isinstance(body, ChatCompletionRequest):
+            inputs = [dict(messages=body.messages_input(), add_generation_prompt=body.add_generation_prompt)]
+        else:
+            inputs = [dict(prompt=prompt, return_prompt=body.echo) for prompt in body.prompt_inputs()]
+        # one prompt: the engine request has the response's id; a batch: one id per prompt
+        engine_ids = [request_id] if len(inputs) == 1 else [f"{request_id}-{p}" for p in range(len(inputs))]
+        submitted: list[str] = []
         try:
-            if isinstance(body, ChatCompletionRequest):
-                reply = await self.client.submit(
-                    request_id,
-                    messages=body.messages_input(),
-                    sampling_params=params,
-                    priority=body.priority,
-                    cache_salt=body.cache_salt,
-                    add_generation_prompt=body.add_generation_prompt,
-                    notify_accepted=body.stream,
-                )
-            else:
-                reply = await self.client.submit(
-                    request_id, prompt=body.prompt_input(), sampling_params=params, priority=body.priority,
-                    cache_salt=body.cache_salt, notify_accepted=body.stream,
-                )
+            replies = []
+            for engine_id, fields in zip(engine_ids, inputs, strict=True):
+                submitted.append(engine_id)
+                reply = await self._submit(engine_id, fields, params, body)
+                if reply.error is not None:
+                    submitted.pop()
+                    raise APIError.from_service_error(reply.error)
+                replies.append(reply)
+            if body.stream:  # no 200 before the scheduler can no longer refuse it (priority, KV cache size)
+                for engine_id in engine_ids:
+                    error = await self.client.wait_accepted(engine_id)
+                    if error is not None:
+                        submitted.remove(engine_id)
+                        raise APIError.from_service_error(error)
+        except BaseException:  # refused, cancelled (client gone) or connection lost: none runs
+            if submitted:
+                self.abort_soon(submitted)
+            raise
+        parts = [
+            _Part(engine_id, len(reply.prompt_token_ids),
+                  self.metrics.timer(params.n, len(reply.prompt_token_ids), arrival), reply.prompt or "")
+            for engine_id, reply in zip(engine_ids, replies, strict=True)
+        ]
+        log.debug("request_submitted", request_id=request_id, num_prompts=len(parts),
+                  num_prompt_tokens=sum(part.num_prompt_tokens for part in parts))
+        cls = _ChatGeneration if chat else _CompletionGeneration
+        return cls(request_id, self.model_info.name, body.include_usage, parts, params.n)
+
+    async def _submit(self, engine_id: str, fields: dict[str, Any], params: SamplingParams,
+                      body: AnyRequest) -> TokenizeReply:
+        """Send one engine request to the tokenizer; its reply.
+
+        Raises:
+            APIError: no tokenizer (503), too large for NATS (413), no answer in time (504).
+        """
+        try:
+            return await self.client.submit(engine_id, sampling_params=params, priority=body.priority,
+                                            cache_salt=body.cache_salt, notify_accepted=body.stream, **fields)
         except nats.errors.NoRespondersError:
             raise APIError(
                 503, f"no tokenizer is serving the model `{self.model_info.name}`", code="service_unavailable"
@@ -437,34 +505,47 @@ class OpenAIServing:
             raise APIError(413, f"the request is larger than the {self.client.bus.nc.max_payload} bytes a NATS "
                                 "message may carry here (the NATS server's max_payload)",
                            code="request_too_large") from None
-        except nats.errors.TimeoutError:
-            self.abort_soon([request_id])
+        except nats.errors.TimeoutError:  # it may have been accepted: the caller aborts it
             raise APIError(504, "the tokenizer did not answer in time", code="timeout") from None
-        except BaseException:  # cancelled (client gone) or connection lost: it may have been accepted
-            self.abort_soon([request_id])
-            raise
-        if reply.error is not None:
-            raise APIError.from_service_error(reply.error)
-        if body.stream:  # no 200 before the scheduler can no longer refuse it (priority, KV cache size)
-            try:
-                error = await self.client.wait_accepted(request_id)
-            except BaseException:  # cancelled: the client left
-                self.abort_soon([request_id])
-                raise
-            if error is not None:
-                raise APIError.from_service_error(error)
-        cls = _ChatGeneration if chat else _CompletionGeneration
-        log.debug("request_submitted", request_id=request_id, num_prompt_tokens=len(reply.prompt_token_ids))
-        gen = cls(request_id, self.model_info.name, body.include_usage, len(reply.prompt_token_ids), params.n)
-        gen.timer = self.metrics.timer(params.n, len(reply.prompt_token_ids), arrival)
-        return gen
 
     def finish(self, gen: _Generation) -> None:
-        """The client is done with ``gen``: abort it (and count it aborted) if the engine is not."""
-        if not gen.finished:
-            if gen.timer is not None:
-                gen.timer.aborted()
-            self.abort_soon([gen.request_id])
+        """The client is done with ``gen``: abort (and count aborted) what the engine has not ended."""
+        unfinished = gen.unfinished_parts()
+        for part in unfinished:
+            part.timer.aborted()
+        if unfinished:
+            self.abort_soon([part.engine_id for part in unfinished])
+
+    async def _deltas(self, gen: _Generation) -> AsyncIterator[RequestDelta]:
+        """The deltas of every part of ``gen``, as they come (merged when several)."""
+        if len(gen.parts) == 1:
+            async with aclosing(self.client.stream(gen.parts[0].engine_id)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            return
+        merged: asyncio.Queue[RequestDelta | None] = asyncio.Queue()
+
+        async def pump(engine_id: str) -> None:
+            try:
+                async with aclosing(self.client.stream(engine_id)) as deltas:
+                    async for delta in deltas:
+                        merged.put_nowait(delta)
+            finally:
+                merged.put_nowait(None)
+
+        pumps = [asyncio.create_task(pump(part.engine_id)) for part in gen.parts]
+        try:
+            remaining = len(pumps)
+            while remaining:
+                delta = await merged.get()
+                if delta is None:
+                    remaining -= 1
+                else:
+                    yield delta
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
 
     async def events(self, gen: _Generation) -> AsyncIterator[BaseModel]:
         """The request's streaming chunks, then its usage chunk if asked for.
@@ -474,22 +555,18 @@ class OpenAIServing:
         """
         for chunk in gen.start_chunks():
             yield chunk
-        timer = gen.timer or self.metrics.timer(len(gen.choices), gen.num_prompt_tokens)
-        async with aclosing(self.client.stream(gen.request_id)) as deltas:
+        async with aclosing(self._deltas(gen)) as deltas:
             async for delta in deltas:
-                timer.observe(delta)
-                gen.update(delta)
-                for chunk in gen.delta_chunks(delta):
+                index = gen.update(delta)
+                for chunk in gen.delta_chunks(delta, index):
                     yield chunk
         if gen.include_usage:
             yield gen.usage_chunk()
 
     async def collect(self, gen: _Generation) -> BaseModel:
         """Wait for the request to finish; its full response."""
-        timer = gen.timer or self.metrics.timer(len(gen.choices), gen.num_prompt_tokens)
-        async with aclosing(self.client.stream(gen.request_id)) as deltas:
+        async with aclosing(self._deltas(gen)) as deltas:
             async for delta in deltas:
-                timer.observe(delta)
                 gen.update(delta)
         return gen.response()
 

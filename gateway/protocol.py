@@ -255,8 +255,14 @@ class _SamplingFields(OpenAIRequest):
         )
 
 
+#: the most prompts one /v1/completions request may batch (each is an engine request)
+MAX_BATCH_PROMPTS = 1024
+
+
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: one prompt (a string, a list of one string, or token ids)."""
+    """``POST /v1/completions``: a prompt (a string or token ids) or a batch of them (a list
+    of strings or of token-id lists; each is its own engine request, as in vLLM).
+    ``echo`` starts each choice's text with its prompt."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -269,7 +275,6 @@ class CompletionRequest(_SamplingFields):
     unsupported_values: ClassVar[Unsupported] = (
         *_COMMON_UNSUPPORTED,
         ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
-        ("echo", _is_false, "only echo=false is supported"),
         ("logprobs", _is_none, "only logprobs=null is supported"),
         ("best_of", _one_or_none, "only best_of=1 is supported"),
         ("suffix", _is_none, "suffix is not supported"),
@@ -288,25 +293,19 @@ class CompletionRequest(_SamplingFields):
             )
         )
         if not ok:
-            raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
+            raise ValueError("prompt must be a string, a list of token ids, or a list of either (a batch)")
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and len(v) > MAX_BATCH_PROMPTS and not isinstance(v[0], int):
+            raise ValueError(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(v)}")
         return v
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if not isinstance(v[0], int) and len(v) > 1:
-                raise ValueError("a batch of several prompts is not supported; send one prompt per request")
-        return v
-
-    def prompt_input(self) -> str | list[int]:
-        """The one prompt, as text or token ids."""
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts, each as text or token ids (one unless a batch)."""
         p = self.prompt
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            return p[0]
-        return p
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
     def sampling_params(self) -> SamplingParams:
         """The request as ``SamplingParams``.

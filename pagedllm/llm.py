@@ -167,7 +167,8 @@ class LLM:
                 outputs.append(
                     RequestOutput(
                         request_id=rid,
-                        prompt=prompt if isinstance(prompt, str) else reply.prompt,  # chat: the rendered text
+                        # chat: the rendered text; token ids: None, as vLLM's LLM
+                        prompt=reply.prompt if "messages" in item else prompt if isinstance(prompt, str) else None,
                         prompt_token_ids=list(reply.prompt_token_ids),
                         outputs=[CompletionOutput(index=i, text="", token_ids=[]) for i in range(sp.n)],
                     )

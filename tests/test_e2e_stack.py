@@ -198,6 +198,22 @@ async def test_bad_input_gets_openai_error_then_server_keeps_serving(stack, clie
     assert ok.choices[0].message.content
 
 
+async def test_a_batch_of_prompts_equals_the_prompts_one_by_one(client):
+    """/v1/completions with a list of prompts (and echo) gives each prompt's greedy text, as
+    the same prompts sent one by one; token-id prompts are echoed as their text."""
+    prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
+    batch = await client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=8, echo=True)
+    singles = [await client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=8) for p in prompts]
+    assert [c.text for c in batch.choices] == [p + s.choices[0].text for p, s in zip(prompts, singles, strict=True)]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert batch.usage.completion_tokens == 3 * 8
+    ids = [[504, 3575, 282, 4649, 314], [34, 28, 216, 35, 28]]  # "The capital of France is", "2, 3,"
+    out = await client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=4, echo=True)
+    single = await client.completions.create(model=MODEL, prompt=ids[0], temperature=0, max_tokens=4)
+    assert out.choices[0].text == "The capital of France is" + single.choices[0].text
+    assert out.choices[1].text.startswith("2, 3,")
+
+
 async def test_a_stream_the_scheduler_refuses_is_a_400(client):
     """The scheduler refuses a priority under the fcfs policy after tokenization: a streaming
     request still gets a plain 400 (the SDK's BadRequestError), not a 200 with an error event."""

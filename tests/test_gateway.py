@@ -97,7 +97,8 @@ class FakeBackend:
         task = asyncio.create_task(self._generate(req, text, len(prompt_ids)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return TokenizeReply(request_id=req.request_id, prompt_token_ids=prompt_ids)
+        return TokenizeReply(request_id=req.request_id, prompt_token_ids=prompt_ids,
+                             prompt=text if req.return_prompt else None)
 
     async def _send(self, req: TokenizeRequest, **fields: Any) -> None:
         delta = RequestDelta(request_id=req.request_id, **fields)
@@ -124,19 +125,22 @@ class FakeBackend:
             error = ServiceError(message="executor group g0 failed", type="internal_error", status=500)
             await self._send(req, finished=True, finish_reason="error", error=error)
             return
-        limit = req.sampling_params.max_tokens or len(ANSWER)
+        params = req.sampling_params
+        limit = params.max_tokens or len(ANSWER)
         pieces = ANSWER[:limit]
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
-            await self._send(
-                req,
-                text=piece,
-                token_ids=[100 + i],
-                finished=last,
-                finish_reason=("stop" if len(pieces) == len(ANSWER) else "length") if last else None,
-                num_prompt_tokens=num_prompt,
-                num_output_tokens=i + 1,
-            )
+            for index in range(params.n):  # every sample the same answer
+                await self._send(
+                    req,
+                    index=index,
+                    text=piece,
+                    token_ids=[100 + i],
+                    finished=last,
+                    finish_reason=("stop" if len(pieces) == len(ANSWER) else "length") if last else None,
+                    num_prompt_tokens=num_prompt,
+                    num_output_tokens=i + 1,
+                )
             await asyncio.sleep(0.005)
 
 
@@ -332,10 +336,11 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 500}, "max_tokens"),  # refused by the tokenizer
     ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
-    ("/v1/completions", {"prompt": PROMPT, "echo": True}, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 1025}, "prompt"),  # a batch of at most 1024 prompts
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
     ("/v1/completions", {}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -459,6 +464,47 @@ async def test_engine_error_mid_stream(gw):
             pass
     out = await gw.oai.completions.create(model=gw.model, prompt=PROMPT)  # still serving
     assert out.choices[0].text == FULL
+
+
+async def test_a_batch_of_prompts_gives_n_choices_per_prompt_with_echo(gw):
+    """A list of prompts is one engine request each: choice p * n + i is sample i of prompt
+    p, usage sums the prompts, streamed and not; echo starts each choice with its prompt."""
+    prompts = ["one two", "three four five", "six seven"]
+    body = {"model": gw.model, "prompt": prompts, "n": 2, "max_tokens": 3, "echo": True}
+    out = (await gw.http.post("/v1/completions", json=body)).json()
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    assert [c["text"] for c in out["choices"]] == [p + "The capital of" for p in prompts for _ in range(2)]
+    assert out["usage"] == {"prompt_tokens": 2 + 3 + 2, "completion_tokens": 3 * 6, "total_tokens": 25,
+                            "prompt_tokens_details": None}
+    async with gw.http.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                               "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        events = [json.loads(e.removeprefix("data: ")) for e in (await r.aread()).decode().split("\n\n")
+                  if e and e != "data: [DONE]"]
+    texts = ["" for _ in range(6)]
+    for event in events[:-1]:
+        assert event["id"] == events[0]["id"] and len(event["choices"]) == 1
+        texts[event["choices"][0]["index"]] += event["choices"][0]["text"]
+    assert texts == [c["text"] for c in out["choices"]] and events[-1]["usage"] == out["usage"]
+    ids = (await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": [[5, 6], [7]],
+                                                       "max_tokens": 1})).json()
+    assert [c["text"] for c in ids["choices"]] == ["The", "The"] and ids["usage"]["prompt_tokens"] == 3
+    assert gw.service.client.num_in_flight == 0
+
+
+async def test_a_batch_with_a_refused_prompt_runs_none(gw):
+    """One prompt of a batch refused (by the tokenizer, or by the scheduler for a stream): the
+    request is a 400 and the prompts already accepted are aborted."""
+    aborted = len(gw.backend.aborted)
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": ["a slow one", "refuse me"],
+                                                    "stream": True})
+    assert_openai_error(r, 400, "priority")
+    await asyncio.sleep(0.2)
+    assert any(rid.endswith("-0") for rid in gw.backend.aborted[aborted:])
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": ["a slow one", "x"],
+                                                    "max_tokens": 500})
+    assert_openai_error(r, 400, "max_tokens")
+    assert gw.service.client.num_in_flight == 0
 
 
 async def test_a_stream_the_scheduler_refuses_is_a_plain_400(gw):

@@ -105,7 +105,7 @@ class TokenizerService:
         kind = "chat" if request.messages is not None else "completion"
         try:
             loop = asyncio.get_running_loop()
-            ids, chat_prompt = await loop.run_in_executor(self._executor, self.tokenize, request)
+            ids, prompt_text = await loop.run_in_executor(self._executor, self.tokenize, request)
         except TokenizeError as e:
             log.info("tokenize_rejected", request_id=request.request_id, kind=kind,
                      param=e.error.param, reason=e.error.message)
@@ -138,18 +138,20 @@ class TokenizerService:
         log.info("tokenized", request_id=request.request_id, kind=kind, num_prompt_tokens=len(ids),
                  max_tokens=request.sampling_params.max_tokens, ms=round((time.perf_counter() - t0) * 1e3, 2))
         return TokenizeReply(request_id=request.request_id, prompt_token_ids=ids,
-                             prompt=chat_prompt if request.return_prompt else None)
+                             prompt=prompt_text if request.return_prompt else None)
 
     # ------------------------------------------------------------------ no I/O below
 
     def tokenize(self, request: TokenizeRequest) -> tuple[list[int], str | None]:
         """The request's prompt token ids, checked against ``max_model_len``, and for
-        ``messages`` the prompt text the chat template rendered (else None).
+        ``messages`` the prompt text the chat template rendered (for a ``prompt`` with
+        ``return_prompt``, its text; else None).
 
         ``messages`` go through the chat template (``add_generation_prompt`` as asked; the
         text is tokenized without adding special tokens, as ``apply_chat_template`` and vLLM
         do); a string ``prompt`` is tokenized like ``tokenizer(prompt)`` (default special
-        tokens); a ``list[int]`` prompt is used as given.
+        tokens); a ``list[int]`` prompt is used as given. With ``return_prompt``, a
+        completion's prompt text is returned too (token ids decoded, special tokens kept).
 
         Raises:
             TokenizeError: empty or malformed input, token ids outside ``[0, vocab_size)``,
@@ -159,21 +161,24 @@ class TokenizerService:
         """
         if request.messages is not None and request.prompt is not None:
             raise TokenizeError("give either prompt or messages, not both", param="messages")
-        chat_prompt = None
+        prompt_text = None
         if request.messages is not None:
             param = "messages"
-            chat_prompt = self._render_chat(request.messages, request.add_generation_prompt)
-            ids = [int(t) for t in self.tokenizer(chat_prompt, add_special_tokens=False)["input_ids"]]
+            prompt_text = self._render_chat(request.messages, request.add_generation_prompt)
+            ids = [int(t) for t in self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]]
         elif request.prompt is None:
             raise TokenizeError("the request has neither a prompt nor messages", param="prompt")
         else:
             param = "prompt"
             ids = self._tokenize_prompt(request.prompt)
+            if request.return_prompt:  # the text the ids stand for (completions' echo)
+                prompt_text = (request.prompt if isinstance(request.prompt, str)
+                               else self.tokenizer.decode(ids, skip_special_tokens=False))
         if not ids:
             raise TokenizeError(f"the {param} is empty: it must hold at least one token", param=param)
         max_tokens = None if request.cap_at_max_model_len else request.sampling_params.max_tokens
         self._check_length(len(ids), max_tokens, param)
-        return ids, chat_prompt
+        return ids, prompt_text
 
     def _tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
