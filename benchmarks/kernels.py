@@ -19,8 +19,8 @@ candidate with its time, ``max|diff|`` against SDPA and, on a GPU, its registers
 shared memory; then the fastest against the default, measured in the same run. A candidate
 that fails (out of shared memory, say) prints why and the sweep goes on; so does a grid entry.
 A candidate whose fault leaves the CUDA context unusable (an illegal memory access is sticky:
-every later call fails) is excluded and the sweep goes on in a new process (``exec``, same
-arguments plus ``--resume-sweep`` and ``--exclude``), from the shape it broke.
+every later call fails) is excluded on that shape and the sweep goes on in a new process
+(``exec``, same arguments plus ``--resume-sweep`` and ``--exclude``), from the shape it broke.
 """
 
 from __future__ import annotations
@@ -68,10 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="also tune the launch options (see the docstring)")
     p.add_argument("--sweep-decode", type=_pairs, default=[(64, 4096), (1, 32768)], help="B:ctx,...")
     p.add_argument("--sweep-prefill", type=_pairs, default=[(4, 4096)], help="B:len,...")
-    p.add_argument("--resume-sweep", type=int, default=0,
+    p.add_argument("--resume-sweep", type=int, default=None,
                    help="skip the grid and the first N sweep shapes (set by the sweep's own restart)")
     p.add_argument("--exclude", action="append", default=[],
-                   help="a sweep candidate not to run, as its line prints it (set by the restart)")
+                   help="SHAPE:CANDIDATE, a sweep candidate not to run on sweep shape number SHAPE, as its "
+                        "line prints it (set by the restart)")
     args = p.parse_args(argv)
     if args.smoke:
         args.decode_batch, args.decode_context = [2], [40]
@@ -284,7 +285,11 @@ def sweep(case: Case, stages: list[list[dict]], iters: int, device: torch.device
         sdpa = f"sdpa {t_sdpa:9.3f} ms {case.work / t_sdpa / 1e9:7.3f}"
     except Exception as exc:  # noqa: BLE001 - then max|diff| is against the default launch
         expected, sdpa = case.run(), f"sdpa failed: {type(exc).__name__}"
-    t_default = try_options(case, {}, iters, device, expected)
+    if describe({}) in exclude:
+        print(f"  sweep {case.label} | {describe({})} | excluded: it broke the CUDA context", flush=True)
+        t_default = None
+    else:
+        t_default = try_options(case, {}, iters, device, expected)
     best_ms, best = t_default, {"tiles": AttentionTiles()}  # the heuristic's choice is a candidate too
     for stage in stages:
         base = best
@@ -375,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         gib = 4 * batch * tokens * args.num_kv_heads * args.head_dim * elem / 2**30  # contiguous + paged K, V
         return gib if gib > args.max_gib else None
 
-    for batch in args.decode_batch if not args.resume_sweep else []:
+    for batch in args.decode_batch if args.resume_sweep is None else []:
         for ctx in args.decode_context:
             label = f"decode  B={batch:4d} ctx={ctx:6d}"
             if gib := too_big(batch, ctx):
@@ -383,29 +388,35 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             run_guarded(label, lambda b=batch, c=ctx: print(
                 bench_case(decode_case(args, device, b, c), args.iters, device), flush=True), device)
-    for batch in args.prefill_batch if not args.resume_sweep else []:
+    for batch in args.prefill_batch if args.resume_sweep is None else []:
         for length in args.prefill_len:
             run_guarded(f"prefill B={batch:4d} len={length:6d}", lambda b=batch, n=length: print(
                 bench_case(prefill_case(args, device, b, n), args.iters, device), flush=True), device)
     if not args.sweep:
         return
-    exclude = frozenset(args.exclude)
-    shapes = [(f"sweep decode B={batch} ctx={ctx}", lambda b=batch, c=ctx: sweep(
-        decode_case(args, device, b, c), decode_stages(c, args.smoke), args.iters, device, exclude))
+    excluded = [item.split(":", 1) for item in args.exclude]  # [shape index, candidate]
+
+    def exclude(index: int) -> frozenset[str]:
+        return frozenset(candidate for shape, candidate in excluded if int(shape) == index)
+
+    shapes = [(f"sweep decode B={batch} ctx={ctx}", lambda i, b=batch, c=ctx: sweep(
+        decode_case(args, device, b, c), decode_stages(c, args.smoke), args.iters, device, exclude(i)))
         for batch, ctx in args.sweep_decode]
-    shapes += [(f"sweep prefill B={batch} len={length}", lambda b=batch, n=length: sweep(
-        prefill_case(args, device, b, n), prefill_stages(args.smoke), args.iters, device, exclude))
+    shapes += [(f"sweep prefill B={batch} len={length}", lambda i, b=batch, n=length: sweep(
+        prefill_case(args, device, b, n), prefill_stages(args.smoke), args.iters, device, exclude(i)))
         for batch, length in args.sweep_prefill]
     for index, (label, fn) in enumerate(shapes):
-        if index < args.resume_sweep:
+        if index < (args.resume_sweep or 0):
             continue
         try:
-            run_guarded(label, fn, device)
+            run_guarded(label, lambda f=fn, i=index: f(i), device)
         except CudaContextLost as lost:
+            if lost.candidate in exclude(index):  # cannot happen (it is skipped); never loop on it
+                sys.exit(f"{label} | the CUDA context is lost again after {lost.candidate}; stopping")
             print(f"{label} | the CUDA context is lost after {lost.candidate}; the sweep goes on in a new "
                   "process without it", flush=True)
             os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv,
-                                      "--resume-sweep", str(index), "--exclude", lost.candidate])
+                                      "--resume-sweep", str(index), "--exclude", f"{index}:{lost.candidate}"])
 
 
 if __name__ == "__main__":

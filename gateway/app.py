@@ -189,10 +189,12 @@ class _Generation:
     prompt, ``parts``; ``n`` samples each, told apart by ``delta.index``) into OpenAI chunks
     and the response. Choice ``p * n + i`` is sample ``i`` of prompt ``p``, as in vLLM."""
 
-    def __init__(self, request_id: str, model: str, include_usage: bool, parts: list[_Part], n: int = 1) -> None:
+    def __init__(self, request_id: str, model: str, include_usage: bool, parts: list[_Part], n: int = 1,
+                 continuous_usage: bool = False) -> None:
         self.request_id = request_id
         self.model = model
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # every chunk carries the usage so far
         self.created = int(time.time())
         self.n = n
         self.parts = parts
@@ -485,7 +487,7 @@ class OpenAIServing:
         log.debug("request_submitted", request_id=request_id, num_prompts=len(parts),
                   num_prompt_tokens=sum(part.num_prompt_tokens for part in parts))
         cls = _ChatGeneration if chat else _CompletionGeneration
-        return cls(request_id, self.model_info.name, body.include_usage, parts, params.n)
+        return cls(request_id, self.model_info.name, body.include_usage, parts, params.n, body.continuous_usage)
 
     async def _submit(self, engine_id: str, fields: dict[str, Any], params: SamplingParams,
                       body: AnyRequest) -> TokenizeReply:
@@ -523,13 +525,15 @@ class OpenAIServing:
                 async for delta in deltas:
                     yield delta
             return
-        merged: asyncio.Queue[RequestDelta | None] = asyncio.Queue()
+        merged: asyncio.Queue[RequestDelta | BaseException | None] = asyncio.Queue()
 
         async def pump(engine_id: str) -> None:
             try:
                 async with aclosing(self.client.stream(engine_id)) as deltas:
                     async for delta in deltas:
                         merged.put_nowait(delta)
+            except Exception as exc:  # raised to the consumer, as the one-prompt path would
+                merged.put_nowait(exc)
             finally:
                 merged.put_nowait(None)
 
@@ -537,11 +541,13 @@ class OpenAIServing:
         try:
             remaining = len(pumps)
             while remaining:
-                delta = await merged.get()
-                if delta is None:
+                item = await merged.get()
+                if item is None:
                     remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
                 else:
-                    yield delta
+                    yield item
         finally:
             for task in pumps:
                 task.cancel()
@@ -554,11 +560,15 @@ class OpenAIServing:
             APIError: the engine reported an error mid-stream.
         """
         for chunk in gen.start_chunks():
+            if gen.continuous_usage:
+                chunk.usage = gen.usage()  # type: ignore[attr-defined]
             yield chunk
         async with aclosing(self._deltas(gen)) as deltas:
             async for delta in deltas:
                 index = gen.update(delta)
                 for chunk in gen.delta_chunks(delta, index):
+                    if gen.continuous_usage:
+                        chunk.usage = gen.usage()  # type: ignore[attr-defined]
                     yield chunk
         if gen.include_usage:
             yield gen.usage_chunk()

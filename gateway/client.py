@@ -194,8 +194,8 @@ class EngineClient:
         The output queue is registered before the request is sent, so no output is lost.
         ``cap_at_max_model_len``: a prompt + ``max_tokens`` over ``max_model_len`` is accepted
         and stops there with finish_reason "length" (the offline API, as vLLM's ``LLM``)
-        instead of being refused (the OpenAI server). ``return_prompt``: the reply of a chat
-        request carries the prompt text the chat template rendered. ``notify_accepted``: the
+        instead of being refused (the OpenAI server). ``return_prompt``: the reply carries the
+        prompt text (a chat request's as the template rendered it; token ids decoded). ``notify_accepted``: the
         scheduler says when it accepts the request; ``wait_accepted`` waits for that.
 
         Returns:

@@ -181,11 +181,13 @@ _COMMON_UNSUPPORTED: Unsupported = (
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a final chunk with the usage."""
+    """``stream_options``: ``include_usage`` adds a final chunk with the usage; with it,
+    ``continuous_usage_stats`` (vLLM) puts the usage so far in every chunk."""
 
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(OpenAIRequest):
@@ -239,6 +241,11 @@ class _SamplingFields(OpenAIRequest):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def _sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n,
@@ -271,9 +278,11 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
     response_format: dict[str, Any] | None = None  # vLLM extension
+    add_special_tokens: bool = True  # vLLM extension
 
     unsupported_values: ClassVar[Unsupported] = (
         *_COMMON_UNSUPPORTED,
+        ("add_special_tokens", bool, "the tokenizer's special tokens are always added to a prompt"),
         ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
         ("logprobs", _is_none, "only logprobs=null is supported"),
         ("best_of", _one_or_none, "only best_of=1 is supported"),
@@ -358,9 +367,11 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     chat_template: str | None = None
+    add_special_tokens: bool = False  # vLLM extension: the chat template adds them
 
     unsupported_values: ClassVar[Unsupported] = (
         *_COMMON_UNSUPPORTED,
+        ("add_special_tokens", _is_false, "the chat template's text is tokenized without adding special tokens"),
         ("logprobs", _is_false, "only logprobs=false is supported"),
         ("top_logprobs", _zero_or_none, "top_logprobs is not supported"),
         ("echo", _is_false, "only echo=false is supported"),
@@ -373,7 +384,7 @@ class ChatCompletionRequest(_SamplingFields):
     def _no_tools(self) -> ChatCompletionRequest:
         if self.tools and self.tool_choice != "none":
             raise ValueError("tools are not supported (tool_choice='none' is accepted)")
-        if self.tool_choice is not None and self.tools is None:  # as vLLM
+        if self.tool_choice not in (None, "none") and self.tools is None:  # as vLLM
             raise ValueError("tool_choice: when using `tool_choice`, `tools` must be set")
         return self
 

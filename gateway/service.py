@@ -158,12 +158,12 @@ class GatewayService:
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             drain = self.settings.gateway_drain_timeout_s
-            for timeout in (drain, SHUTDOWN_GRACE_S + 2.0):
+            for attempt, timeout in enumerate((drain, SHUTDOWN_GRACE_S + 2.0)):
                 try:
                     await asyncio.wait_for(asyncio.shield(self._task), timeout)
                     break
                 except TimeoutError:
-                    if timeout == drain and self.client is not None:
+                    if attempt == 0 and self.client is not None:
                         log.warning("gateway_drain_timeout", requests=self.client.num_in_flight)
                         with contextlib.suppress(Exception):  # NATS gone: the streams still end
                             await self.client.fail_all(ServiceError(

@@ -157,7 +157,7 @@ class LLM:
             # all submitted at once, in input order (tasks start in creation order)
             replies = await asyncio.gather(*(
                 self._client.submit(rid, sampling_params=sp, priority=priority[i] if priority else 0,
-                                   cap_at_max_model_len=True, return_prompt=True, **item)
+                                   cap_at_max_model_len=True, return_prompt="messages" in item, **item)
                 for i, (rid, item, sp) in enumerate(zip(ids, items, params, strict=True))
             ))
             for rid, item, sp, reply in zip(ids, items, params, replies, strict=True):

@@ -158,7 +158,7 @@ class TokenizeRequest(Message):
     # prompt + max_tokens may exceed max_model_len: the request then stops at max_model_len with
     # finish_reason "length" (vLLM's offline LLM); False: refused, as the OpenAI server does
     cap_at_max_model_len: bool = False
-    return_prompt: bool = False  # reply with the prompt text the chat template rendered
+    return_prompt: bool = False  # reply with the prompt text (chat: as rendered; token ids: decoded)
     # the scheduler tells the gateway when it accepts the request (RequestDelta.accepted), so
     # that a streaming HTTP response starts only once it cannot be refused any more
     notify_accepted: bool = False
@@ -170,7 +170,7 @@ class TokenizeReply(Message):
     request_id: str
     error: ServiceError | None = None
     prompt_token_ids: list[int] = Field(default_factory=list)
-    prompt: str | None = None  # a chat request's rendered prompt, when asked (return_prompt)
+    prompt: str | None = None  # the prompt text, when asked (return_prompt)
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler

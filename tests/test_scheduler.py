@@ -711,8 +711,9 @@ def test_plan_byte_bounds_hold_for_the_widest_values(rid):
                             request_id=r, prompt_token_ids=req.all_token_ids, sampling_params=req.sampling_params,
                             block_ids=blocks, num_computed_tokens=2**20, num_output_tokens=2**20) for r in rids])
 
-    def cached_plan(*rids: str) -> StepPlan:
+    def cached_plan(*rids: str) -> StepPlan:  # the step that completes a chunked prefill: it forks
         return StepPlan(step_id=2**40, group_id="g0", num_scheduled_tokens={r: 2**20 for r in rids},
+                        forks={r: [f"{r}#{i}" for i in range(1, 4)] for r in rids},
                         block_copies=[(2**20, 2**20 + 1) for _ in rids], cached_requests=[CachedRequestData(
                             request_id=r, new_block_ids=blocks[:3], num_computed_tokens=2**20,
                             replaced_block=(2**20, 2**20 + 1)) for r in rids])

@@ -20,6 +20,7 @@ from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
     AbortRequests,
+    DetokStep,
     GatewayStep,
     Heartbeat,
     Ping,
@@ -263,6 +264,89 @@ async def test_requests_of_a_detokenizer_shard_gone_fail(nats_url):
         assert sorted(d.request_id for d in failed) == shard0
         assert all(d.finish_reason == "error" and d.error.code == "request_lost" for d in failed)
         assert sorted(svc.scheduler.requests) == sorted(set(ids) - set(shard0))
+    finally:
+        await bus.close()
+        await svc.stop()
+
+
+async def test_acceptance_waits_for_a_group_that_may_refuse(env):
+    """A notify_accepted request queued with no group registered is acknowledged only once a
+    group registers and keeps it: one larger than that group's pool is refused instead, so a
+    streaming client never sees a 200 followed by a 400."""
+    accepted: list[str] = []
+    publish = env.svc.bus.publish
+
+    async def recording(subject, message):
+        await publish(subject, message)
+        if isinstance(message, GatewayStep):
+            accepted.extend(d.request_id for d in message.outputs if d.accepted)
+
+    env.svc.bus.publish = recording
+    for rid, num_prompt in (("fits", 20), ("too-big", 900)):
+        await env.svc._on_submit(SubmitRequest(request_id=rid, gateway_id="gw", prompt_token_ids=[7] * num_prompt,
+                                               sampling_params=SamplingParams(max_tokens=8), notify_accepted=True))
+    assert accepted == [] and env.errors == []
+    await register(env.svc, num_blocks=16)  # 256 tokens
+    assert accepted == ["fits"]
+    [refused] = env.errors
+    assert refused.request_id == "too-big" and refused.error.status == 400
+    await submit(env.svc, "later")  # without notify_accepted: nothing
+    await env.svc._on_submit(SubmitRequest(request_id="now", gateway_id="gw", prompt_token_ids=[7] * 20,
+                                           sampling_params=SamplingParams(max_tokens=8), notify_accepted=True))
+    assert accepted == ["fits", "now"]  # a group is there: at once
+
+
+async def test_requests_finished_here_release_their_detokenizer_state(env):
+    """A request aborted or failed by the scheduler after its first output had reached the
+    detokenizer gets a last TokenUpdate with its finish reason there, so that the detokenizer
+    drops its text state (it stayed there for good before)."""
+    steps: list[DetokStep] = []
+    publish = env.svc.bus.publish
+
+    async def recording(subject, message):
+        await publish(subject, message)
+        if isinstance(message, DetokStep):
+            steps.append(message)
+
+    env.svc.bus.publish = recording
+    for rid in ("sent", "unsent", "failed"):
+        await submit(env.svc, rid)
+    for rid in ("sent", "failed"):
+        env.svc.scheduler.requests[rid].sent_to_detokenizer = True
+    await env.svc._on_abort(AbortRequests(request_ids=["sent", "unsent"]))
+    lost = ServiceError(message="lost", type="server_error", code="request_lost", status=503)
+    await env.svc._on_abort(AbortRequests(request_ids=["failed"], reason="error", error=lost))
+    updates = [(u.request_id, u.finish_reason, u.new_token_ids) for s in steps for u in s.updates]
+    assert updates == [("sent", "abort", []), ("failed", "error", [])]
+    assert not env.svc.scheduler.requests
+
+
+async def test_the_peer_watch_survives_a_failed_round(nats_url, monkeypatch):
+    """An exception in one round of the gateway/detokenizer watch (NATS failing while a shard
+    is lost) is logged and the watch goes on; the requests are finished all the same."""
+    name = f"sched-{uuid.uuid4().hex[:8]}"
+    info = ModelInfo(path=Path("/models") / name, name=name, max_model_len=4096, eos_token_ids=(2,), vocab_size=50000)
+    svc = SchedulerService(Settings(nats_url=nats_url, served_model_name=name, heartbeat_timeout_s=0.5), info)
+    await svc.start()
+    bus = await Bus.connect(nats_url, name="test-peers")
+
+    async def pong(_: Ping) -> Pong:
+        return Pong(service="gateway")
+
+    async def broken_send_error(req, error):
+        raise nats.errors.ConnectionClosedError
+
+    try:
+        await bus.subscribe(subjects.gateway_ping("gw"), Ping, pong)
+        await bus.flush()
+        monkeypatch.setattr(svc, "_send_error", broken_send_error)
+        monkeypatch.setattr(svc, "_release_detokenizer", None)  # a bug in the round: TypeError
+        await submit(svc, "r0")  # no detokenizer at all
+        await until(lambda: "r0" not in svc.scheduler.requests, timeout=10)
+        monkeypatch.undo()
+        await submit(svc, "r1")
+        await until(lambda: "r1" not in svc.scheduler.requests, timeout=10)  # a later round ran
+        assert not [t for t in svc._tasks if t.done()]
     finally:
         await bus.close()
         await svc.stop()

@@ -369,6 +369,13 @@ async def test_an_update_for_a_request_never_registered_here_fails_it(env):
             new_requests=[DetokNewRequest(request_id=marker, gateway_id=marker, prompt_tail_ids=[],
                                           num_prompt_tokens=1)],
             updates=[TokenUpdate(request_id=marker, new_token_ids=[28], finish_reason="length")]))
+        await env.bus.publish(env.subjects.detok(0), DetokStep(updates=[  # a later step: reported once
+            TokenUpdate(request_id="ghost", new_token_ids=[30])]))
+        await env.bus.publish(env.subjects.detok(0), DetokStep(
+            new_requests=[DetokNewRequest(request_id=marker + "2", gateway_id=marker, prompt_tail_ids=[],
+                                          num_prompt_tokens=1)],
+            updates=[TokenUpdate(request_id=marker + "2", new_token_ids=[28], finish_reason="length")]))
+        await marker_sub.next_msg(timeout=10)
         await marker_sub.next_msg(timeout=10)
         lost = decode((await abort_sub.next_msg(timeout=1)).data, AbortRequests)
         assert abort_sub.pending_msgs == 0

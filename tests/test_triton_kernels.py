@@ -521,12 +521,12 @@ import importlib.util, sys
 spec = importlib.util.spec_from_file_location("kernels_bench", sys.argv[1])
 kb = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(kb)
-FAULT = sys.argv[2]
+FAULT, SHAPE = sys.argv[2], sys.argv[3]
 broken = []
 original_run = kb.Case.run
 
-def run(self, **options):  # the FAULT candidate breaks the context; every later call fails
-    if broken or (options and kb.describe(options) == FAULT):
+def run(self, **options):  # FAULT on SHAPE breaks the context; every later call fails
+    if broken or (kb.describe(options) == FAULT and self.label.startswith(SHAPE)):
         broken.append(1)
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     return original_run(self, **options)
@@ -537,15 +537,19 @@ kb.main(["--smoke", "--sweep"])
 """
 
 
-def test_benchmark_sweep_goes_on_after_a_sticky_fault(tmp_path):
+@pytest.mark.parametrize("fault,shape", [
+    ("path=single splits=- block_m=32 tile_n=16 warps=- stages=-", "prefill"),  # the second shape
+    ("path=auto splits=-", "decode"),  # the default launch of the first shape
+])
+def test_benchmark_sweep_goes_on_after_a_sticky_fault(tmp_path, fault, shape):
     """A sweep candidate that leaves the CUDA context unusable (simulated: it and every later
-    call fail, and ``cuda_alive`` says so) is excluded and the sweep goes on in a new process
-    from the shape it broke; the grid and the shapes done before are not run again."""
-    fault = "path=single splits=- block_m=32 tile_n=16 warps=- stages=-"  # a prefill candidate
+    call fail, and ``cuda_alive`` says so) is excluded on its shape and the sweep goes on in a
+    new process from that shape; the grid and the shapes done before are not run again, and
+    the other shapes still try the candidate."""
     script = tmp_path / "fault.py"
     script.write_text(SWEEP_FAULT_SCRIPT)
     proc = subprocess.run(
-        [sys.executable, str(script), str(ROOT / "benchmarks" / "kernels.py"), fault],
+        [sys.executable, str(script), str(ROOT / "benchmarks" / "kernels.py"), fault, shape],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -557,4 +561,7 @@ def test_benchmark_sweep_goes_on_after_a_sticky_fault(tmp_path):
     best = [line.split("|")[0].split()[1] for line in lines if line.startswith("best")]
     assert best == ["decode", "prefill"], proc.stdout  # each shape once: prefill in the new process
     resumed = lines[next(i for i, line in enumerate(lines) if "the CUDA context is lost" in line):]
-    assert not [line for line in resumed if "sweep decode" in line], proc.stdout
+    if shape == "prefill":
+        assert not [line for line in resumed if "sweep decode" in line], proc.stdout
+    else:  # the prefill shape still runs its own default launch
+        assert len([line for line in resumed if "sweep prefill" in line and "| path=auto splits=- |" in line]) == 1

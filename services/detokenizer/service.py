@@ -177,19 +177,23 @@ class DetokenizerService:
                     log.debug("update_ignored", request_id=update.request_id, reason="finished")
                 elif update.finish_reason is None:  # a last update needs no abort
                     lost.append(update.request_id)
+                    self._remember_finished(update.request_id)  # reported once
                 continue
             delta = self._apply(req, update)
             by_gateway[req.gateway_id].append(delta)
             if delta.finished:
                 del self.requests[req.request_id]
-                self._finished[req.request_id] = None
-                if len(self._finished) > RECENTLY_FINISHED:
-                    self._finished.popitem(last=False)
+                self._remember_finished(req.request_id)
                 if update.finish_reason is None:  # we ended it (stop string): the scheduler must too
                     aborted.append(req.request_id)
                 log.info("request_detokenized", request_id=req.request_id, finish_reason=delta.finish_reason,
                          stop_reason=delta.stop_reason, num_output_tokens=delta.num_output_tokens)
         return StepOutputs(by_gateway=dict(by_gateway), aborted=aborted, lost=lost)
+
+    def _remember_finished(self, request_id: str) -> None:
+        self._finished[request_id] = None
+        if len(self._finished) > RECENTLY_FINISHED:
+            self._finished.popitem(last=False)
 
     def _register(self, new: DetokNewRequest) -> None:
         if new.request_id in self.requests:

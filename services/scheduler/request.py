@@ -78,8 +78,11 @@ class Request:
         with ``num_new_blocks`` blocks appended: its ``CachedRequestData`` (a copy-on-write's
         ``replaced_block`` and ``block_copies`` entry included) and its
         ``num_scheduled_tokens`` entry, at most 5 bytes per integer; its id twice, the field
-        names and headers (128)."""
-        return 2 * len(self.request_id.encode()) + 128 + 5 * num_new_blocks
+        names and headers (128); and the ids of the samples an n > 1 request forks when its
+        prefill completes."""
+        rid = len(self.request_id.encode())
+        forks = (self.sampling_params.n - 1) * (rid + 8) + rid + 5 if self.needs_fork else 0
+        return 2 * rid + 128 + 5 * num_new_blocks + forks
 
     @property
     def needs_fork(self) -> bool:

@@ -27,6 +27,7 @@ from shared.messages import (
     AbortRequests,
     DetokNewRequest,
     DetokStep,
+    FinishReason,
     GatewayStep,
     Heartbeat,
     HeartbeatAck,
@@ -75,6 +76,9 @@ class SchedulerService:
         self._tasks: list[asyncio.Task] = []
         self._submit_sub: Subscription | None = None
         self._peer_misses: dict[str, int] = {}  # ping subject -> pings in a row nobody answered
+        # notify_accepted requests queued while no group was registered: acknowledged once
+        # one registers and has not refused them
+        self._acks_due: dict[str, Request] = {}
         self._step_sent_at: dict[str, list[float]] = {}  # group -> send times of its steps in flight
         self._idle_heartbeat_at: dict[str, float] = {}  # group -> when its last heartbeat said idle
         # group -> (step id, since when) its executor answered the step and its result is missing
@@ -124,7 +128,7 @@ class SchedulerService:
                 await self.bus.flush()
             except Exception:  # NATS already gone: the clients' liveness checks end the requests
                 log.warning("stop_notify_failed", requests=len(self.scheduler.requests))
-            self.scheduler.abort(list(self.scheduler.requests), "error")
+            await self._finish_requests(list(self.scheduler.requests), "error")
         if self._own_bus and self.bus is not None:
             await self.bus.close()
 
@@ -149,17 +153,50 @@ class SchedulerService:
             return
         log.debug("request_queued", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens)
         if msg.notify_accepted:
-            await self.bus.publish(subj.gateway(req.gateway_id), GatewayStep(outputs=[
-                RequestDelta(request_id=req.request_id, accepted=True)]))
+            if self.scheduler.groups:
+                await self._send_accepted([req])
+            else:  # a group registering may still refuse it (larger than its pool): say so then
+                self._acks_due[req.request_id] = req
         await self._kick()
+
+    async def _send_accepted(self, reqs: list[Request]) -> None:
+        """Tell the gateways these requests can no longer be refused (``notify_accepted``)."""
+        by_gateway: dict[str, list[RequestDelta]] = defaultdict(list)
+        for req in reqs:
+            by_gateway[req.gateway_id].append(RequestDelta(request_id=req.request_id, accepted=True))
+        for gateway_id, deltas in by_gateway.items():
+            await self.bus.publish(subj.gateway(gateway_id), GatewayStep(outputs=deltas))
 
     async def _on_abort(self, msg: AbortRequests) -> None:
         if msg.error is not None:  # a detokenizer lost their state: their clients must hear it
             await self._fail_requests(msg.request_ids, msg.error)
         else:
-            for req in self.scheduler.abort(msg.request_ids, msg.reason):
+            for req in await self._finish_requests(msg.request_ids, msg.reason):
                 log.info("request_aborted", request_id=req.request_id, reason=msg.reason)
         await self._kick()
+
+    async def _finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
+        """``Scheduler.abort`` (blocks free at once), then tell the detokenizer shards to drop
+        the state of those they had (``_release_detokenizer``). Returns the finished requests."""
+        done = self.scheduler.abort(request_ids, reason)
+        await self._release_detokenizer(done)
+        return done
+
+    async def _release_detokenizer(self, reqs: list[Request]) -> None:
+        """Requests finished here without a last output (aborted, failed): a last
+        ``TokenUpdate`` with their finish reason to the shards they were sent to, which drop
+        their text state (else it stays there for good)."""
+        shards: dict[int, DetokStep] = defaultdict(DetokStep)
+        n = self.settings.num_detokenizer_shards
+        for req in reqs:
+            if req.sent_to_detokenizer:
+                shards[subj.detok_shard(req.request_id, n)].updates.append(TokenUpdate(
+                    request_id=req.request_id, new_token_ids=[], finish_reason=req.finish_reason or "abort"))
+        try:
+            for shard, step in shards.items():
+                await self.bus.publish(self.subjects.detok(shard), step)
+        except Exception:  # NATS away: the state stays until that detokenizer restarts
+            log.warning("detokenizer_release_failed", requests=len(reqs))
 
     async def _fail_requests(self, request_ids: list[str], error: ServiceError) -> None:
         """Finish each of these requests still held, with every sample of its n > 1 request
@@ -167,10 +204,13 @@ class SchedulerService:
         held are ignored."""
         held = [self.scheduler.requests[rid] for rid in request_ids if rid in self.scheduler.requests]
         families = list(dict.fromkeys(req.parent_request_id or req.request_id for req in held))
-        for req in self.scheduler.abort(families, "error"):  # before any await: blocks free at once
+        for req in await self._finish_requests(families, "error"):
             log.warning("request_failed", request_id=req.request_id, code=error.code, reason=error.message)
         for req in held:
-            await self._send_error(req, error)
+            try:
+                await self._send_error(req, error)
+            except Exception:  # NATS away: the client's liveness check ends it
+                log.warning("error_send_failed", request_id=req.request_id)
 
     async def _on_register(self, msg: RegisterGroup) -> RegisterAck:
         if msg.block_size < 1 or msg.num_blocks < 1:
@@ -184,6 +224,8 @@ class SchedulerService:
                  block_size=msg.block_size, requeued=len(requeued), refused=len(refused))
         for req, error in refused:  # waited for a group, but too big for every pool
             await self._send_error(req, error)
+        due, self._acks_due = self._acks_due, {}  # the others are routed now: they stay
+        await self._send_accepted([req for rid, req in due.items() if rid in self.scheduler.requests])
         asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._kick()))
         return RegisterAck(group_id=msg.group_id, accepted=True, next_step_id=self.scheduler.next_step_id)
 
@@ -351,6 +393,7 @@ class SchedulerService:
         failed, moved = self.scheduler.fail_step(group_id)
         for req in failed:
             await self._send_error(req, error)
+        await self._release_detokenizer(failed)
         log.warning("group_dropped", group_id=group_id, requeued=len(moved), failed=len(failed),
                     reason=error.message)
         self._note_groups_lost(error)
@@ -373,8 +416,9 @@ class SchedulerService:
         unavailable = ServiceError(message=f"no executor group is available (the last one: {error.message})",
                                    type="server_error", code="no_executor", status=503)
         waiting = list(self.scheduler.waiting)
-        for req in self.scheduler.abort([r.request_id for r in waiting], "error"):
+        for req in await self._finish_requests([r.request_id for r in waiting], "error"):
             await self._send_error(req, unavailable)
+        self._acks_due = {rid: req for rid, req in self._acks_due.items() if rid in self.scheduler.requests}
         log.warning("no_executor_group", failed=len(waiting), reason=error.message)
 
     async def _watchdog(self) -> None:
@@ -411,18 +455,21 @@ class SchedulerService:
             watched = {subj.gateway_ping(g) for g in by_gateway}
             watched |= {subj.ping(self.model_info.name, f"detokenizer.{shard}") for shard in by_shard}
             self._peer_misses = {s: k for s, k in self._peer_misses.items() if s in watched}
-            for gateway_id, request_ids in by_gateway.items():
-                if await self._gone(subj.gateway_ping(gateway_id)):
-                    aborted = self.scheduler.abort(request_ids, "abort")
-                    log.warning("gateway_lost", gateway_id=gateway_id, aborted=len(aborted))
-                    await self._kick()
-            for shard, request_ids in by_shard.items():
-                if await self._gone(subj.ping(self.model_info.name, f"detokenizer.{shard}")):
-                    log.warning("detokenizer_lost", shard=shard, requests=len(request_ids))
-                    await self._fail_requests(request_ids, ServiceError(
-                        message=f"no detokenizer serves shard {shard} of this model; send the request again",
-                        type="server_error", code="request_lost", status=503))
-                    await self._kick()
+            try:
+                for gateway_id, request_ids in by_gateway.items():
+                    if await self._gone(subj.gateway_ping(gateway_id)):
+                        aborted = await self._finish_requests(request_ids, "abort")
+                        log.warning("gateway_lost", gateway_id=gateway_id, aborted=len(aborted))
+                        await self._kick()
+                for shard, request_ids in by_shard.items():
+                    if await self._gone(subj.ping(self.model_info.name, f"detokenizer.{shard}")):
+                        log.warning("detokenizer_lost", shard=shard, requests=len(request_ids))
+                        await self._fail_requests(request_ids, ServiceError(
+                            message=f"no detokenizer serves shard {shard} of this model; send the request again",
+                            type="server_error", code="request_lost", status=503))
+                        await self._kick()
+            except Exception:  # never let one round end the watch for the scheduler's lifetime
+                log.exception("peer_watch_failed")
 
     async def _gone(self, ping_subject: str) -> bool:
         """Whether nobody has answered on ``ping_subject`` twice in a row (NATS says there is
