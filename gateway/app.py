@@ -155,6 +155,13 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     return APIError(400, "; ".join(parts[:4]) or "invalid request", param=param)
 
 
+def _prompt_error(error: ServiceError, p: int, num_prompts: int) -> APIError:
+    """The error of prompt ``p`` of a request, naming the prompt when the request is a batch."""
+    if num_prompts > 1:
+        error = error.model_copy(update={"message": f"prompt {p} of the batch: {error.message}"})
+    return APIError.from_service_error(error)
+
+
 def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
@@ -231,7 +238,7 @@ class _Generation:
             for c in self.choices[p * self.n:(p + 1) * self.n]:
                 c.finished = True
             if delta.error is not None:
-                raise APIError.from_service_error(delta.error)
+                raise _prompt_error(delta.error, p, len(self.parts))
             raise APIError(500, "the engine failed while generating this request")
         index = p * self.n + delta.index
         choice = self.choices[index]
@@ -252,6 +259,18 @@ class _Generation:
             completion_tokens=self.num_output_tokens,
             total_tokens=self.num_prompt_tokens + self.num_output_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None,
+        )
+
+    def choice_usage(self, index: int) -> UsageInfo:
+        """The usage so far of choice ``index`` alone: its prompt's tokens and its own output
+        (vLLM's ``continuous_usage_stats`` chunks)."""
+        part, completion = self.parts[index // self.n], self.choices[index].num_tokens
+        return UsageInfo(
+            prompt_tokens=part.num_prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=part.num_prompt_tokens + completion,
+            prompt_tokens_details=(PromptTokensDetails(cached_tokens=part.num_cached_tokens)
+                                   if part.num_cached_tokens else None),
         )
 
     def echo(self, index: int) -> str:
@@ -404,6 +423,7 @@ class OpenAIServing:
         self.model_names = {model_info.name, "HuggingFaceTB/" + model_info.name}
         self._background: set[asyncio.Task[None]] = set()
         self.metrics = GatewayMetrics(model_info.name)
+        self.draining = False  # set by GatewayService.stop: new requests get a 503
 
     def check_model(self, name: str | None) -> None:
         """Raises: APIError(404) for a model this gateway does not serve (None: the served one)."""
@@ -441,10 +461,13 @@ class OpenAIServing:
 
         Raises:
             APIError: unknown model (404), invalid parameters or a refused prompt (400; a
-                streaming request also once the scheduler refused it), no tokenizer (503) or
-                no answer from it (504).
+                streaming request also once the scheduler refused it), no tokenizer or the
+                gateway shutting down (503), or no answer from the tokenizer (504).
         """
         arrival = time.perf_counter()
+        if self.draining:
+            raise APIError(503, "the server is shutting down; send the request to another replica",
+                           code="server_shutting_down")
         self.check_model(body.model)
         try:
             params = body.sampling_params()
@@ -459,22 +482,25 @@ class OpenAIServing:
             inputs = [dict(prompt=prompt, return_prompt=body.echo) for prompt in body.prompt_inputs()]
         # one prompt: the engine request has the response's id; a batch: one id per prompt
         engine_ids = [request_id] if len(inputs) == 1 else [f"{request_id}-{p}" for p in range(len(inputs))]
+        # a stream: no 200 before the scheduler can no longer refuse it (priority, KV cache
+        # size); a batch: every prompt accepted before any output counts
+        notify = body.stream or len(inputs) > 1
         submitted: list[str] = []
         try:
             replies = []
-            for engine_id, fields in zip(engine_ids, inputs, strict=True):
+            for p, (engine_id, fields) in enumerate(zip(engine_ids, inputs, strict=True)):
                 submitted.append(engine_id)
-                reply = await self._submit(engine_id, fields, params, body)
+                reply = await self._submit(engine_id, fields, params, body, notify)
                 if reply.error is not None:
                     submitted.pop()
-                    raise APIError.from_service_error(reply.error)
+                    raise _prompt_error(reply.error, p, len(inputs))
                 replies.append(reply)
-            if body.stream:  # no 200 before the scheduler can no longer refuse it (priority, KV cache size)
-                for engine_id in engine_ids:
+            if notify:
+                for p, engine_id in enumerate(engine_ids):
                     error = await self.client.wait_accepted(engine_id)
                     if error is not None:
                         submitted.remove(engine_id)
-                        raise APIError.from_service_error(error)
+                        raise _prompt_error(error, p, len(inputs))
         except BaseException:  # refused, cancelled (client gone) or connection lost: none runs
             if submitted:
                 self.abort_soon(submitted)
@@ -490,7 +516,7 @@ class OpenAIServing:
         return cls(request_id, self.model_info.name, body.include_usage, parts, params.n, body.continuous_usage)
 
     async def _submit(self, engine_id: str, fields: dict[str, Any], params: SamplingParams,
-                      body: AnyRequest) -> TokenizeReply:
+                      body: AnyRequest, notify_accepted: bool) -> TokenizeReply:
         """Send one engine request to the tokenizer; its reply.
 
         Raises:
@@ -498,7 +524,7 @@ class OpenAIServing:
         """
         try:
             return await self.client.submit(engine_id, sampling_params=params, priority=body.priority,
-                                            cache_salt=body.cache_salt, notify_accepted=body.stream, **fields)
+                                            cache_salt=body.cache_salt, notify_accepted=notify_accepted, **fields)
         except nats.errors.NoRespondersError:
             raise APIError(
                 503, f"no tokenizer is serving the model `{self.model_info.name}`", code="service_unavailable"
@@ -561,14 +587,14 @@ class OpenAIServing:
         """
         for chunk in gen.start_chunks():
             if gen.continuous_usage:
-                chunk.usage = gen.usage()  # type: ignore[attr-defined]
+                chunk.usage = gen.choice_usage(chunk.choices[0].index)  # type: ignore[attr-defined]
             yield chunk
         async with aclosing(self._deltas(gen)) as deltas:
             async for delta in deltas:
                 index = gen.update(delta)
                 for chunk in gen.delta_chunks(delta, index):
                     if gen.continuous_usage:
-                        chunk.usage = gen.usage()  # type: ignore[attr-defined]
+                        chunk.usage = gen.choice_usage(index)  # type: ignore[attr-defined]
                     yield chunk
         if gen.include_usage:
             yield gen.usage_chunk()
@@ -762,7 +788,9 @@ def create_app(settings: Settings, model_info: ModelInfo, client: EngineClient) 
     async def health() -> Response:
         """200 when the engine can serve: NATS is up, every engine service answers a ping
         (each of the ``num_detokenizer_shards`` detokenizer shards) and the scheduler has an
-        executor group; else 503."""
+        executor group; else 503 (also while the gateway drains before it stops)."""
+        if serving.draining:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if not client.connected:
             raise APIError(503, "the NATS connection is down", code="service_unavailable")
         if not await engine_ready(client.bus, model_info.name, settings.num_detokenizer_shards):

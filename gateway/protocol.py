@@ -162,7 +162,7 @@ _UNSERVED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("logits_processors", _is_empty, "custom logits processors"),
     ("prompt_embeds", _is_empty, "prompt embeddings"),
     ("functions", _is_empty, "tools and function calling"),
-    ("function_call", _is_empty, "tools and function calling"),
+    ("function_call", lambda v: _is_empty(v) or v == "none", "tools and function calling"),
     ("audio", _is_empty, "audio output"),
     ("modalities", lambda v: _is_empty(v) or v == ["text"], "only text output"),
     ("spaces_between_special_tokens", _is_true_or_none, "special tokens are always decoded with spaces"),

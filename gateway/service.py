@@ -25,7 +25,8 @@ from shared.model_source import ModelInfo
 
 log = get_logger(__name__)
 
-#: after the drain timeout: how long the requests ended by ``stop`` get to send their answer
+#: after the drain: how long the requests ended by ``stop`` get to send their answer, and
+#: uvicorn then its connections to close
 SHUTDOWN_GRACE_S = 3.0
 
 
@@ -100,9 +101,9 @@ class GatewayService:
             log_level=self.settings.log_level.lower(),
             access_log=False,
             lifespan="off",
-            # ``stop`` ends the requests still in flight at the drain timeout; uvicorn cancels
-            # what is left (their clients get no proper answer) only later
-            timeout_graceful_shutdown=self.settings.gateway_drain_timeout_s + SHUTDOWN_GRACE_S,
+            # ``stop`` drains the requests first (uvicorn would close WebSockets at once and
+            # cancel HTTP requests at its timeout, without a proper answer)
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
         self._server = _UvicornServer(config)
         self._task = asyncio.create_task(self._serve(), name="gateway-uvicorn")
@@ -151,29 +152,22 @@ class GatewayService:
         )
 
     async def stop(self) -> None:
-        """Stop listening, let in-flight requests finish (up to
-        ``settings.gateway_drain_timeout_s``), then end the rest with a 503
-        ``server_shutting_down`` (an OpenAI error body; a stream gets the error event and
-        ``[DONE]``) and abort them; close the bus if this service opened it."""
+        """Drain, then stop listening and close the bus if this service opened it.
+
+        Draining: new requests get a 503 ``server_shutting_down`` (``/health`` too), those in
+        flight, HTTP and WebSocket, may finish for up to ``settings.gateway_drain_timeout_s``;
+        the rest then end with a 503 ``server_shutting_down`` (an OpenAI error body; an SSE
+        stream gets the error event and ``[DONE]``, a WebSocket request an ``error``
+        message) and are aborted."""
         if self._server is not None and self._task is not None:
+            await self._drain()
             self._server.should_exit = True
-            drain = self.settings.gateway_drain_timeout_s
-            for attempt, timeout in enumerate((drain, SHUTDOWN_GRACE_S + 2.0)):
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._task), timeout)
-                    break
-                except TimeoutError:
-                    if attempt == 0 and self.client is not None:
-                        log.warning("gateway_drain_timeout", requests=self.client.num_in_flight)
-                        with contextlib.suppress(Exception):  # NATS gone: the streams still end
-                            await self.client.fail_all(ServiceError(
-                                message="the server is shutting down; send the request again",
-                                type="server_error", code="server_shutting_down", status=503))
-                except OSError:
-                    break
-                except Exception:
-                    log.exception("gateway_server_failed")
-                    break
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), SHUTDOWN_GRACE_S + 2.0)
+            except (TimeoutError, OSError):
+                pass
+            except Exception:
+                log.exception("gateway_server_failed")
             if not self._task.done():
                 self._server.force_exit = True
                 self._task.cancel()
@@ -187,6 +181,25 @@ class GatewayService:
         self._serving = None
         self.client = None
         log.info("gateway_stopped")
+
+    async def _drain(self) -> None:
+        """Refuse new requests and wait for those in flight (see ``stop``)."""
+        if self._serving is None or self.client is None or self._task is None or self._task.done():
+            return
+        self._serving.draining = True
+        loop, client = asyncio.get_running_loop(), self.client
+        deadline = loop.time() + self.settings.gateway_drain_timeout_s
+        while client.num_in_flight and loop.time() < deadline and not self._task.done():
+            await asyncio.sleep(0.02)
+        if not client.num_in_flight:
+            return
+        log.warning("gateway_drain_timeout", requests=client.num_in_flight)
+        with contextlib.suppress(Exception):  # NATS gone: the streams still end
+            await client.fail_all(ServiceError(message="the server is shutting down; send the request again",
+                                               type="server_error", code="server_shutting_down", status=503))
+        deadline = loop.time() + SHUTDOWN_GRACE_S  # their answers go out
+        while client.num_in_flight and loop.time() < deadline and not self._task.done():
+            await asyncio.sleep(0.02)
 
     async def _cleanup_client(self) -> None:
         if self._serving is not None:

@@ -493,14 +493,20 @@ async def test_a_batch_of_prompts_gives_n_choices_per_prompt_with_echo(gw):
 
 
 async def test_continuous_usage_stats_put_the_usage_in_every_chunk(gw):
-    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
-    body = {"model": gw.model, "prompt": PROMPT, "max_tokens": 3, "stream": True,
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far of
+    its own choice (its prompt's tokens, its own output); the last chunk the whole usage."""
+    body = {"model": gw.model, "prompt": ["one two", "three four five"], "n": 2, "max_tokens": 3, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     async with gw.http.stream("POST", "/v1/completions", json=body) as r:
         events = [json.loads(e.removeprefix("data: ")) for e in (await r.aread()).decode().split("\n\n")
                   if e and e != "data: [DONE]"]
-    assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 3, 3]
-    assert all(e["usage"]["prompt_tokens"] == 6 for e in events)
+    seen = [0, 0, 0, 0]
+    for event in events[:-1]:
+        index = event["choices"][0]["index"]
+        seen[index] += 1
+        assert event["usage"]["completion_tokens"] == seen[index]
+        assert event["usage"]["prompt_tokens"] == (2 if index < 2 else 3)
+    assert seen == [3, 3, 3, 3] and events[-1]["usage"]["completion_tokens"] == 12
 
 
 async def test_a_batch_with_a_refused_prompt_runs_none(gw):
@@ -518,6 +524,11 @@ async def test_a_batch_with_a_refused_prompt_runs_none(gw):
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": ["a slow one", "x"],
                                                     "max_tokens": 500})
     assert_openai_error(r, 400, "max_tokens")
+    # refused by the scheduler, not streamed: still refused before any output, and not counted
+    aborts = await _aborts_counted(gw)
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": ["a slow one", "refuse"]})
+    assert assert_openai_error(r, 400, "priority")["message"].startswith("prompt 1 of the batch: priority=-1")
+    assert await _aborts_counted(gw) == aborts
     assert gw.service.client.num_in_flight == 0
 
 
@@ -567,8 +578,9 @@ async def test_other_refusals_as_vllm(gw, monkeypatch):
     for tool_choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
         r = await gw.http.post("/v1/chat/completions", json={**chat, "tool_choice": tool_choice})
         assert "`tools` must be set" in assert_openai_error(r, 400, "tool_choice")["message"]
-    r = await gw.http.post("/v1/chat/completions", json={**chat, "tool_choice": "none"})  # accepted, as vLLM
-    assert r.status_code == 200
+    for none in ({"tool_choice": "none"}, {"function_call": "none"}):  # accepted, as vLLM
+        r = await gw.http.post("/v1/chat/completions", json={**chat, **none})
+        assert r.status_code == 200
     r = await gw.http.post("/v1/chat/completions", json={**chat, "add_special_tokens": True})
     assert_openai_error(r, 400, "add_special_tokens")
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "add_special_tokens": False})
@@ -623,24 +635,40 @@ async def test_requests_in_flight_at_shutdown_get_a_503(gw, nats_url):
                              info)
     await service.start()
     body = {"model": gw.model, "prompt": "a slow one", "max_tokens": 50}
-    async with httpx.AsyncClient(base_url=service.url, timeout=20) as http:
+    async with httpx.AsyncClient(base_url=service.url, timeout=20) as http, \
+            ws_connect(service.url.replace("http", "ws") + "/v1/stream") as ws:
 
         async def stream() -> tuple[int, str]:
             async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                 return r.status_code, (await r.aread()).decode()
 
+        async def websocket() -> list[dict]:
+            await ws.send(json.dumps({"type": "completion", "id": 7, "request": body}))
+            messages = []
+            while not messages or messages[-1]["type"] == "chunk":
+                messages.append(json.loads(await ws.recv()))
+            return messages
+
         plain, streamed = asyncio.create_task(http.post("/v1/completions", json=body)), asyncio.create_task(stream())
+        over_ws = asyncio.create_task(websocket())
         for _ in range(500):
-            if service.client.num_in_flight == 2:
+            if service.client.num_in_flight == 3:
                 break
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)  # both have their first output
+        await asyncio.sleep(0.1)  # all have their first output
         started = asyncio.get_running_loop().time()
-        await service.stop()
+        stopping = asyncio.create_task(service.stop())
+        await asyncio.sleep(0.1)
+        late = await http.post("/v1/completions", json=body)  # while draining: refused at once
+        assert assert_openai_error(late, 503)["code"] == "server_shutting_down"
+        await stopping
         assert asyncio.get_running_loop().time() - started < 0.5 + SHUTDOWN_GRACE_S + 2.0
         error = assert_openai_error(await plain, 503)
         assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
         status, raw = await streamed
+        messages = await over_ws
+    assert messages[0] == {"type": "chunk", "id": 7, "chunk": messages[0]["chunk"]}
+    assert messages[-1]["type"] == "error" and messages[-1]["error"]["code"] == "server_shutting_down"
     events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
     assert status == 200 and json.loads(events[0])["choices"][0]["text"] == "Hello"
     assert json.loads(events[-2])["error"]["code"] == "server_shutting_down" and events[-1] == "[DONE]"
