@@ -332,6 +332,9 @@ class DetokStep(Message):
 
     new_requests: list[DetokNewRequest] = Field(default_factory=list)
     updates: list[TokenUpdate] = Field(default_factory=list)
+    # requests the scheduler ended without a last output (aborted, failed; their clients heard
+    # it elsewhere): drop their state, send nothing
+    released: list[str] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------- detokenizer/scheduler -> gateway

@@ -298,8 +298,8 @@ async def test_acceptance_waits_for_a_group_that_may_refuse(env):
 
 async def test_requests_finished_here_release_their_detokenizer_state(env):
     """A request aborted or failed by the scheduler after its first output had reached the
-    detokenizer gets a last TokenUpdate with its finish reason there, so that the detokenizer
-    drops its text state (it stayed there for good before)."""
+    detokenizer is named in a DetokStep's ``released`` there, so that the detokenizer drops its
+    text state (it stayed there for good before)."""
     steps: list[DetokStep] = []
     publish = env.svc.bus.publish
 
@@ -316,8 +316,8 @@ async def test_requests_finished_here_release_their_detokenizer_state(env):
     await env.svc._on_abort(AbortRequests(request_ids=["sent", "unsent"]))
     lost = ServiceError(message="lost", type="server_error", code="request_lost", status=503)
     await env.svc._on_abort(AbortRequests(request_ids=["failed"], reason="error", error=lost))
-    updates = [(u.request_id, u.finish_reason, u.new_token_ids) for s in steps for u in s.updates]
-    assert updates == [("sent", "abort", []), ("failed", "error", [])]
+    assert [rid for s in steps for rid in s.released] == ["sent", "failed"]
+    assert not [u for s in steps for u in s.updates]
     assert not env.svc.scheduler.requests
 
 

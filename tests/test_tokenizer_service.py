@@ -346,6 +346,34 @@ async def test_detokenizer_stop_string_finishes_and_aborts(env):
     assert abort_pending == 0
 
 
+async def test_a_released_request_is_dropped_without_output(env):
+    """A request the scheduler ended (aborted, failed) is released: its state goes, nothing is
+    sent to its gateway, and a late update for it is not taken for a lost request."""
+    gw = f"gw-{uuid.uuid4().hex[:6]}"
+    step = DetokStep(
+        new_requests=[DetokNewRequest(request_id="rel", gateway_id=gw, prompt_tail_ids=[], num_prompt_tokens=3)],
+        updates=[TokenUpdate(request_id="rel", new_token_ids=[28])],
+    )
+    await detok_round(env, step, [gw])
+    marker = f"marker-{uuid.uuid4().hex[:6]}"
+    marker_sub = await env.bus.nc.subscribe(subj.gateway(marker))
+    gateway_sub = await env.bus.nc.subscribe(subj.gateway(gw))
+    abort_sub = await env.bus.nc.subscribe(env.subjects.abort)
+    try:
+        await env.bus.publish(env.subjects.detok(0), DetokStep(released=["rel"]))
+        await env.bus.publish(env.subjects.detok(0), DetokStep(updates=[TokenUpdate(request_id="rel",
+                                                                                   new_token_ids=[29])]))
+        await env.bus.publish(env.subjects.detok(0), DetokStep(
+            new_requests=[DetokNewRequest(request_id=marker, gateway_id=marker, prompt_tail_ids=[],
+                                          num_prompt_tokens=1)],
+            updates=[TokenUpdate(request_id=marker, new_token_ids=[28], finish_reason="length")]))
+        await marker_sub.next_msg(timeout=10)
+        assert gateway_sub.pending_msgs == 0 and abort_sub.pending_msgs == 0
+    finally:
+        for sub in (marker_sub, gateway_sub, abort_sub):
+            await sub.unsubscribe()
+
+
 async def test_an_update_for_a_request_never_registered_here_fails_it(env):
     """A detokenizer that replaced one that died never got the requests' first outputs: an
     update for such a request asks the scheduler to fail it (503 request_lost; the scheduler

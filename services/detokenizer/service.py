@@ -4,7 +4,8 @@ recv ``DetokStep`` (one per scheduler step for this shard) -> register new reque
 each update's tokens to its ``IncrementalDetokenizer`` -> send one ``GatewayStep`` per
 gateway (a ``RequestDelta`` per updated request) and, when stop strings matched, one
 ``AbortRequests(reason="stop")`` so the scheduler frees those requests' blocks.
-A finished request's state is dropped at once; later updates for it are ignored. An update
+A finished request's state is dropped at once, as is that of a request the scheduler ended
+without a last output (``DetokStep.released``); later updates for it are ignored. An update
 for a request this shard never registered (its state went with a detokenizer that was
 replaced, or its first output was sent while none served the shard) fails it: an
 ``AbortRequests`` with a 503 ``request_lost``, which the scheduler reports to its gateway.
@@ -165,6 +166,9 @@ class DetokenizerService:
 
     def process(self, step: DetokStep) -> StepOutputs:
         """Apply one ``DetokStep`` to the shard's state (no I/O)."""
+        for request_id in step.released:  # ended by the scheduler: nothing to say
+            self.requests.pop(request_id, None)
+            self._remember_finished(request_id)
         for new in step.new_requests:
             self._register(new)
         by_gateway: dict[str, list[RequestDelta]] = defaultdict(list)

@@ -183,15 +183,15 @@ class SchedulerService:
         return done
 
     async def _release_detokenizer(self, reqs: list[Request]) -> None:
-        """Requests finished here without a last output (aborted, failed): a last
-        ``TokenUpdate`` with their finish reason to the shards they were sent to, which drop
-        their text state (else it stays there for good)."""
+        """Requests finished here without a last output (aborted, failed): named in
+        ``DetokStep.released`` to the shards they were sent to, which drop their text state
+        (else it stays there for good) and send nothing (their clients heard of the end from
+        the gateway or from this scheduler)."""
         shards: dict[int, DetokStep] = defaultdict(DetokStep)
         n = self.settings.num_detokenizer_shards
         for req in reqs:
             if req.sent_to_detokenizer:
-                shards[subj.detok_shard(req.request_id, n)].updates.append(TokenUpdate(
-                    request_id=req.request_id, new_token_ids=[], finish_reason=req.finish_reason or "abort"))
+                shards[subj.detok_shard(req.request_id, n)].released.append(req.request_id)
         try:
             for shard, step in shards.items():
                 await self.bus.publish(self.subjects.detok(shard), step)
