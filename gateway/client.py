@@ -195,8 +195,9 @@ class EngineClient:
         ``cap_at_max_model_len``: a prompt + ``max_tokens`` over ``max_model_len`` is accepted
         and stops there with finish_reason "length" (the offline API, as vLLM's ``LLM``)
         instead of being refused (the OpenAI server). ``return_prompt``: the reply carries the
-        prompt text (a chat request's as the template rendered it; token ids decoded). ``notify_accepted``: the
-        scheduler says when it accepts the request; ``wait_accepted`` waits for that.
+        prompt text (a chat request's as the template rendered it; token ids decoded).
+        ``notify_accepted``: the scheduler says when it accepts the request; ``wait_accepted``
+        waits for that.
 
         Returns:
             The tokenizer's reply. When ``reply.error`` is set the request was refused and

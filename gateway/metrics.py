@@ -17,8 +17,9 @@ older than ``STALE_AFTER_S``). Request metrics are measured here, per request, f
 
 A request whose client leaves before it finishes counts its tokens and its aborted samples
 but no end-to-end latency. A request the engine refused (a 4xx error: the scheduler's
-checks) counts nothing, as vLLM counts no request it rejected. Each gateway has its own ``CollectorRegistry``, so several gateways
-(or tests) in one process never clash. Every metric has a ``model_name`` label.
+checks) counts nothing, as vLLM counts no request it rejected. Each gateway has its own
+``CollectorRegistry``, so several gateways (or tests) in one process never clash. Every
+metric has a ``model_name`` label.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Field names and defaults follow the OpenAI API reference and vLLM's OpenAI server
 (``top_k``, ``priority``, ``stop_token_ids``, ``ignore_eos`` ... are vLLM extensions).
 Unknown request fields are ignored and logged, as vLLM does. A field that is known (to
-OpenAI or vLLM) but whose value this engine cannot honour (``echo=true``, ``logprobs``,
-penalties, guided decoding, ...) fails validation with a message that starts with the
+OpenAI or vLLM) but whose value this engine cannot honour (``logprobs``, penalties,
+guided decoding, a chat's ``echo``, ...) fails validation with a message that starts with the
 field's name, so the error's ``param`` names it: ignoring it would change what the output
 means.
 """
