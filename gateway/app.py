@@ -485,25 +485,29 @@ class OpenAIServing:
         # a stream: no 200 before the scheduler can no longer refuse it (priority, KV cache
         # size); a batch: every prompt accepted before any output counts
         notify = body.stream or len(inputs) > 1
-        submitted: list[str] = []
+        running = engine_ids  # those that may run: aborted if the request fails here
         try:
-            replies = []
-            for p, (engine_id, fields) in enumerate(zip(engine_ids, inputs, strict=True)):
-                submitted.append(engine_id)
-                reply = await self._submit(engine_id, fields, params, body, notify)
-                if reply.error is not None:
-                    submitted.pop()
-                    raise _prompt_error(reply.error, p, len(inputs))
-                replies.append(reply)
+            outcomes = await asyncio.gather(  # a batch's prompts tokenized concurrently
+                *(self._submit(engine_id, fields, params, body, notify)
+                  for engine_id, fields in zip(engine_ids, inputs, strict=True)),
+                return_exceptions=True)
+            running = [engine_id for engine_id, outcome in zip(engine_ids, outcomes, strict=True)
+                       if not (isinstance(outcome, TokenizeReply) and outcome.error is not None)]
+            replies: list[TokenizeReply] = []
+            for p, outcome in enumerate(outcomes):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                if outcome.error is not None:
+                    raise _prompt_error(outcome.error, p, len(inputs))
+                replies.append(outcome)
             if notify:
                 for p, engine_id in enumerate(engine_ids):
                     error = await self.client.wait_accepted(engine_id)
                     if error is not None:
-                        submitted.remove(engine_id)
                         raise _prompt_error(error, p, len(inputs))
         except BaseException:  # refused, cancelled (client gone) or connection lost: none runs
-            if submitted:
-                self.abort_soon(submitted)
+            if running:
+                self.abort_soon(running)
             raise
         parts = [
             _Part(engine_id, len(reply.prompt_token_ids),
