@@ -658,7 +658,8 @@ async def test_requests_in_flight_at_shutdown_get_a_503(gw, nats_url):
         await asyncio.sleep(0.1)  # all have their first output
         started = asyncio.get_running_loop().time()
         stopping = asyncio.create_task(service.stop())
-        await asyncio.sleep(0.1)
+        while not service._serving.draining:
+            await asyncio.sleep(0.01)
         late = await http.post("/v1/completions", json=body)  # while draining: refused at once
         assert assert_openai_error(late, 503)["code"] == "server_shutting_down"
         await stopping

@@ -235,24 +235,37 @@ def test_an_executor_dropped_after_a_step_timeout_registers_again(smollm2_path, 
 
 
 @pytest.mark.timeout(300)
-def test_a_request_whose_outputs_are_lost_ends_with_a_503(smollm2_path, monkeypatch):
-    """If a detokenizer dies with a request's outputs (or the scheduler restarts and forgets
-    it), the client does not wait forever: a request with no output that the scheduler no
-    longer holds ends with a 'request_lost' error; the engine then serves as before."""
+def test_a_request_whose_outputs_or_detokenizer_state_are_lost_ends_with_a_503(smollm2_path, monkeypatch):
+    """No client waits forever on a detokenizer that died:
+    - its outputs lost (or the scheduler restarted and forgot the request): a request with no
+      output that the scheduler no longer holds ends with a 'request_lost' error;
+    - its state lost (a detokenizer that replaced one that died gets updates for requests it
+      never registered): each fails at once with a 503 request_lost (through the scheduler,
+      which knows its gateway) and frees its blocks, instead of generating to max_tokens for
+      nobody.
+    The engine then serves as before."""
     from gateway.client import EngineClient
     from pagedllm import LLM, SamplingParams
     from services.detokenizer.service import DetokenizerService
 
     monkeypatch.setattr(EngineClient, "liveness_idle_s", 0.5)
     monkeypatch.setattr(EngineClient, "liveness_check_s", 0.25)
-    original_handle = DetokenizerService.handle
+    original_handle, original_process = DetokenizerService.handle, DetokenizerService.process
     dropping = {"on": False}
+    steps = {"n": 0, "lose_at": -1}
 
     async def handle(self, step):
         if not dropping["on"]:
             await original_handle(self, step)
 
+    def process(self, step):
+        steps["n"] += 1
+        if steps["n"] == steps["lose_at"]:
+            self.requests.clear()  # as if a new detokenizer had taken the shard over
+        return original_process(self, step)
+
     monkeypatch.setattr(DetokenizerService, "handle", handle)
+    monkeypatch.setattr(DetokenizerService, "process", process)
     llm = LLM(model=str(smollm2_path), dtype="float32")
     try:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -262,40 +275,14 @@ def test_a_request_whose_outputs_are_lost_ends_with_a_503(smollm2_path, monkeypa
             llm.generate(["One, two,"], params, use_tqdm=False)
         dropping["on"] = False
         assert llm.generate(["One, two,"], params, use_tqdm=False)[0].outputs[0].token_ids == baseline
-    finally:
-        llm.close()
 
-
-@pytest.mark.timeout(300)
-def test_a_request_whose_detokenizer_state_is_lost_fails_at_once(smollm2_path, monkeypatch):
-    """A detokenizer that replaced one that died gets updates for requests it never
-    registered: each fails at once with a 503 request_lost (through the scheduler, which knows
-    its gateway) and frees its blocks, instead of generating to max_tokens for nobody; the
-    engine then serves as before."""
-    from pagedllm import LLM, SamplingParams
-    from services.detokenizer.service import DetokenizerService
-
-    original_process = DetokenizerService.process
-    steps = {"n": 0, "lose_at": -1}
-
-    def process(self, step):
-        steps["n"] += 1
-        if steps["n"] == steps["lose_at"]:
-            self.requests.clear()  # as if a new detokenizer had taken the shard over
-        return original_process(self, step)
-
-    monkeypatch.setattr(DetokenizerService, "process", process)
-    llm = LLM(model=str(smollm2_path), dtype="float32")
-    try:
-        short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        baseline = llm.generate(["One, two,"], short, use_tqdm=False)[0].outputs[0].token_ids
         steps["lose_at"] = steps["n"] + 5
         with pytest.raises(ValueError, match="the detokenizer lost this request's state"):
             llm.generate(["One, two,"], SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True),
                          use_tqdm=False)
         assert_idle(llm)  # aborted at the scheduler, blocks freed
         assert steps["n"] < steps["lose_at"] + 5  # it did not run on to max_tokens
-        assert llm.generate(["One, two,"], short, use_tqdm=False)[0].outputs[0].token_ids == baseline
+        assert llm.generate(["One, two,"], params, use_tqdm=False)[0].outputs[0].token_ids == baseline
     finally:
         llm.close()
 

@@ -220,28 +220,43 @@ async def test_context_length_message(env):
 # ---------------------------------------------------------------------- detokenizer
 
 
-async def detok_round(env: Env, step: DetokStep, gateway_ids: list[str], abort: bool = False):
-    """Publish one DetokStep; return the one GatewayStep per gateway (and the abort if asked)."""
+async def detok_steps(env: Env, steps: list[DetokStep], gateway_ids: list[str]
+                      ) -> tuple[dict[str, list[GatewayStep]], list[AbortRequests]]:
+    """Publish DetokSteps in order; every GatewayStep per gateway and every AbortRequests the
+    service sent for them."""
     marker = f"marker-{uuid.uuid4().hex[:6]}"
     marker_sub = await env.bus.nc.subscribe(subj.gateway(marker))
     subs = {g: await env.bus.nc.subscribe(subj.gateway(g)) for g in gateway_ids}
     abort_sub = await env.bus.nc.subscribe(env.subjects.abort)
     try:
-        await env.bus.publish(env.subjects.detok(0), step)
+        for step in steps:
+            await env.bus.publish(env.subjects.detok(0), step)
         # A marker request through the same service afterwards: once its output is here,
-        # everything the service sent for ``step`` is already in our subscriptions' queues.
+        # everything the service sent for ``steps`` is already in our subscriptions' queues.
         await env.bus.publish(env.subjects.detok(0), DetokStep(
             new_requests=[DetokNewRequest(request_id=marker, gateway_id=marker, prompt_tail_ids=[],
                                           num_prompt_tokens=1)],
             updates=[TokenUpdate(request_id=marker, new_token_ids=[28], finish_reason="length")],
         ))
         await marker_sub.next_msg(timeout=10)
-        out = {g: decode((await s.next_msg(timeout=1)).data, GatewayStep) for g, s in subs.items()}
-        aborted = decode((await abort_sub.next_msg(timeout=1)).data, AbortRequests) if abort else None
-        return out, aborted, {g: s.pending_msgs for g, s in subs.items()}, abort_sub.pending_msgs
+
+        async def queued(sub, message_type):
+            return [decode((await sub.next_msg(timeout=1)).data, message_type) for _ in range(sub.pending_msgs)]
+
+        out = {g: await queued(sub, GatewayStep) for g, sub in subs.items()}
+        return out, await queued(abort_sub, AbortRequests)
     finally:
-        for s in [*subs.values(), abort_sub, marker_sub]:
-            await s.unsubscribe()
+        for sub in [*subs.values(), abort_sub, marker_sub]:
+            await sub.unsubscribe()
+
+
+async def detok_round(env: Env, step: DetokStep, gateway_ids: list[str], abort: bool = False):
+    """Publish one DetokStep; return the one GatewayStep per gateway (and the abort if asked),
+    then how many more each gateway and the abort subject got."""
+    out, aborts = await detok_steps(env, [step], gateway_ids)
+    first = {g: steps[0] for g, steps in out.items()}  # IndexError: no output for g
+    aborted = aborts[0] if abort else None
+    return first, aborted, {g: len(steps) - 1 for g, steps in out.items()}, len(aborts) - abort
 
 
 async def test_detokenizer_streams_exact_text_and_finishes_on_eos(env):
@@ -355,23 +370,9 @@ async def test_a_released_request_is_dropped_without_output(env):
         updates=[TokenUpdate(request_id="rel", new_token_ids=[28])],
     )
     await detok_round(env, step, [gw])
-    marker = f"marker-{uuid.uuid4().hex[:6]}"
-    marker_sub = await env.bus.nc.subscribe(subj.gateway(marker))
-    gateway_sub = await env.bus.nc.subscribe(subj.gateway(gw))
-    abort_sub = await env.bus.nc.subscribe(env.subjects.abort)
-    try:
-        await env.bus.publish(env.subjects.detok(0), DetokStep(released=["rel"]))
-        await env.bus.publish(env.subjects.detok(0), DetokStep(updates=[TokenUpdate(request_id="rel",
-                                                                                   new_token_ids=[29])]))
-        await env.bus.publish(env.subjects.detok(0), DetokStep(
-            new_requests=[DetokNewRequest(request_id=marker, gateway_id=marker, prompt_tail_ids=[],
-                                          num_prompt_tokens=1)],
-            updates=[TokenUpdate(request_id=marker, new_token_ids=[28], finish_reason="length")]))
-        await marker_sub.next_msg(timeout=10)
-        assert gateway_sub.pending_msgs == 0 and abort_sub.pending_msgs == 0
-    finally:
-        for sub in (marker_sub, gateway_sub, abort_sub):
-            await sub.unsubscribe()
+    out, aborts = await detok_steps(env, [DetokStep(released=["rel"]), DetokStep(updates=[
+        TokenUpdate(request_id="rel", new_token_ids=[29])])], [gw])
+    assert out == {gw: []} and aborts == []
 
 
 async def test_an_update_for_a_request_never_registered_here_fails_it(env):
@@ -388,28 +389,9 @@ async def test_an_update_for_a_request_never_registered_here_fails_it(env):
     step = DetokStep(updates=[TokenUpdate(request_id="f1", new_token_ids=[28]),  # finished here
                               TokenUpdate(request_id="ghost", new_token_ids=[28, 29]),
                               TokenUpdate(request_id="ghost-last", new_token_ids=[28], finish_reason="length")])
-    marker = f"marker-{uuid.uuid4().hex[:6]}"
-    marker_sub = await env.bus.nc.subscribe(subj.gateway(marker))
-    abort_sub = await env.bus.nc.subscribe(env.subjects.abort)
-    try:
-        await env.bus.publish(env.subjects.detok(0), step)
-        await env.bus.publish(env.subjects.detok(0), DetokStep(
-            new_requests=[DetokNewRequest(request_id=marker, gateway_id=marker, prompt_tail_ids=[],
-                                          num_prompt_tokens=1)],
-            updates=[TokenUpdate(request_id=marker, new_token_ids=[28], finish_reason="length")]))
-        await env.bus.publish(env.subjects.detok(0), DetokStep(updates=[  # a later step: reported once
-            TokenUpdate(request_id="ghost", new_token_ids=[30])]))
-        await env.bus.publish(env.subjects.detok(0), DetokStep(
-            new_requests=[DetokNewRequest(request_id=marker + "2", gateway_id=marker, prompt_tail_ids=[],
-                                          num_prompt_tokens=1)],
-            updates=[TokenUpdate(request_id=marker + "2", new_token_ids=[28], finish_reason="length")]))
-        await marker_sub.next_msg(timeout=10)
-        await marker_sub.next_msg(timeout=10)
-        lost = decode((await abort_sub.next_msg(timeout=1)).data, AbortRequests)
-        assert abort_sub.pending_msgs == 0
-    finally:
-        await marker_sub.unsubscribe()
-        await abort_sub.unsubscribe()
+    later = DetokStep(updates=[TokenUpdate(request_id="ghost", new_token_ids=[30])])  # reported once
+    _, (lost, *more) = await detok_steps(env, [step, later], [])
+    assert more == []
     assert lost.request_ids == ["ghost"] and lost.reason == "error"
     assert lost.error.code == "request_lost" and lost.error.status == 503
 

@@ -41,6 +41,8 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     sent_to_detokenizer: bool = False
+    # its gateway awaits the acceptance (notify_accepted), deferred while no group could refuse it
+    acceptance_due: bool = False
     # tokens sampled in the last step but not yet published to the detokenizer
     pending_output_ids: list[int] = field(default_factory=list)
     # prefix caching: hashes of the full blocks of all_token_ids, and how many of the

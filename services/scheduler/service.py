@@ -76,9 +76,6 @@ class SchedulerService:
         self._tasks: list[asyncio.Task] = []
         self._submit_sub: Subscription | None = None
         self._peer_misses: dict[str, int] = {}  # ping subject -> pings in a row nobody answered
-        # notify_accepted requests queued while no group was registered: acknowledged once
-        # one registers and has not refused them
-        self._acks_due: dict[str, Request] = {}
         self._step_sent_at: dict[str, list[float]] = {}  # group -> send times of its steps in flight
         self._idle_heartbeat_at: dict[str, float] = {}  # group -> when its last heartbeat said idle
         # group -> (step id, since when) its executor answered the step and its result is missing
@@ -120,15 +117,13 @@ class SchedulerService:
                 pass
             self._submit_sub = None
         if self.bus is not None and self.scheduler.requests:
-            lost = ServiceError(message="the scheduler stopped before this request finished; send it again",
-                                type="server_error", code="request_lost", status=503)
+            await self._fail_requests(list(self.scheduler.requests), ServiceError(
+                message="the scheduler stopped before this request finished; send it again",
+                type="server_error", code="request_lost", status=503))
             try:
-                for req in list(self.scheduler.requests.values()):
-                    await self._send_error(req, lost)
                 await self.bus.flush()
             except Exception:  # NATS already gone: the clients' liveness checks end the requests
-                log.warning("stop_notify_failed", requests=len(self.scheduler.requests))
-            await self._finish_requests(list(self.scheduler.requests), "error")
+                log.warning("stop_notify_failed")
         if self._own_bus and self.bus is not None:
             await self.bus.close()
 
@@ -156,7 +151,7 @@ class SchedulerService:
             if self.scheduler.groups:
                 await self._send_accepted([req])
             else:  # a group registering may still refuse it (larger than its pool): say so then
-                self._acks_due[req.request_id] = req
+                req.acceptance_due = True
         await self._kick()
 
     async def _send_accepted(self, reqs: list[Request]) -> None:
@@ -224,8 +219,10 @@ class SchedulerService:
                  block_size=msg.block_size, requeued=len(requeued), refused=len(refused))
         for req, error in refused:  # waited for a group, but too big for every pool
             await self._send_error(req, error)
-        due, self._acks_due = self._acks_due, {}  # the others are routed now: they stay
-        await self._send_accepted([req for rid, req in due.items() if rid in self.scheduler.requests])
+        due = [req for req in self.scheduler.requests.values() if req.acceptance_due]  # routed now: they stay
+        for req in due:
+            req.acceptance_due = False
+        await self._send_accepted(due)
         asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._kick()))
         return RegisterAck(group_id=msg.group_id, accepted=True, next_step_id=self.scheduler.next_step_id)
 
@@ -416,9 +413,7 @@ class SchedulerService:
         unavailable = ServiceError(message=f"no executor group is available (the last one: {error.message})",
                                    type="server_error", code="no_executor", status=503)
         waiting = list(self.scheduler.waiting)
-        for req in await self._finish_requests([r.request_id for r in waiting], "error"):
-            await self._send_error(req, unavailable)
-        self._acks_due = {rid: req for rid, req in self._acks_due.items() if rid in self.scheduler.requests}
+        await self._fail_requests([r.request_id for r in waiting], unavailable)
         log.warning("no_executor_group", failed=len(waiting), reason=error.message)
 
     async def _watchdog(self) -> None:
