@@ -83,7 +83,7 @@ class Driver:
         t0 = time.perf_counter()
         out = self.call(plan)
         elapsed = time.perf_counter() - t0
-        for rid in out:
+        for rid in out.sampled_token_ids:
             self.num_tokens[rid] += 1
         return elapsed
 

@@ -67,8 +67,11 @@ from gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
+    ChatLogprobs,
     ChatStreamChoice,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
@@ -78,11 +81,13 @@ from gateway.protocol import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    TopLogprob,
     UsageInfo,
+    json_logprob,
 )
 from shared.config import Settings
 from shared.logging import get_logger
-from shared.messages import RequestDelta, SamplingParams, ServiceError, TokenizeReply
+from shared.messages import DecodedLogprobs, RequestDelta, SamplingParams, ServiceError, TokenizeReply
 from shared.model_source import ModelInfo
 from shared.service import engine_ready
 
@@ -178,6 +183,9 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_tokens: int = 0
+    logprobs: list[DecodedLogprobs] = field(default_factory=list)  # one per token, if asked
+    tokens_text_len: int = 0  # characters in the texts of the tokens of ``logprobs``
+    delta_offset: int = 0  # ``tokens_text_len`` before the last delta (its first ``text_offset``)
 
 
 @dataclass
@@ -197,8 +205,9 @@ class _Generation:
     and the response. Choice ``p * n + i`` is sample ``i`` of prompt ``p``, as in vLLM."""
 
     def __init__(self, request_id: str, model: str, include_usage: bool, parts: list[_Part], n: int = 1,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, logprobs: bool = False) -> None:
         self.request_id = request_id
+        self.logprobs = logprobs  # choices carry log probabilities
         self.model = model
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # every chunk carries the usage so far
@@ -244,6 +253,10 @@ class _Generation:
         choice = self.choices[index]
         choice.finished = choice.finished or delta.finished
         choice.pieces.append(delta.text)
+        if delta.logprobs:
+            choice.logprobs.extend(delta.logprobs)
+            choice.delta_offset = choice.tokens_text_len
+            choice.tokens_text_len += sum(len(lp.sampled.token) for lp in delta.logprobs)
         choice.num_tokens = max(delta.num_output_tokens, choice.num_tokens + len(delta.token_ids))
         part.num_prompt_tokens = delta.num_prompt_tokens or part.num_prompt_tokens
         part.num_cached_tokens = max(part.num_cached_tokens, delta.num_cached_tokens)
@@ -291,6 +304,11 @@ class _Generation:
         """The chunks of one delta folded in as choice ``index``."""
         raise NotImplementedError
 
+    def _has_news(self, delta: RequestDelta) -> bool:
+        """Whether a delta makes a chunk: text, an end, or tokens whose log probabilities
+        were asked for (their text may still be held back)."""
+        return bool(delta.text or delta.finished or (self.logprobs and delta.logprobs))
+
     def usage_chunk(self) -> BaseModel:
         raise NotImplementedError
 
@@ -309,12 +327,13 @@ class _CompletionGeneration(_Generation):
                 for i in range(len(self.choices)) if self.echo(i)]
 
     def delta_chunks(self, delta: RequestDelta, index: int) -> list[BaseModel]:
-        if not delta.text and not delta.finished:
+        if not self._has_news(delta):
             return []
         c = self.choices[index]
         choice = CompletionChoice(
             index=index,
             text=delta.text,
+            logprobs=completion_logprobs(delta.logprobs, c.delta_offset) if self.logprobs else None,
             finish_reason=c.finish_reason if delta.finished else None,
             stop_reason=c.stop_reason if delta.finished else None,
         )
@@ -328,7 +347,8 @@ class _CompletionGeneration(_Generation):
     def response(self) -> BaseModel:
         choices = [
             CompletionChoice(index=i, text=self.echo(i) + "".join(c.pieces), finish_reason=c.finish_reason,
-                             stop_reason=c.stop_reason)
+                             stop_reason=c.stop_reason,
+                             logprobs=completion_logprobs(c.logprobs, 0) if self.logprobs else None)
             for i, c in enumerate(self.choices)
         ]
         return CompletionResponse(
@@ -349,12 +369,13 @@ class _ChatGeneration(_Generation):
         ]
 
     def delta_chunks(self, delta: RequestDelta, index: int) -> list[BaseModel]:
-        if not delta.text and not delta.finished:
+        if not self._has_news(delta):
             return []
         c = self.choices[index]
         choice = ChatStreamChoice(
             index=index,
             delta=DeltaMessage(content=delta.text or None),
+            logprobs=chat_logprobs(delta.logprobs) if self.logprobs else None,
             finish_reason=c.finish_reason if delta.finished else None,
             stop_reason=c.stop_reason if delta.finished else None,
         )
@@ -370,6 +391,7 @@ class _ChatGeneration(_Generation):
             ChatChoice(
                 index=i,
                 message=AssistantMessage(content="".join(c.pieces)),
+                logprobs=chat_logprobs(c.logprobs) if self.logprobs else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
@@ -378,6 +400,36 @@ class _ChatGeneration(_Generation):
         return ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=self.usage()
         )
+
+
+def completion_logprobs(items: list[DecodedLogprobs], offset: int) -> CompletionLogprobs:
+    """OpenAI's completion ``logprobs`` of ``items``: per token its text, its offset (from
+    ``offset``, adding each token's text length, as vLLM), its log probability, and the sampled
+    and most likely tokens' log probabilities by text."""
+    out = CompletionLogprobs()
+    for lp in items:
+        sampled = lp.sampled
+        out.text_offset.append(offset)
+        offset += len(sampled.token)
+        out.tokens.append(sampled.token)
+        out.token_logprobs.append(json_logprob(sampled.logprob))
+        top = {sampled.token: json_logprob(sampled.logprob)}
+        for t in lp.top:
+            top.setdefault(t.token, json_logprob(t.logprob))
+        out.top_logprobs.append(top)
+    return out
+
+
+def chat_logprobs(items: list[DecodedLogprobs]) -> ChatLogprobs:
+    """OpenAI's chat ``logprobs`` of ``items``: per token its text, bytes and log probability,
+    with the ``top_logprobs`` most likely tokens'."""
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(
+            token=lp.sampled.token, logprob=json_logprob(lp.sampled.logprob), bytes=lp.sampled.bytes,
+            top_logprobs=[TopLogprob(token=t.token, logprob=json_logprob(t.logprob), bytes=t.bytes) for t in lp.top],
+        )
+        for lp in items
+    ])
 
 
 # ---------------------------------------------------------------- serving
@@ -517,7 +569,8 @@ class OpenAIServing:
         log.debug("request_submitted", request_id=request_id, num_prompts=len(parts),
                   num_prompt_tokens=sum(part.num_prompt_tokens for part in parts))
         cls = _ChatGeneration if chat else _CompletionGeneration
-        return cls(request_id, self.model_info.name, body.include_usage, parts, params.n, body.continuous_usage)
+        return cls(request_id, self.model_info.name, body.include_usage, parts, params.n, body.continuous_usage,
+                   body.wants_logprobs)
 
     async def _submit(self, engine_id: str, fields: dict[str, Any], params: SamplingParams,
                       body: AnyRequest, notify_accepted: bool) -> TokenizeReply:

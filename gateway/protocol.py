@@ -3,7 +3,7 @@
 Field names and defaults follow the OpenAI API reference and vLLM's OpenAI server
 (``top_k``, ``priority``, ``stop_token_ids``, ``ignore_eos`` ... are vLLM extensions).
 Unknown request fields are ignored and logged, as vLLM does. A field that is known (to
-OpenAI or vLLM) but whose value this engine cannot honour (``logprobs``, penalties,
+OpenAI or vLLM) but whose value this engine cannot honour (``prompt_logprobs``, penalties,
 guided decoding, a chat's ``echo``, ...) fails validation with a message that starts with the
 field's name, so the error's ``param`` names it: ignoring it would change what the output
 means.
@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from shared.logging import get_logger
-from shared.messages import INT64_MAX, INT64_MIN, SamplingParams
+from shared.messages import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 log = get_logger(__name__)
 
@@ -246,8 +246,9 @@ class _SamplingFields(OpenAIRequest):
         """Every chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
         return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def _sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
+            logprobs=logprobs,
             n=self.n,
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -284,7 +285,6 @@ class CompletionRequest(_SamplingFields):
         *_COMMON_UNSUPPORTED,
         ("add_special_tokens", bool, "the tokenizer's special tokens are always added to a prompt"),
         ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
-        ("logprobs", _is_none, "only logprobs=null is supported"),
         ("best_of", _one_or_none, "only best_of=1 is supported"),
         ("suffix", _is_none, "suffix is not supported"),
     )
@@ -309,6 +309,24 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(v)}")
         return v
 
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, v: int | None) -> int | None:
+        if v is not None and not (0 <= v <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _no_prompt_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("logprobs with echo=true is not supported (it needs the log probabilities of the "
+                             "prompt)")
+        return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
     def prompt_inputs(self) -> list[str | list[int]]:
         """The prompts, each as text or token ids (one unless a batch)."""
         p = self.prompt
@@ -322,7 +340,7 @@ class CompletionRequest(_SamplingFields):
         Raises:
             pydantic.ValidationError: a value is out of range (the message names it).
         """
-        return self._sampling_params(self.max_tokens)
+        return self._sampling_params(self.max_tokens, self.logprobs)
 
 
 class ChatMessage(BaseModel):
@@ -372,8 +390,6 @@ class ChatCompletionRequest(_SamplingFields):
     unsupported_values: ClassVar[Unsupported] = (
         *_COMMON_UNSUPPORTED,
         ("add_special_tokens", _is_false, "the chat template's text is tokenized without adding special tokens"),
-        ("logprobs", _is_false, "only logprobs=false is supported"),
-        ("top_logprobs", _zero_or_none, "top_logprobs is not supported"),
         ("echo", _is_false, "only echo=false is supported"),
         ("continue_final_message", _is_false, "only continue_final_message=false is supported"),
         ("chat_template", _is_none, "the model's own chat template is always used"),
@@ -388,6 +404,19 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("tool_choice: when using `tool_choice`, `tools` must be set")
         return self
 
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None:
+            if not (0 <= self.top_logprobs <= MAX_LOGPROBS):
+                raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}")
+            if self.top_logprobs > 0 and not self.logprobs:  # as OpenAI and vLLM
+                raise ValueError("top_logprobs: when using `top_logprobs`, `logprobs` must be set to true")
+        return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
     def messages_input(self) -> list[dict[str, Any]]:
         """The messages for the tokenizer's chat template."""
         return [m.to_template_dict() for m in self.messages]
@@ -399,7 +428,7 @@ class ChatCompletionRequest(_SamplingFields):
             pydantic.ValidationError: a value is out of range (the message names it).
         """
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(limit)
+        return self._sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)
 
 
 #: Every request field name (for naming the ``param`` of an error from its message).
@@ -425,10 +454,30 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+#: the floor of a reported log probability: JSON has no -inf (vLLM's value)
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    """``value`` as a JSON-safe log probability (-inf becomes ``MIN_LOGPROB``)."""
+    return max(value, MIN_LOGPROB)
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's ``logprobs`` (OpenAI's legacy shape): per token its text, its
+    offset in the choice's text, its log probability and the most likely tokens' (the
+    sampled one included, so up to ``logprobs`` + 1 entries)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
 
@@ -462,10 +511,31 @@ class AssistantMessage(BaseModel):
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a position (chat ``top_logprobs``)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """The sampled token at one position of a chat choice, and the most likely tokens there."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's ``logprobs``: one entry per generated token."""
+
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -495,7 +565,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -5,10 +5,10 @@
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
 """
 
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from shared.messages import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name: str):

@@ -17,11 +17,11 @@ from tqdm.auto import tqdm
 
 from gateway.client import EngineClient
 from pagedllm.launcher import InProcessServices, pinned_settings
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from shared.bus import Bus
 from shared.config import Settings
 from shared.logging import configure_logging
-from shared.messages import RequestDelta, SamplingParams, SchedulerStats, StatsQuery
+from shared.messages import DecodedLogprobs, RequestDelta, SamplingParams, SchedulerStats, StatsQuery
 from shared.model_source import load_model_info
 from shared.nats_server import EmbeddedNats
 from shared.service import wait_engine_ready
@@ -170,7 +170,9 @@ class LLM:
                         # chat: the rendered text; token ids: None, as vLLM's LLM
                         prompt=reply.prompt if "messages" in item else prompt if isinstance(prompt, str) else None,
                         prompt_token_ids=list(reply.prompt_token_ids),
-                        outputs=[CompletionOutput(index=i, text="", token_ids=[]) for i in range(sp.n)],
+                        outputs=[CompletionOutput(index=i, text="", token_ids=[],
+                                                  logprobs=None if sp.logprobs is None else [])
+                                 for i in range(sp.n)],
                     )
                 )
 
@@ -192,6 +194,8 @@ class LLM:
             raise ValueError(delta.error.message)
         comp.text += delta.text
         comp.token_ids.extend(delta.token_ids)
+        if comp.logprobs is not None:
+            comp.logprobs.extend(_logprob_dict(lp) for lp in delta.logprobs)
         out.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
             comp.finish_reason = delta.finish_reason
@@ -230,3 +234,11 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _logprob_dict(lp: DecodedLogprobs) -> dict[int, Logprob]:
+    """vLLM's per-token dict: the sampled token first, then the most likely ones."""
+    out = {lp.sampled.token_id: Logprob(lp.sampled.logprob, lp.sampled.rank, lp.sampled.token)}
+    for t in lp.top:
+        out.setdefault(t.token_id, Logprob(t.logprob, t.rank, t.token))
+    return out

@@ -6,14 +6,33 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """The log probability of one token at one position (vLLM's ``Logprob``).
+
+    ``logprob`` is the natural log of its probability under the model's raw distribution;
+    ``rank`` is 1 + the number of tokens more likely; ``decoded_token`` is the token's text.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
-    """One generated sequence: its text, token ids and why it stopped (``stop``/``length``)."""
+    """One generated sequence: its text, token ids and why it stopped (``stop``/``length``).
+
+    With ``SamplingParams.logprobs`` N, ``logprobs`` has one dict per token id, as in vLLM:
+    token id -> ``Logprob`` for the N most likely tokens and the sampled one (N or N + 1
+    entries); else None.
+    """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass

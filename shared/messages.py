@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_N = 64  # most samples of one prompt (``n``)
+MAX_LOGPROBS = 20  # most alternatives per sampled token (``logprobs``; vLLM's default max_logprobs)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range every integer of a message must fit (msgpack, torch)
 #: temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a
 #: float32-underflowing temperature would give inf / NaN probabilities
@@ -42,8 +43,7 @@ class ServiceError(Message):
 
 # vLLM SamplingParams fields that ours lacks: refused by name rather than as unknown fields
 _VLLM_ONLY_SAMPLING_PARAMS = frozenset({
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logprobs",
-    "prompt_logprobs", "best_of", "logits_processors", "bad_words", "allowed_token_ids", "logit_bias",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs", "best_of", "logits_processors", "bad_words", "allowed_token_ids", "logit_bias",
     "truncate_prompt_tokens", "guided_decoding", "structured_outputs", "output_kind", "detokenize",
     "spaces_between_special_tokens", "extra_args",
 })
@@ -54,7 +54,10 @@ class SamplingParams(Message):
 
     ``temperature`` below 1e-5 (``GREEDY_TEMPERATURE``, as vLLM) means greedy. ``top_k`` 0 or
     -1 disables top-k. A per-request ``seed`` makes the request's samples independent of
-    whatever else is in the batch. Every integer must fit a signed 64-bit integer.
+    whatever else is in the batch. ``logprobs`` N returns, with each sampled token, its log
+    probability, its rank and the N most likely tokens' (0: the sampled token's only; None:
+    nothing), over the model's raw distribution (before temperature, top-k and top-p; vLLM's
+    default ``raw_logprobs``). Every integer must fit a signed 64-bit integer.
 
     Raises:
         pydantic.ValidationError: a value is out of range, also when assigned later, or a
@@ -73,6 +76,7 @@ class SamplingParams(Message):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # alternatives per sampled token, 0..MAX_LOGPROBS
 
     @model_validator(mode="before")
     @classmethod
@@ -114,6 +118,8 @@ class SamplingParams(Message):
             raise ValueError(f"stop_token_ids must be token ids >= 0 (at most {INT64_MAX}), got {bad[0]}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop: stop strings must not be empty")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         return self
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -294,12 +300,24 @@ class StepPlan(Message):
     forks: dict[str, list[str]] = Field(default_factory=dict)
 
 
+class SampleLogprobs(Message):
+    """The log probabilities (natural log, float32 log-softmax of the raw logits) at one
+    sampled token, for a request with ``SamplingParams.logprobs``."""
+
+    logprob: float  # of the sampled token
+    rank: int  # of the sampled token: 1 + the number of tokens more likely
+    top_token_ids: list[int] = Field(default_factory=list)  # the logprobs most likely, most likely first
+    top_logprobs: list[float] = Field(default_factory=list)
+
+
 class StepResult(Message):
-    """The executor's answer to a ``StepPlan``: one sampled token per request that got one."""
+    """The executor's answer to a ``StepPlan``: one sampled token per request that got one,
+    and its log probabilities where the request asked for them."""
 
     step_id: int
     group_id: str
     sampled_token_ids: dict[str, int] = Field(default_factory=dict)
+    logprobs: dict[str, SampleLogprobs] = Field(default_factory=dict)
     error: ServiceError | None = None
     execute_time_s: float = 0.0
 
@@ -325,6 +343,7 @@ class TokenUpdate(Message):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended the request
     num_cached_tokens: int = 0
+    logprobs: list[SampleLogprobs] = Field(default_factory=list)  # one per new token, if asked
 
 
 class DetokStep(Message):
@@ -338,6 +357,23 @@ class DetokStep(Message):
 
 
 # ---------------------------------------------------------------- detokenizer/scheduler -> gateway
+
+
+class TokenLogprob(Message):
+    """One token and its log probability, decoded (OpenAI's ``token``, ``bytes``, ``logprob``)."""
+
+    token_id: int
+    token: str  # the token's own text (special tokens included; "\ufffd" for part of a character)
+    bytes: list[int]  # its UTF-8 bytes (a byte-level BPE token's own bytes, even a partial character)
+    logprob: float
+    rank: int
+
+
+class DecodedLogprobs(Message):
+    """The log probabilities at one output token: the sampled token's and the most likely ones."""
+
+    sampled: TokenLogprob
+    top: list[TokenLogprob] = Field(default_factory=list)  # most likely first
 
 
 class RequestDelta(Message):
@@ -354,6 +390,7 @@ class RequestDelta(Message):
     num_output_tokens: int = 0  # total so far
     num_cached_tokens: int = 0
     error: ServiceError | None = None
+    logprobs: list[DecodedLogprobs] = Field(default_factory=list)  # one per token id, if asked
     accepted: bool = False  # only this: the scheduler queued the request (SubmitRequest.notify_accepted)
 
 

@@ -286,3 +286,44 @@ def test_property_stop_strings(smol, text, cuts, extra, include, chunk):
     det = IncrementalDetokenizer(smol, stop=stops, include_stop_str_in_output=include)
     _check_stream(det, ids, expected, chunk)
     assert det.stop_matched == stop
+
+
+def test_logprobs_are_decoded_and_cut_with_their_tokens_at_a_stop_string(smol, sp):
+    """The detokenizer decodes each token's log probabilities (texts and bytes, the top tokens'
+    too) and keeps exactly those of the tokens it consumed: the ones after a stop string go.
+    A byte-level token holding part of an emoji has the text U+FFFD but its own bytes, so the
+    bytes concatenate to the UTF-8 of the text; a SentencePiece token's bytes are its text's."""
+    from pathlib import Path
+
+    from services.detokenizer.service import DetokenizerService
+    from shared.config import Settings
+    from shared.messages import DetokNewRequest, DetokStep, SampleLogprobs, TokenUpdate
+    from shared.model_source import ModelInfo
+
+    for tokenizer, text in ((smol, " café 😀 done. STOP more text"), (sp, "Hello world STOP again")):
+        info = ModelInfo(path=Path("/x"), name="m", max_model_len=64, eos_token_ids=(EOS,), vocab_size=49152)
+        service = DetokenizerService(Settings(), info, tokenizer=tokenizer)
+        ids = encode(tokenizer, text)
+        lps = [SampleLogprobs(logprob=-0.5 * i, rank=i + 1, top_token_ids=[t, EOS], top_logprobs=[-0.25, -9.0])
+               for i, t in enumerate(ids)]
+        new = DetokNewRequest(request_id="r", gateway_id="g", prompt_tail_ids=[], num_prompt_tokens=3, stop=["STOP"])
+        out = service.process(DetokStep(new_requests=[new], updates=[TokenUpdate(request_id="r", new_token_ids=ids,
+                                                                                   logprobs=lps)]))
+        (delta,) = out.by_gateway["g"]
+        assert delta.finished and delta.stop_reason == "STOP" and out.aborted == ["r"]
+        assert 0 < len(delta.token_ids) < len(ids)
+        assert [lp.sampled.token_id for lp in delta.logprobs] == delta.token_ids == ids[:len(delta.token_ids)]
+        assert [(lp.sampled.logprob, lp.sampled.rank) for lp in delta.logprobs] == [
+            (-0.5 * i, i + 1) for i in range(len(delta.token_ids))]
+        consumed_text = tokenizer.decode(delta.token_ids)
+        assert consumed_text.endswith("STOP") and delta.text == consumed_text[: -len("STOP")]
+        for lp in delta.logprobs:
+            piece = tokenizer.convert_ids_to_tokens(lp.sampled.token_id)
+            assert lp.sampled.token == tokenizer.convert_tokens_to_string([piece])
+            assert [(t.token_id, t.logprob, t.rank) for t in lp.top] == [(lp.sampled.token_id, -0.25, 1), (EOS, -9.0, 2)]
+            assert lp.top[1].token == tokenizer.convert_ids_to_tokens(EOS)
+        if tokenizer is smol:
+            assert b"".join(bytes(lp.sampled.bytes) for lp in delta.logprobs) == consumed_text.encode()
+            assert sum(lp.sampled.token == "\ufffd" for lp in delta.logprobs) >= 1  # a part of the emoji
+        else:
+            assert all(bytes(lp.sampled.bytes) == lp.sampled.token.encode() for lp in delta.logprobs)

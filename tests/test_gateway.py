@@ -28,6 +28,7 @@ from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
     AbortRequests,
+    DecodedLogprobs,
     GatewayStep,
     GroupStats,
     RequestDelta,
@@ -36,6 +37,7 @@ from shared.messages import (
     StatsQuery,
     TokenizeReply,
     TokenizeRequest,
+    TokenLogprob,
 )
 from shared.model_source import ModelInfo
 from shared.service import answer_pings, engine_ping_names
@@ -44,6 +46,16 @@ from shared.subjects import TOKENIZER_QUEUE, Subjects
 ANSWER = ["The", " capital", " of", " France", " is", " Paris."]
 FULL = "".join(ANSWER)
 PROMPT = "What is the capital of France?"  # 6 words = 6 prompt tokens
+
+
+def fake_logprobs(i: int, piece: str, num_top: int) -> DecodedLogprobs:
+    """Output token ``i`` (text ``piece``): log probability -i / 10 (the first is -inf: JSON
+    has none), rank 1; alternatives "alt0", "alt1", ... at -1, -2, ..."""
+    sampled = TokenLogprob(token_id=100 + i, token=piece, bytes=list(piece.encode()),
+                           logprob=-i / 10 if i else float("-inf"), rank=1)
+    alts = [TokenLogprob(token_id=900 + k, token=f"alt{k}", bytes=list(f"alt{k}".encode()), logprob=-1.0 - k,
+                         rank=k + 1) for k in range(num_top)]
+    return DecodedLogprobs(sampled=sampled, top=alts)
 
 
 class FakeBackend:
@@ -136,6 +148,7 @@ class FakeBackend:
                     index=index,
                     text=piece,
                     token_ids=[100 + i],
+                    logprobs=[] if params.logprobs is None else [fake_logprobs(i, piece, params.logprobs)],
                     finished=last,
                     finish_reason=("stop" if len(pieces) == len(ANSWER) else "length") if last else None,
                     num_prompt_tokens=num_prompt,
@@ -338,7 +351,12 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2, "echo": True}, "logprobs"),  # needs prompt logprobs
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": ["a"] * 1025}, "prompt"),  # a batch of at most 1024 prompts
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
@@ -834,3 +852,55 @@ async def test_cors_preflight_is_answered_as_vllm(gw):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
     r = await gw.http.get("/v1/models", headers={"Origin": "http://example.com"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+async def test_chat_logprobs_as_openai_shapes_them(gw):
+    """``logprobs`` with ``top_logprobs``: one entry per generated token (text, log probability,
+    bytes, the most likely tokens), whole in the response and per token in the stream; the
+    engine asked for ``top_logprobs`` alternatives; -inf is reported as -9999 (JSON has no
+    infinity). Without ``logprobs`` the choice's logprobs is null."""
+    messages = [{"role": "user", "content": PROMPT}]
+    r = await gw.oai.chat.completions.create(model=gw.model, messages=messages, logprobs=True, top_logprobs=2)
+    assert gw.backend.requests[r.id].sampling_params.logprobs == 2
+    content = r.choices[0].logprobs.content
+    assert [t.token for t in content] == ANSWER and r.choices[0].message.content == FULL
+    assert [t.logprob for t in content] == [-9999.0] + [-i / 10 for i in range(1, len(ANSWER))]
+    assert [bytes(t.bytes) for t in content] == [a.encode() for a in ANSWER]
+    assert all([(x.token, x.logprob) for x in t.top_logprobs] == [("alt0", -1.0), ("alt1", -2.0)] for t in content)
+
+    r = await gw.oai.chat.completions.create(model=gw.model, messages=messages, logprobs=True, max_tokens=3)
+    assert gw.backend.requests[r.id].sampling_params.logprobs == 0
+    assert [(t.token, t.top_logprobs) for t in r.choices[0].logprobs.content] == [(a, []) for a in ANSWER[:3]]
+
+    stream = await gw.oai.chat.completions.create(model=gw.model, messages=messages, logprobs=True, top_logprobs=1,
+                                                  stream=True)
+    streamed = [t for chunk in [c async for c in stream] if chunk.choices and chunk.choices[0].logprobs
+                for t in chunk.choices[0].logprobs.content]
+    assert [(t.token, [x.token for x in t.top_logprobs]) for t in streamed] == [(a, ["alt0"]) for a in ANSWER]
+
+    r = await gw.oai.chat.completions.create(model=gw.model, messages=messages)
+    assert r.choices[0].logprobs is None and gw.backend.requests[r.id].sampling_params.logprobs is None
+
+
+async def test_completion_logprobs_as_openai_shapes_them(gw):
+    """Completions' legacy shape: tokens, token_logprobs, text_offset (cumulative over the
+    token texts, continued across stream chunks) and, per token, the sampled and the
+    ``logprobs`` most likely tokens by text."""
+    offsets = [sum(len(a) for a in ANSWER[:i]) for i in range(len(ANSWER))]
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "logprobs": 1})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == FULL
+    assert choice["logprobs"] == {
+        "tokens": ANSWER,
+        "token_logprobs": [-9999.0] + [-i / 10 for i in range(1, len(ANSWER))],
+        "text_offset": offsets,
+        "top_logprobs": [{a: (-i / 10 if i else -9999.0), "alt0": -1.0} for i, a in enumerate(ANSWER)],
+    }
+    stream = await gw.oai.completions.create(model=gw.model, prompt=PROMPT, logprobs=0, stream=True)
+    chunks = [c.choices[0].logprobs for c in [c async for c in stream] if c.choices and c.choices[0].logprobs]
+    assert [t for lp in chunks for t in lp.tokens] == ANSWER
+    assert [o for lp in chunks for o in lp.text_offset] == offsets
+    assert [d for lp in chunks for d in lp.top_logprobs] == [{a: (-i / 10 if i else -9999.0)}
+                                                             for i, a in enumerate(ANSWER)]
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT})
+    assert r.json()["choices"][0]["logprobs"] is None

@@ -119,3 +119,43 @@ def test_gpu_engine_check_script_runs_on_cpu(smollm2_path):
     assert any(line.startswith("float32 cpu attention_backend=torch") and " 6/6 prompts " in line for line in lines)
     assert any(line.startswith("bfloat16 cpu torch: 64 prompts x 64 tokens: 4096 tokens") for line in lines)
     assert lines[-1] == "engine check: PASS", proc.stdout[-2000:]
+
+
+def test_smollm2_logprobs_match_hugging_face(smollm2_path):
+    """``logprobs`` equal the log-softmax of Hugging Face's float32 logits at each generated
+    token: greedy requests of different lengths batched with a sampled ``n=2`` request (its
+    second sample forked from the first's prefill). Each position's dict holds the sampled
+    token first, then the other most likely tokens in order, with HF's ranks and token texts.
+    The distribution is the raw one, before the sampled request's temperature."""
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    sampled = SamplingParams(temperature=0.7, seed=11, n=2, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = PROMPTS[:4]
+    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=64 << 20) as llm:
+        outs = llm.generate(prompts + [PROMPTS[1]], [greedy] * len(prompts) + [sampled], use_tqdm=False)
+    checked = 0
+    for out, params in zip(outs, [greedy] * len(prompts) + [sampled], strict=True):
+        assert len(out.outputs) == params.n
+        for comp in out.outputs:
+            assert len(comp.logprobs) == len(comp.token_ids) == 8
+            ids = torch.tensor([out.prompt_token_ids + comp.token_ids])
+            with torch.inference_mode():
+                ref = model(ids).logits[0, len(out.prompt_token_ids) - 1:-1].float().log_softmax(-1)  # [8, V]
+            for pos, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
+                row = ref[pos]
+                first_id, first = next(iter(entry.items()))
+                assert first_id == token  # the sampled token comes first
+                assert first.logprob == pytest.approx(row[token].item(), abs=2e-4)
+                assert first.rank == int((row > row[token]).sum()) + 1
+                assert first.decoded_token == tok.convert_tokens_to_string([tok.convert_ids_to_tokens(token)])
+                top = row.topk(params.logprobs)
+                expected = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                assert list(entry)[1:] == [t for t in expected if t != token]  # then the most likely, in order
+                for rank, t in enumerate(expected, start=1):
+                    assert entry[t].logprob == pytest.approx(expected[t], abs=2e-4) and entry[t].rank == rank
+                if params.temperature == 0:
+                    assert first.rank == 1
+                checked += 1
+    assert checked == 8 * (len(prompts) + 2)
+    assert outs[-1].outputs[0].token_ids != outs[-1].outputs[1].token_ids  # two different samples

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import msgpack
 import pydantic
 import pytest
 import torch
 
-from services.executor.sampler import Sampler, apply_top_k_top_p, generator_seed
-from shared.messages import SamplingParams
+from services.executor.sampler import Sampler, apply_top_k_top_p, compute_logprobs, generator_seed
+from shared.messages import MAX_LOGPROBS, SamplingParams
 
 
 def test_top_k_top_p_masks():
@@ -110,3 +112,26 @@ def test_generator_seed_uses_all_64_bits_on_cpu():
     draws = {s: sampler.sample(logits, [SamplingParams(seed=s)], [sampler.new_request_generator(s, 0, 1000)])[0]
              for s in (0, 2**32)}
     assert draws[0] != draws[2**32]
+
+
+def test_compute_logprobs_matches_log_softmax_with_ranks_and_top_tokens():
+    """Rows that ask get the float32 log-softmax of their raw logits at the sampled token, its
+    rank (1 + tokens strictly more likely) and their N most likely tokens; others get None."""
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05],
+                                     [0.1, 0.4, 0.1, 0.3, 0.1],
+                                     [0.2, 0.2, 0.2, 0.2, 0.2]])) + 3.0  # shifted: not normalised
+    out = compute_logprobs(logits, [2, 3, 4], [2, None, 0])
+    assert out[1] is None
+    first, last = out[0], out[2]
+    assert first.rank == 3 and first.logprob == pytest.approx(math.log(0.15), abs=1e-6)
+    assert first.top_token_ids == [0, 1]
+    assert first.top_logprobs == pytest.approx([math.log(0.5), math.log(0.2)], abs=1e-6)
+    assert last.rank == 1 and last.top_token_ids == [] and last.logprob == pytest.approx(math.log(0.2), abs=1e-6)
+    assert compute_logprobs(logits, [0, 0, 0], [None] * 3) == [None] * 3
+
+
+def test_logprobs_parameter_is_checked():
+    assert SamplingParams(logprobs=0).logprobs == 0 and SamplingParams(logprobs=MAX_LOGPROBS).logprobs == 20
+    for bad in (-1, MAX_LOGPROBS + 1):
+        with pytest.raises(pydantic.ValidationError, match="logprobs must be between 0 and 20"):
+            SamplingParams(logprobs=bad)

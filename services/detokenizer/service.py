@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.detokenizer.incremental import IncrementalDetokenizer
+from services.detokenizer.token_text import TokenTexts
 from shared import subjects as subj
 from shared.bus import Bus
 from shared.config import Settings
 from shared.logging import configure_logging, get_logger
 from shared.messages import (
     AbortRequests,
+    DecodedLogprobs,
     DetokNewRequest,
     DetokStep,
     GatewayStep,
@@ -86,6 +88,7 @@ class DetokenizerService:
         self.subjects = subj.Subjects(model_info.name)
         self.bus = bus
         self.tokenizer = tokenizer
+        self._token_texts: TokenTexts | None = None
         self.requests: dict[str, DetokRequest] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()  # the last RECENTLY_FINISHED ids
         self._own_bus = bus is None
@@ -247,7 +250,18 @@ class DetokenizerService:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             error=error,
+            logprobs=self._decode_logprobs(update, consumed),
         )
+
+    def _decode_logprobs(self, update: TokenUpdate, consumed: int) -> list[DecodedLogprobs]:
+        """The decoded log probabilities of the update's first ``consumed`` tokens (those after
+        a matched stop string are dropped with their tokens)."""
+        if not update.logprobs:
+            return []
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.tokenizer)
+        return [self._token_texts.decode(t, lp)
+                for t, lp in zip(update.new_token_ids[:consumed], update.logprobs[:consumed], strict=True)]
 
 
 def main() -> None:

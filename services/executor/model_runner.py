@@ -23,10 +23,10 @@ from services.executor.attention import AttentionMetadata, get_attention_backend
 from services.executor.cpu_threads import CpuThreadGovernor
 from services.executor.device import resolve_device
 from services.executor.models import get_model_class
-from services.executor.sampler import Sampler
+from services.executor.sampler import Sampler, compute_logprobs
 from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings
 from shared.logging import get_logger
-from shared.messages import SamplingParams, StepPlan
+from shared.messages import SamplingParams, StepPlan, StepResult
 from shared.model_source import ModelInfo
 
 log = get_logger("executor")
@@ -242,8 +242,9 @@ class ModelRunner:
         return input_ids, torch.from_numpy(pos).to(dev), meta, logits_rows, sample_states
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> dict[str, int]:
-        """Run one step. Returns the sampled token id of each request that got one.
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. Returns the sampled token id of each request that got one, and its
+        log probabilities where the request asks for them (``SamplingParams.logprobs``).
 
         Raises:
             KeyError: the plan names a request this runner never received.
@@ -256,24 +257,28 @@ class ModelRunner:
         # decodes first, then prefills (the order attention backends expect)
         order = sorted(plan.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
         if not order:
-            return {}
+            return StepResult(step_id=plan.step_id, group_id=plan.group_id)
         states = [self.requests[rid] for rid, _ in order]
         input_ids, positions, meta, logits_rows, sample_states = self._prepare_inputs(states, [n for _, n in order])
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         for state, (_, n) in zip(states, order, strict=True):
             state.num_computed_tokens += n
         if not sample_states:
-            return {}
+            return StepResult(step_id=plan.step_id, group_id=plan.group_id)
         if plan.forks:
             self._fork(plan.forks, sample_states, logits_rows)
         if logits_rows != list(range(hidden.shape[0])):  # else every row samples (pure decode)
             hidden = hidden[torch.tensor(logits_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)  # [N, V] f32
-        tokens = self.sampler.sample(
-            logits, [s.sampling_params for s in sample_states], [s.generator for s in sample_states]
-        )
-        out: dict[str, int] = {}
+        params = [s.sampling_params for s in sample_states]
+        tokens = self.sampler.sample(logits, params, [s.generator for s in sample_states])
+        result = StepResult(step_id=plan.step_id, group_id=plan.group_id)
         for state, tok in zip(sample_states, tokens, strict=True):
             state.token_ids.append(tok)
-            out[state.request_id] = tok
-        return out
+            result.sampled_token_ids[state.request_id] = tok
+        if any(p.logprobs is not None for p in params):
+            for state, lp in zip(sample_states, compute_logprobs(logits, tokens, [p.logprobs for p in params]),
+                                 strict=True):
+                if lp is not None:
+                    result.logprobs[state.request_id] = lp
+        return result

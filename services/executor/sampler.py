@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.messages import SamplingParams
+from shared.messages import SampleLogprobs, SamplingParams
 
 
 def greedy_argmax(
@@ -51,6 +51,41 @@ def apply_top_k_top_p(
     remove[:, 0] = False  # always keep the most likely token
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+
+
+def compute_logprobs(
+    logits: torch.Tensor,  # [N, V] float32, the raw logits
+    token_ids: list[int],  # [N], the sampled tokens
+    num_top: list[int | None],  # [N], alternatives per row (SamplingParams.logprobs); None = skip the row
+) -> list[SampleLogprobs | None]:
+    """The log probabilities at each sampled token of the rows that ask for them.
+
+    The distribution is ``log_softmax`` of the raw logits in float32 (vLLM's default
+    ``raw_logprobs``: before temperature, top-k and top-p). A sampled token's rank is 1 plus
+    the number of tokens strictly more likely, so a greedy token always has rank 1. The top
+    tokens come most likely first (``torch.topk``; ties in index order).
+
+    Returns:
+        One ``SampleLogprobs`` per row, None for the rows whose ``num_top`` is None.
+    """
+    rows = [i for i, k in enumerate(num_top) if k is not None]
+    out: list[SampleLogprobs | None] = [None] * len(num_top)
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=logits.device)
+    logprobs = logits[idx].float().log_softmax(dim=-1)  # [R, V]
+    sampled = torch.tensor([token_ids[i] for i in rows], device=logits.device).unsqueeze(1)  # [R, 1]
+    sampled_lp = logprobs.gather(1, sampled)  # [R, 1]
+    ranks = (logprobs > sampled_lp).sum(dim=-1) + 1  # [R]
+    k = max(num_top[i] or 0 for i in rows)
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], sampled[:, :0])  # [R, k]
+    sampled_list, rank_list = sampled_lp.squeeze(1).tolist(), ranks.tolist()
+    top_lp_list, top_id_list = top_lp.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = num_top[i] or 0
+        out[i] = SampleLogprobs(logprob=sampled_list[j], rank=rank_list[j],
+                                top_token_ids=top_id_list[j][:n], top_logprobs=top_lp_list[j][:n])
+    return out
 
 
 def generator_seed(seed: int, device: torch.device) -> int:

@@ -192,8 +192,7 @@ class ExecutorService:
         t0 = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
-            sampled = await loop.run_in_executor(self._torch_thread, self.runner.execute, plan)
-            result = StepResult(step_id=plan.step_id, group_id=self.group_id, sampled_token_ids=sampled)
+            result = await loop.run_in_executor(self._torch_thread, self.runner.execute, plan)
         except Exception as exc:  # the scheduler drops the group and requeues its requests
             log.exception("step_failed", step_id=plan.step_id)
             result = StepResult(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from shared.messages import FinishReason, SamplingParams
+from shared.messages import FinishReason, SampleLogprobs, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +45,7 @@ class Request:
     acceptance_due: bool = False
     # tokens sampled in the last step but not yet published to the detokenizer
     pending_output_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[SampleLogprobs] = field(default_factory=list)  # theirs, if asked
     # prefix caching: hashes of the full blocks of all_token_ids, and how many of the
     # request's blocks are registered in the cache
     block_hashes: dict[int, list[int]] = field(default_factory=dict)  # block size -> hashes

@@ -511,6 +511,8 @@ class Scheduler:
             for sample, tok in samples:
                 sample.output_token_ids.append(tok)
                 sample.pending_output_ids.append(tok)
+                if (lp := result.logprobs.get(sample.request_id)) is not None:
+                    sample.pending_logprobs.append(lp)
                 outcome.updated.append(sample)
                 if sample.check_stop():
                     self._finish(sample)

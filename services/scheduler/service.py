@@ -356,9 +356,10 @@ class SchedulerService:
                     finish_reason=req.finish_reason if req.is_finished else None,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=req.num_cached_tokens,
+                    logprobs=req.pending_logprobs,
                 )
             )
-            req.pending_output_ids = []
+            req.pending_output_ids, req.pending_logprobs = [], []
         for shard, step in shards.items():
             await self.bus.publish(self.subjects.detok(shard), step)
 

@@ -27,7 +27,7 @@ plan = StepPlan(step_id=1, group_id="g", num_scheduled_tokens={k: len(v) for k, 
                                              block_ids=blocks[k], num_computed_tokens=0) for k, v in prompts.items()])
 out = {k: [] for k in prompts}
 for step in range(num_tokens):
-    for k, t in runner.execute(plan).items():
+    for k, t in runner.execute(plan).sampled_token_ids.items():
         out[k].append(t)
     plan = StepPlan(step_id=step + 2, group_id="g", num_scheduled_tokens={k: 1 for k in prompts})
 print(json.dumps({"backend": type(runner.attn_backend).__name__, "tokens": out}))
