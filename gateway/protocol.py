@@ -3,7 +3,7 @@
 Field names and defaults follow the OpenAI API reference and vLLM's OpenAI server
 (``top_k``, ``priority``, ``stop_token_ids``, ``ignore_eos`` ... are vLLM extensions).
 Unknown request fields are ignored and logged, as vLLM does. A field that is known (to
-OpenAI or vLLM) but whose value this engine cannot honour (``prompt_logprobs``, penalties,
+OpenAI or vLLM) but whose value this engine cannot honour (``prompt_logprobs``, ``best_of``,
 guided decoding, a chat's ``echo``, ...) fails validation with a message that starts with the
 field's name, so the error's ``param`` names it: ignoring it would change what the output
 means.
@@ -127,10 +127,6 @@ def _is_false(v: Any) -> bool:
     return not v
 
 
-def _zero_or_none(v: Any) -> bool:
-    return v is None or v == 0
-
-
 def _one_or_none(v: Any) -> bool:
     return v is None or v == 1
 
@@ -170,16 +166,6 @@ _UNSERVED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 _UNSERVED_NAMES = frozenset(name for name, _, _ in _UNSERVED_FIELDS)
 
 
-_COMMON_UNSUPPORTED: Unsupported = (
-    ("presence_penalty", _zero_or_none, "only 0 is supported"),
-    ("frequency_penalty", _zero_or_none, "only 0 is supported"),
-    ("repetition_penalty", _one_or_none, "only 1 is supported"),
-    ("min_p", _zero_or_none, "only 0 is supported"),
-    ("min_tokens", _zero_or_none, "only 0 is supported"),
-    ("logit_bias", _is_false, "only an empty logit_bias is accepted"),
-)
-
-
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with the usage; with it,
     ``continuous_usage_stats`` (vLLM) puts the usage so far in every chunk."""
@@ -214,7 +200,15 @@ class _SamplingFields(OpenAIRequest):
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int = 0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}")
+        return v
 
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
@@ -249,6 +243,12 @@ class _SamplingFields(OpenAIRequest):
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens,
+            logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
             n=self.n,
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -282,7 +282,6 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True  # vLLM extension
 
     unsupported_values: ClassVar[Unsupported] = (
-        *_COMMON_UNSUPPORTED,
         ("add_special_tokens", bool, "the tokenizer's special tokens are always added to a prompt"),
         ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
         ("best_of", _one_or_none, "only best_of=1 is supported"),
@@ -388,7 +387,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # vLLM extension: the chat template adds them
 
     unsupported_values: ClassVar[Unsupported] = (
-        *_COMMON_UNSUPPORTED,
         ("add_special_tokens", _is_false, "the chat template's text is tokenized without adding special tokens"),
         ("echo", _is_false, "only echo=false is supported"),
         ("continue_final_message", _is_false, "only continue_final_message=false is supported"),
@@ -459,8 +457,9 @@ MIN_LOGPROB = -9999.0
 
 
 def json_logprob(value: float) -> float:
-    """``value`` as a JSON-safe log probability (-inf becomes ``MIN_LOGPROB``)."""
-    return max(value, MIN_LOGPROB)
+    """``value`` as a JSON-safe log probability: -inf, and NaN (from a broken logits row),
+    become ``MIN_LOGPROB``."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
 
 
 class CompletionLogprobs(BaseModel):

@@ -10,7 +10,8 @@ class Logprob:
     """The log probability of one token at one position (vLLM's ``Logprob``).
 
     ``logprob`` is the natural log of its probability under the model's raw distribution;
-    ``rank`` is 1 + the number of tokens more likely; ``decoded_token`` is the token's text.
+    ``rank`` is the number of tokens at least as likely (1: the most likely);
+    ``decoded_token`` is the token's text.
     """
 
     logprob: float

@@ -43,7 +43,7 @@ class ServiceError(Message):
 
 # vLLM SamplingParams fields that ours lacks: refused by name rather than as unknown fields
 _VLLM_ONLY_SAMPLING_PARAMS = frozenset({
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs", "best_of", "logits_processors", "bad_words", "allowed_token_ids", "logit_bias",
+    "prompt_logprobs", "best_of", "logits_processors", "bad_words", "allowed_token_ids",
     "truncate_prompt_tokens", "guided_decoding", "structured_outputs", "output_kind", "detokenize",
     "spaces_between_special_tokens", "extra_args",
 })
@@ -58,6 +58,16 @@ class SamplingParams(Message):
     probability, its rank and the N most likely tokens' (0: the sampled token's only; None:
     nothing), over the model's raw distribution (before temperature, top-k and top-p; vLLM's
     default ``raw_logprobs``). Every integer must fit a signed 64-bit integer.
+
+    Logits processing, as vLLM (and OpenAI for ``presence_penalty``, ``frequency_penalty``,
+    ``logit_bias``), in this order: ``logit_bias`` adds to a token's logit; ``min_tokens``
+    forbids EOS and ``stop_token_ids`` until that many tokens are generated (stop strings are
+    not matched before either); ``repetition_penalty`` (CTRL, Keskar et al. 2019) divides the
+    positive logits and multiplies the negative ones of every token in the prompt or the output;
+    ``frequency_penalty`` subtracts per occurrence in the output, ``presence_penalty`` once per
+    token present there. Greedy requests take the argmax after these. Then the temperature;
+    ``min_p`` drops tokens less likely than ``min_p`` times the most likely one; then top-k and
+    top-p.
 
     Raises:
         pydantic.ValidationError: a value is out of range, also when assigned later, or a
@@ -77,6 +87,12 @@ class SamplingParams(Message):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # alternatives per sampled token, 0..MAX_LOGPROBS
+    presence_penalty: float = 0.0  # -2..2
+    frequency_penalty: float = 0.0  # -2..2
+    repetition_penalty: float = 1.0  # > 0; 1 = none
+    min_p: float = 0.0  # 0..1
+    min_tokens: int = 0  # <= max_tokens
+    logit_bias: dict[int, float] = Field(default_factory=dict)  # token id -> bias in -100..100
 
     @model_validator(mode="before")
     @classmethod
@@ -120,7 +136,27 @@ class SamplingParams(Message):
             raise ValueError("stop: stop strings must not be empty")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (0 <= self.min_tokens <= INT64_MAX):
+            raise ValueError(f"min_tokens must be between 0 and {INT64_MAX}, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if bad_ids := [t for t in self.logit_bias if not (0 <= t <= INT64_MAX)]:
+            raise ValueError(f"logit_bias: token ids must be >= 0, got {bad_ids[0]}")
+        if bad := [v for v in self.logit_bias.values() if not (-100.0 <= v <= 100.0)]:
+            raise ValueError(f"logit_bias: biases must be in [-100, 100], got {bad[0]}")
         return self
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a repetition, frequency or presence penalty changes the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def __setattr__(self, name: str, value: Any) -> None:
         """An assigned field is checked as at construction (pydantic's ``validate_assignment``
@@ -305,7 +341,7 @@ class SampleLogprobs(Message):
     sampled token, for a request with ``SamplingParams.logprobs``."""
 
     logprob: float  # of the sampled token
-    rank: int  # of the sampled token: 1 + the number of tokens more likely
+    rank: int  # of the sampled token: the number of tokens at least as likely (1 = the most likely)
     top_token_ids: list[int] = Field(default_factory=list)  # the logprobs most likely, most likely first
     top_logprobs: list[float] = Field(default_factory=list)
 
@@ -333,6 +369,7 @@ class DetokNewRequest(Message):
     stop: list[str] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # stop strings are matched only in text after this many output tokens
     parent_request_id: str | None = None  # n > 1: the client's request id of this sample
     index: int = 0  # n > 1: which sample (choice index)
 

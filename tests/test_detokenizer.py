@@ -291,8 +291,9 @@ def test_property_stop_strings(smol, text, cuts, extra, include, chunk):
 def test_logprobs_are_decoded_and_cut_with_their_tokens_at_a_stop_string(smol, sp):
     """The detokenizer decodes each token's log probabilities (texts and bytes, the top tokens'
     too) and keeps exactly those of the tokens it consumed: the ones after a stop string go.
-    A byte-level token holding part of an emoji has the text U+FFFD but its own bytes, so the
-    bytes concatenate to the UTF-8 of the text; a SentencePiece token's bytes are its text's."""
+    A token holding part of an emoji (byte-level BPE, SentencePiece byte fallback) has the text
+    U+FFFD but its own bytes, so the bytes concatenate to the UTF-8 of the text; a SentencePiece
+    token keeps the space of its "▁"."""
     from pathlib import Path
 
     from services.detokenizer.service import DetokenizerService
@@ -300,7 +301,8 @@ def test_logprobs_are_decoded_and_cut_with_their_tokens_at_a_stop_string(smol, s
     from shared.messages import DetokNewRequest, DetokStep, SampleLogprobs, TokenUpdate
     from shared.model_source import ModelInfo
 
-    for tokenizer, text in ((smol, " café 😀 done. STOP more text"), (sp, "Hello world STOP again")):
+    for tokenizer, text in ((smol, " café 😀 done. STOP more text"), (sp, "Hello world STOP again"),
+                            (sp, "wörld 😀 STOP x")):
         info = ModelInfo(path=Path("/x"), name="m", max_model_len=64, eos_token_ids=(EOS,), vocab_size=49152)
         service = DetokenizerService(Settings(), info, tokenizer=tokenizer)
         ids = encode(tokenizer, text)
@@ -318,12 +320,31 @@ def test_logprobs_are_decoded_and_cut_with_their_tokens_at_a_stop_string(smol, s
         consumed_text = tokenizer.decode(delta.token_ids)
         assert consumed_text.endswith("STOP") and delta.text == consumed_text[: -len("STOP")]
         for lp in delta.logprobs:
-            piece = tokenizer.convert_ids_to_tokens(lp.sampled.token_id)
-            assert lp.sampled.token == tokenizer.convert_tokens_to_string([piece])
+            if tokenizer is smol:
+                piece = tokenizer.convert_ids_to_tokens(lp.sampled.token_id)
+                assert lp.sampled.token == tokenizer.convert_tokens_to_string([piece])
             assert [(t.token_id, t.logprob, t.rank) for t in lp.top] == [(lp.sampled.token_id, -0.25, 1), (EOS, -9.0, 2)]
             assert lp.top[1].token == tokenizer.convert_ids_to_tokens(EOS)
-        if tokenizer is smol:
-            assert b"".join(bytes(lp.sampled.bytes) for lp in delta.logprobs) == consumed_text.encode()
+        if "😀" in text:  # byte tokens: the bytes of the parts of a character concatenate to it
+            lead = b" " if tokenizer is sp else b""  # SentencePiece's "▁" of the first word
+            assert b"".join(bytes(lp.sampled.bytes) for lp in delta.logprobs) == lead + consumed_text.encode()
             assert sum(lp.sampled.token == "\ufffd" for lp in delta.logprobs) >= 1  # a part of the emoji
-        else:
+        else:  # the space of a "▁" token is kept (decoding it alone strips it)
+            assert "".join(lp.sampled.token for lp in delta.logprobs) == " " + consumed_text
             assert all(bytes(lp.sampled.bytes) == lp.sampled.token.encode() for lp in delta.logprobs)
+
+
+def test_stop_strings_are_not_matched_before_min_tokens(smol):
+    """As vLLM: a stop string in the text of the first ``min_tokens`` tokens is passed over
+    (emitted), and a later one ends the request; a stop string ending in a later token still
+    matches whole even if it started earlier."""
+    ids = encode(smol, "a. b. c. d.")
+    n = next(k for k in range(1, len(ids)) if smol.decode(ids[:k]).endswith("."))  # tokens up to the first "."
+    det = IncrementalDetokenizer(smol, stop=["."], min_tokens=n)
+    assert "".join(stream(det, ids)) == smol.decode(ids)[: smol.decode(ids).index(".", len(smol.decode(ids[:n])))]
+    assert det.stop_matched == "."
+    det = IncrementalDetokenizer(smol, stop=["."], min_tokens=len(ids))
+    assert "".join(stream(det, ids)) == "a. b. c. d." and det.stop_matched is None
+    ids = encode(smol, "x stop here")
+    det = IncrementalDetokenizer(smol, stop=["stop here"], min_tokens=2)  # starts in token 2, ends after it
+    assert "".join(stream(det, ids)) == "x " and det.stop_matched == "stop here"

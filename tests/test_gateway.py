@@ -350,7 +350,13 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 500}, "max_tokens"),  # refused by the tokenizer
     ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "min_tokens": 17}, "min_tokens"),  # > max_tokens (16)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"hello": 5}},
+     "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}},
+     "logit_bias"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 2, "echo": True}, "logprobs"),  # needs prompt logprobs
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs"),
@@ -904,3 +910,20 @@ async def test_completion_logprobs_as_openai_shapes_them(gw):
                                                              for i, a in enumerate(ANSWER)]
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT})
     assert r.json()["choices"][0]["logprobs"] is None
+
+
+async def test_penalties_min_p_min_tokens_and_logit_bias_reach_the_engine(gw):
+    """OpenAI's presence/frequency penalties and logit_bias (string token-id keys) and vLLM's
+    repetition_penalty, min_p and min_tokens travel in the request's SamplingParams; null
+    penalties are the no-op values."""
+    body = {"messages": [{"role": "user", "content": PROMPT}], "presence_penalty": 0.5, "frequency_penalty": -0.25,
+            "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 3, "logit_bias": {"42": -100, "7": 2.5}}
+    r = await gw.http.post("/v1/chat/completions", json={"model": gw.model, **body})
+    assert r.status_code == 200, r.text
+    sent = gw.backend.requests[r.json()["id"]].sampling_params
+    assert (sent.presence_penalty, sent.frequency_penalty, sent.repetition_penalty, sent.min_p, sent.min_tokens,
+            sent.logit_bias) == (0.5, -0.25, 1.2, 0.1, 3, {42: -100.0, 7: 2.5})
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "presence_penalty": None,
+                                                    "repetition_penalty": None, "logit_bias": None})
+    sent = gw.backend.requests[r.json()["id"]].sampling_params
+    assert (sent.presence_penalty, sent.repetition_penalty, sent.logit_bias, sent.has_penalties) == (0, 1, {}, False)

@@ -141,3 +141,44 @@ def test_parallel_sampling_n_shares_the_prompt_and_matches_single_samples(llm):
         single = llm.generate(prompt, seeded.model_copy(update={"n": 1, "seed": 5 + i}), use_tqdm=False)[0]
         assert out.outputs[i].token_ids == single.outputs[0].token_ids
         assert out.outputs[i].text == single.outputs[0].text
+
+
+def test_logprobs_stay_with_their_tokens_through_stops_forks_and_preemption(smollm2_path, llm):
+    """Each output's logprobs hold one entry per token id, the sampled token first, whatever
+    ends it (EOS, a stop string across steps, max_tokens) and whether it was forked (n=2) or
+    preempted and recomputed (a 12-block KV cache for 6 requests, async scheduling), batched
+    with requests that ask for none. The greedy ones equal the same requests run without
+    preemption, token ids and log probabilities."""
+    prompts = ["<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n", "List the colours of a rainbow:",
+               "Count: one, two, three,", "The capital of France is", "Write a haiku about the sea:",
+               "def add(a, b):"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, logprobs=2),  # EOS allowed
+        SamplingParams(temperature=0, max_tokens=40, logprobs=0, stop=["visible light"]),
+        SamplingParams(temperature=0, max_tokens=30),  # no logprobs
+        SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=30, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=30, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, logprobs=1, stop=["Example usage"],
+                       include_stop_str_in_output=True),
+    ]
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(model=str(smollm2_path), dtype="float32", num_gpu_blocks_override=12, block_size=16,
+             async_scheduling=True) as small:
+        outs = small.generate(prompts, params, use_tqdm=False)
+        assert small.stats().num_preemptions > 0
+    for out, ref, p in zip(outs, reference, params, strict=True):
+        for comp, ref_comp in zip(out.outputs, ref.outputs, strict=True):
+            if p.logprobs is None:
+                assert comp.logprobs is None
+                continue
+            assert len(comp.logprobs) == len(comp.token_ids) > 0
+            assert [next(iter(d)) for d in comp.logprobs] == comp.token_ids
+            assert all(len(d) in (p.logprobs, p.logprobs + 1) for d in comp.logprobs)
+            if p.temperature == 0:
+                assert comp.token_ids == ref_comp.token_ids and comp.text == ref_comp.text
+                assert [d[t].logprob for d, t in zip(comp.logprobs, comp.token_ids, strict=True)] == pytest.approx(
+                    [d[t].logprob for d, t in zip(ref_comp.logprobs, ref_comp.token_ids, strict=True)], abs=1e-4)
+    assert [(o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs] == [
+        ("stop", None), ("stop", "visible light"), ("length", None), ("length", None), ("length", None),
+        ("stop", "Example usage")]
+    assert outs[1].outputs[0].text.endswith("(") and outs[5].outputs[0].text.endswith("# Example usage")

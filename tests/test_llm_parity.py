@@ -147,7 +147,7 @@ def test_smollm2_logprobs_match_hugging_face(smollm2_path):
                 first_id, first = next(iter(entry.items()))
                 assert first_id == token  # the sampled token comes first
                 assert first.logprob == pytest.approx(row[token].item(), abs=2e-4)
-                assert first.rank == int((row > row[token]).sum()) + 1
+                assert first.rank == int((row >= row[token]).sum())
                 assert first.decoded_token == tok.convert_tokens_to_string([tok.convert_ids_to_tokens(token)])
                 top = row.topk(params.logprobs)
                 expected = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
@@ -159,3 +159,43 @@ def test_smollm2_logprobs_match_hugging_face(smollm2_path):
                 checked += 1
     assert checked == 8 * (len(prompts) + 2)
     assert outs[-1].outputs[0].token_ids != outs[-1].outputs[1].token_ids  # two different samples
+
+
+def test_smollm2_repetition_penalty_matches_hugging_face(smollm2_path):
+    """Greedy decoding with ``repetition_penalty`` 1.3 (CTRL's rule over the prompt and the
+    output, in vLLM and in HF's RepetitionPenaltyLogitsProcessor) gives HF's tokens, batched;
+    without the penalty the tokens differ (the test would notice a penalty not applied)."""
+    prompts = PROMPTS[:3] + PROMPTS[5:6]
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    ref = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = tok(p, return_tensors="pt")
+            gen = model.generate(**ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0,
+                                 repetition_penalty=1.3)
+            ref.append(gen[0, ids["input_ids"].shape[1]:].tolist())
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)
+    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=64 << 20) as llm:
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert ours == ref
+    assert ref != hf_greedy(smollm2_path, prompts, 16)
+
+
+def test_smollm2_min_tokens_matches_hugging_face_min_new_tokens(smollm2_path):
+    """A chat answer that ends (EOS) after 26 tokens goes on to HF's ``min_new_tokens`` tokens
+    with ``min_tokens`` 30: the same greedy tokens, then its own EOS."""
+    prompt = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ids = tok(prompt, return_tensors="pt")
+        gen = model.generate(**ids, max_new_tokens=60, min_new_tokens=30, do_sample=False, pad_token_id=0)
+    ref = gen[0, ids["input_ids"].shape[1]:].tolist()
+    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=64 << 20) as llm:
+        free, held = llm.generate([prompt] * 2, [SamplingParams(temperature=0, max_tokens=60),
+                                                 SamplingParams(temperature=0, max_tokens=60, min_tokens=30)],
+                                  use_tqdm=False)
+    assert len(free.outputs[0].token_ids) < 30 and free.outputs[0].finish_reason == "stop"
+    assert held.outputs[0].token_ids == ref[: len(held.outputs[0].token_ids)]
+    assert 30 < len(held.outputs[0].token_ids) and held.outputs[0].finish_reason == "stop"

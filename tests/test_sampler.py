@@ -9,7 +9,13 @@ import pydantic
 import pytest
 import torch
 
-from services.executor.sampler import Sampler, apply_top_k_top_p, compute_logprobs, generator_seed
+from services.executor.sampler import (
+    Sampler,
+    apply_penalties,
+    apply_top_k_top_p,
+    compute_logprobs,
+    generator_seed,
+)
 from shared.messages import MAX_LOGPROBS, SamplingParams
 
 
@@ -84,8 +90,8 @@ def test_assignments_are_checked_and_vllm_only_parameters_named():
     params.stop = "x"  # coerced as at construction
     params.max_tokens = None
     assert params.stop == ["x"] and params.max_tokens is None
-    with pytest.raises(pydantic.ValidationError, match="presence_penalty, repetition_penalty: vLLM sampling"):
-        SamplingParams(repetition_penalty=1.1, presence_penalty=0.5)
+    with pytest.raises(pydantic.ValidationError, match="bad_words, prompt_logprobs: vLLM sampling"):
+        SamplingParams(prompt_logprobs=1, bad_words=["x"])
 
 
 def test_child_seeds_wrap_in_64_bits_and_travel():
@@ -116,7 +122,8 @@ def test_generator_seed_uses_all_64_bits_on_cpu():
 
 def test_compute_logprobs_matches_log_softmax_with_ranks_and_top_tokens():
     """Rows that ask get the float32 log-softmax of their raw logits at the sampled token, its
-    rank (1 + tokens strictly more likely) and their N most likely tokens; others get None."""
+    rank (tokens at least as likely, as vLLM: 5 in a row of 5 equal ones) and their N most
+    likely tokens; others get None."""
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05],
                                      [0.1, 0.4, 0.1, 0.3, 0.1],
                                      [0.2, 0.2, 0.2, 0.2, 0.2]])) + 3.0  # shifted: not normalised
@@ -126,7 +133,7 @@ def test_compute_logprobs_matches_log_softmax_with_ranks_and_top_tokens():
     assert first.rank == 3 and first.logprob == pytest.approx(math.log(0.15), abs=1e-6)
     assert first.top_token_ids == [0, 1]
     assert first.top_logprobs == pytest.approx([math.log(0.5), math.log(0.2)], abs=1e-6)
-    assert last.rank == 1 and last.top_token_ids == [] and last.logprob == pytest.approx(math.log(0.2), abs=1e-6)
+    assert last.rank == 5 and last.top_token_ids == [] and last.logprob == pytest.approx(math.log(0.2), abs=1e-6)
     assert compute_logprobs(logits, [0, 0, 0], [None] * 3) == [None] * 3
 
 
@@ -135,3 +142,63 @@ def test_logprobs_parameter_is_checked():
     for bad in (-1, MAX_LOGPROBS + 1):
         with pytest.raises(pydantic.ValidationError, match="logprobs must be between 0 and 20"):
             SamplingParams(logprobs=bad)
+
+
+def test_penalties_follow_vllm_formulas():
+    """Repetition (CTRL): positive logits of tokens seen in the prompt or output divided, others
+    multiplied; frequency per output occurrence and presence once per output token subtracted
+    (prompt tokens get neither). Worked by hand."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [1.0, 1.0, 1.0, 1.0]])
+    out = apply_penalties(logits, prompt_ids=[[0], [2]], output_ids=[[1, 1, 2], [3, 3]],
+                          presence=[0.5, 0.0], frequency=[0.25, 1.0], repetition=[2.0, 1.0])
+    assert out.tolist() == [[1.0, -1.0 * 2 - 0.5 - 0.5, 0.5 / 2 - 0.25 - 0.5, 3.0], [1.0, 1.0, 1.0, -1.0]]
+
+
+def test_logit_bias_min_tokens_and_penalties_steer_greedy_rows_but_not_logprobs():
+    """Greedy rows take the argmax of the processed logits: a logit_bias moves it; min_tokens
+    forbids EOS and the stop token ids (not EOS with ignore_eos) while the output is shorter;
+    a presence penalty pushes away from a generated token. The logits passed in are unchanged
+    (log probabilities are of the raw logits)."""
+    sampler = Sampler(seed=0, device=torch.device("cpu"), eos_token_ids=(3,))
+    logits = torch.tensor([[0.0, 1.0, 2.0, 5.0]] * 6)
+    raw = logits.clone()
+    params = [
+        SamplingParams(temperature=0, logit_bias={0: 10.0, 99: 5.0}),  # 99: outside the vocabulary, ignored
+        SamplingParams(temperature=0, min_tokens=2),  # 1 output so far: EOS forbidden
+        SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]),  # and stop token 2
+        SamplingParams(temperature=0, min_tokens=1),  # 1 output: EOS allowed again
+        SamplingParams(temperature=0, min_tokens=2, ignore_eos=True),
+        SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=2.0),  # 3 generated twice
+    ]
+    token_ids = [[7, 1], [7, 1], [7, 1], [7, 1], [7, 1], [7, 3, 3]]
+    got = sampler.sample(logits, params, [None] * 6, token_ids, [1, 1, 1, 1, 1, 1])
+    assert got == [0, 2, 1, 3, 3, 2]
+    assert torch.equal(logits, raw)
+    with pytest.raises(ValueError, match="need each row's token_ids"):
+        sampler.sample(logits[:1], [SamplingParams(temperature=0, min_tokens=1)], [None])
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_most_likely():
+    """min_p 0.3 after temperature 1: of probabilities 0.5, 0.2, 0.15, 0.1, 0.05 only those
+    >= 0.15 remain, renormalised (vLLM's MinPLogitsProcessor)."""
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    logits = torch.log(probs).expand(6000, 5).clone()
+    tokens = torch.tensor(sampler.sample(logits, [SamplingParams(min_p=0.3)] * 6000, [None] * 6000))
+    freq = torch.bincount(tokens, minlength=5).float() / 6000
+    assert freq[3] == 0 and freq[4] == 0
+    assert torch.allclose(freq[:3], probs[:3] / probs[:3].sum(), atol=0.03)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("presence_penalty", 2.5, "presence_penalty must be in \\[-2, 2\\]"),
+    ("frequency_penalty", float("nan"), "frequency_penalty must be in"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be a finite number > 0"),
+    ("min_p", 1.5, "min_p must be in \\[0, 1\\]"),
+    ("min_tokens", 17, "min_tokens must be at most max_tokens=16"),
+    ("logit_bias", {5: 101.0}, "logit_bias: biases must be in"),
+    ("logit_bias", {-1: 1.0}, "logit_bias: token ids must be >= 0"),
+])
+def test_logits_processing_parameters_are_checked(field, value, message):
+    with pytest.raises(pydantic.ValidationError, match=message):
+        SamplingParams(**{field: value})

@@ -702,7 +702,10 @@ def test_plan_byte_bounds_hold_for_the_widest_values(rid):
     req.prompt_token_ids = [70_000 + i for i in range(500)]
     req.sampling_params = SamplingParams(n=4, max_tokens=2**31 - 1, temperature=1.5, top_p=0.5, top_k=40,
                                          seed=2**40, stop=["éé", "stop"], stop_token_ids=[2**20, 7],
-                                         ignore_eos=True, skip_special_tokens=False, include_stop_str_in_output=True)
+                                         ignore_eos=True, skip_special_tokens=False, include_stop_str_in_output=True,
+                                         logprobs=20, presence_penalty=-1.5, frequency_penalty=1.25,
+                                         repetition_penalty=1.3, min_p=0.05, min_tokens=2**30,
+                                         logit_bias={2**20: -100.0, 7: 0.1, 2**31: 99.5})
     blocks = [100_000 + i for i in range(req.num_tokens // 16 + 1)]
 
     def new_plan(*rids: str) -> StepPlan:

@@ -53,6 +53,8 @@ class IncrementalDetokenizer:
         skip_special_tokens: passed to ``tokenizer.decode``.
         stop: stop strings; the request ends right before the first one that appears.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
+        min_tokens: stop strings are only looked for once the output has more tokens than
+            this (vLLM): a match must end in the text of a later token.
 
     After a call, ``stop_matched`` is the stop string that ended the request (or None),
     ``finished`` tells whether more tokens are taken, and ``num_consumed_tokens`` counts the
@@ -70,6 +72,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -78,6 +81,7 @@ class IncrementalDetokenizer:
             raise ValueError("stop strings must not be empty")
         self.include_stop_str_in_output = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.min_tokens = min_tokens
         # layer 1: token window
         context = [int(t) for t in prompt_tail_ids][-CONTEXT_TOKENS:] if CONTEXT_TOKENS else []
         self._ids: list[int] = context
@@ -116,7 +120,8 @@ class IncrementalDetokenizer:
         for i in range(num_text):
             text = self._detokenize(ids[i])
             if self.stop:
-                text = self._check_stop(text, final=False)
+                text = self._check_stop(text, final=False,
+                                        may_match=self.num_consumed_tokens + i + 1 > self.min_tokens)
             pieces.append(text)
             if self.stop_matched is not None:
                 self.num_consumed_tokens += i + 1
@@ -134,7 +139,7 @@ class IncrementalDetokenizer:
         if len(self._ids) > self.read_offset:
             text = self._advance(self._decode(self._ids[self.prefix_offset :]))
         if self.stop:
-            text = self._check_stop(text, final=True)
+            text = self._check_stop(text, final=True, may_match=self.num_consumed_tokens > self.min_tokens)
         self.finished = True
         return text
 
@@ -172,12 +177,15 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ layer 2: stop strings
 
-    def _check_stop(self, text: str, final: bool) -> str:
+    def _check_stop(self, text: str, final: bool, may_match: bool = True) -> str:
+        """Emit what ``text`` adds unless it may start a stop string; with ``may_match`` False
+        (before ``min_tokens``) nothing is matched yet, but the text stays in the window so
+        a stop string that ends later is found whole."""
         if not text and not final:
             return ""
         window = self._stop_window + text
         emitted = self._stop_emitted
-        match = self._find_stop(window)
+        match = self._find_stop(window, len(self._stop_window)) if may_match else None
         if match is not None:
             start, stop_str = match
             end = start + len(stop_str) if self.include_stop_str_in_output else start
@@ -192,11 +200,13 @@ class IncrementalDetokenizer:
         self._stop_emitted = cut - keep_from
         return window[emitted:cut]
 
-    def _find_stop(self, window: str) -> tuple[int, str] | None:
-        """The stop string completed first in ``window``: (start index, stop string)."""
+    def _find_stop(self, window: str, new_from: int) -> tuple[int, str] | None:
+        """The stop string completed first in ``window`` among those that end in its new text
+        (from ``new_from`` on; a match in older text was passed over before ``min_tokens``):
+        (start index, stop string)."""
         best: tuple[int, int, str] | None = None  # (end, start, stop)
         for s in self.stop:
-            i = window.find(s)
+            i = window.find(s, max(0, new_from - len(s) + 1))
             if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
                 best = (i + len(s), i, s)
         return None if best is None else (best[1], best[2])

@@ -218,6 +218,7 @@ class DetokenizerService:
                 skip_special_tokens=new.skip_special_tokens,
                 stop=new.stop,
                 include_stop_str_in_output=new.include_stop_str_in_output,
+                min_tokens=new.min_tokens,
             ),
         )
 
@@ -258,10 +259,18 @@ class DetokenizerService:
         a matched stop string are dropped with their tokens)."""
         if not update.logprobs:
             return []
+        if len(update.logprobs) != len(update.new_token_ids):  # a bug upstream: the text still goes out
+            log.error("logprobs_misaligned", request_id=update.request_id, num_tokens=len(update.new_token_ids),
+                      num_logprobs=len(update.logprobs))
+            return []
         if self._token_texts is None:
             self._token_texts = TokenTexts(self.tokenizer)
-        return [self._token_texts.decode(t, lp)
-                for t, lp in zip(update.new_token_ids[:consumed], update.logprobs[:consumed], strict=True)]
+        try:
+            return [self._token_texts.decode(t, lp)
+                    for t, lp in zip(update.new_token_ids[:consumed], update.logprobs[:consumed], strict=True)]
+        except Exception:  # a tokenizer that fails on a token: this request's logprobs only are lost
+            log.exception("logprobs_decode_failed", request_id=update.request_id)
+            return []
 
 
 def main() -> None:

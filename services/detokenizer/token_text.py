@@ -1,20 +1,24 @@
 """The text and bytes of single tokens, for log probabilities (OpenAI's ``token`` and ``bytes``).
 
-A token's text is ``convert_tokens_to_string`` of the token alone, special tokens included
-(vLLM's ``decoded_token``); a token holding part of a multi-byte character gives U+FFFD.
-Its bytes are the token's own bytes where the tokenizer is byte-level BPE (GPT-2's
-``bytes_to_unicode`` alphabet, as in SmolLM2, Llama 3 and Qwen), so the bytes of consecutive
-tokens concatenate to the UTF-8 of their text even when a character is split between them;
-for other tokenizers they are the UTF-8 of the token's text.
+A token's text is what it adds to a text, special tokens included (vLLM's
+``decoded_token``): the tokenizer's decoder run on the token after a plain one, so a
+SentencePiece ``▁`` keeps its space (decoded alone, it is stripped); a token holding part
+of a multi-byte character gives U+FFFD. Its bytes are the token's own bytes where they are
+known: byte-level BPE (GPT-2's ``bytes_to_unicode`` alphabet, as in SmolLM2, Llama 3 and
+Qwen) and SentencePiece byte fallback (``<0xF0>``), so the bytes of consecutive tokens
+concatenate to the UTF-8 of their text even when a character is split between them;
+otherwise they are the UTF-8 of the token's text.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from shared.messages import DecodedLogprobs, SampleLogprobs, TokenLogprob
 
 MAX_CACHED = 1 << 16  # token ids whose text and bytes are remembered
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
 class TokenTexts:
@@ -29,7 +33,8 @@ class TokenTexts:
         self.tokenizer = tokenizer
         self._byte_of: dict[str, int] | None = None
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and type(backend.decoder).__name__ == "ByteLevel":
+        self._decoder = getattr(backend, "decoder", None)  # tokenizers' Decoder, on token strings
+        if type(self._decoder).__name__ == "ByteLevel":
             from transformers.convert_slow_tokenizer import bytes_to_unicode
 
             self._byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
@@ -45,17 +50,30 @@ class TokenTexts:
         if piece is None:
             out: tuple[str, list[int]] = ("", [])
         else:
-            text = self.tokenizer.convert_tokens_to_string([piece])
+            text = self._text(piece)
             byte_of = self._byte_of
-            if byte_of is not None and token_id not in self._added and all(c in byte_of for c in piece):
+            fallback = _BYTE_FALLBACK.fullmatch(piece) if byte_of is None else None
+            if token_id in self._added:
+                raw = list(text.encode("utf-8"))
+            elif byte_of is not None and all(c in byte_of for c in piece):
                 raw = [byte_of[c] for c in piece]
-            else:  # a special or added token, or not byte-level BPE
+            elif fallback is not None:
+                raw = [int(fallback.group(1), 16)]
+            else:
                 raw = list(text.encode("utf-8"))
             out = (text, raw)
         if len(self._cache) >= MAX_CACHED:
             self._cache.clear()
         self._cache[token_id] = out
         return out
+
+    def _text(self, piece: str) -> str:
+        if self._decoder is not None and self._byte_of is None:
+            try:  # after a plain token: a decoder that strips a leading space strips that one's
+                return self._decoder.decode(["a", piece])[1:]
+            except Exception:  # a decoder that cannot take this piece: as vLLM, the piece alone
+                pass
+        return self.tokenizer.convert_tokens_to_string([piece])
 
     def token(self, token_id: int, logprob: float, rank: int) -> TokenLogprob:
         text, raw = self.text_and_bytes(token_id)

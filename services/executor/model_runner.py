@@ -42,6 +42,7 @@ class CachedRequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    num_prompt_tokens: int = 0  # of token_ids, the prompt's (the rest are outputs)
 
 
 def resolve_dtype(setting: str, model_path: Path) -> torch.dtype:
@@ -77,7 +78,7 @@ class ModelRunner:
         self.model.attn_backend = self.attn_backend
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self.sampler = Sampler(settings.seed, self.device)
+        self.sampler = Sampler(settings.seed, self.device, model_info.eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
         self.cpu_threads = self._cpu_thread_governor()
         log.info(
@@ -160,6 +161,7 @@ class ModelRunner:
                     num_computed_tokens=state.num_computed_tokens,
                     sampling_params=params,
                     generator=self.sampler.new_request_generator(params.seed, 0, vocab),
+                    num_prompt_tokens=state.num_prompt_tokens,
                 )
                 self.requests[child_id] = child
                 sample_states.append(child)
@@ -181,6 +183,7 @@ class ModelRunner:
                 generator=self.sampler.new_request_generator(
                     new.sampling_params.seed, new.num_output_tokens, vocab
                 ),
+                num_prompt_tokens=len(new.prompt_token_ids) - new.num_output_tokens,
             )
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]
@@ -271,7 +274,8 @@ class ModelRunner:
             hidden = hidden[torch.tensor(logits_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)  # [N, V] f32
         params = [s.sampling_params for s in sample_states]
-        tokens = self.sampler.sample(logits, params, [s.generator for s in sample_states])
+        tokens = self.sampler.sample(logits, params, [s.generator for s in sample_states],
+                                     [s.token_ids for s in sample_states], [s.num_prompt_tokens for s in sample_states])
         result = StepResult(step_id=plan.step_id, group_id=plan.group_id)
         for state, tok in zip(sample_states, tokens, strict=True):
             state.token_ids.append(tok)

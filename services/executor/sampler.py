@@ -1,4 +1,10 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Token sampling: logits processing, greedy, temperature, min-p, top-k, top-p, with
+per-request seeds.
+
+Logits processing (vLLM's order and formulas): ``logit_bias``, ``min_tokens`` (EOS and stop
+token ids masked), then the repetition (CTRL), frequency and presence penalties
+(``apply_penalties``); greedy rows take the argmax of the processed logits. Log probabilities
+(``compute_logprobs``) are of the raw logits.
 
 Sampling draws ``q ~ Exponential(1)`` per vocabulary entry and takes
 ``argmax(probs / q)``, which samples exactly from ``probs`` (the exponential-race form of
@@ -53,6 +59,40 @@ def apply_top_k_top_p(
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
 
 
+def apply_penalties(
+    logits: torch.Tensor,  # [R, V] float32, changed in place
+    prompt_ids: list[list[int]],  # [R] the prompt's token ids of each row
+    output_ids: list[list[int]],  # [R] the output's token ids of each row
+    presence: list[float],  # [R]
+    frequency: list[float],  # [R]
+    repetition: list[float],  # [R]
+) -> torch.Tensor:  # [R, V] float32, the same tensor
+    """vLLM's ``apply_penalties``: the repetition penalty (CTRL, Keskar et al. 2019) divides the
+    positive logits and multiplies the others of every token seen in the prompt or the output;
+    then ``frequency * count in the output`` and ``presence * (count > 0)`` are subtracted
+    (OpenAI's formula). Token ids outside ``[0, V)`` are ignored."""
+    rows, vocab = logits.shape
+    dev = logits.device
+
+    def counts(ids: list[list[int]]) -> torch.Tensor:  # [R, V] int64: occurrences per row
+        tokens = torch.tensor([t for r in ids for t in r], dtype=torch.int64)
+        row_of = torch.repeat_interleave(torch.arange(rows), torch.tensor([len(r) for r in ids]))
+        keep = (tokens >= 0) & (tokens < vocab)
+        flat = row_of[keep] * vocab + tokens[keep]
+        return torch.bincount(flat, minlength=rows * vocab).view(rows, vocab).to(dev)
+
+    output_counts = counts(output_ids)
+    output_mask = output_counts > 0
+    rep = torch.tensor(repetition, dtype=logits.dtype, device=dev).unsqueeze(1)  # [R, 1]
+    if bool((rep != 1).any()):
+        seen = (counts(prompt_ids) > 0) | output_mask
+        factor = torch.where(seen, rep, torch.ones_like(rep))  # [R, V]
+        logits.copy_(torch.where(logits > 0, logits / factor, logits * factor))
+    logits -= torch.tensor(frequency, dtype=logits.dtype, device=dev).unsqueeze(1) * output_counts
+    logits -= torch.tensor(presence, dtype=logits.dtype, device=dev).unsqueeze(1) * output_mask
+    return logits
+
+
 def compute_logprobs(
     logits: torch.Tensor,  # [N, V] float32, the raw logits
     token_ids: list[int],  # [N], the sampled tokens
@@ -61,8 +101,9 @@ def compute_logprobs(
     """The log probabilities at each sampled token of the rows that ask for them.
 
     The distribution is ``log_softmax`` of the raw logits in float32 (vLLM's default
-    ``raw_logprobs``: before temperature, top-k and top-p). A sampled token's rank is 1 plus
-    the number of tokens strictly more likely, so a greedy token always has rank 1. The top
+    ``raw_logprobs``: before temperature, top-k and top-p). A sampled token's rank is the
+    number of tokens at least as likely (vLLM's ``batched_count_greater_than``: 1 for the
+    most likely token, more when others tie with it). The top
     tokens come most likely first (``torch.topk``; ties in index order).
 
     Returns:
@@ -76,7 +117,7 @@ def compute_logprobs(
     logprobs = logits[idx].float().log_softmax(dim=-1)  # [R, V]
     sampled = torch.tensor([token_ids[i] for i in rows], device=logits.device).unsqueeze(1)  # [R, 1]
     sampled_lp = logprobs.gather(1, sampled)  # [R, 1]
-    ranks = (logprobs > sampled_lp).sum(dim=-1) + 1  # [R]
+    ranks = (logprobs >= sampled_lp).sum(dim=-1)  # [R]
     k = max(num_top[i] or 0 for i in rows)
     top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], sampled[:, :0])  # [R, k]
     sampled_list, rank_list = sampled_lp.squeeze(1).tolist(), ranks.tolist()
@@ -111,9 +152,10 @@ class Sampler:
         seed: seeds the generator of requests without their own ``seed``.
     """
 
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.eos_token_ids = eos_token_ids  # forbidden before min_tokens (unless ignore_eos)
 
     def new_request_generator(self, seed: int | None, num_draws_done: int, vocab_size: int) -> torch.Generator | None:
         """A per-request generator for ``seed``, advanced past ``num_draws_done`` samples (a
@@ -125,13 +167,67 @@ class Sampler:
             torch.empty(vocab_size, device=self.device).exponential_(generator=gen)
         return gen
 
+    def process_logits(
+        self,
+        logits: torch.Tensor,  # [N, V] float32
+        params: list[SamplingParams],
+        token_ids: list[list[int]] | None,  # [N] each row's prompt + output tokens so far
+        num_prompt_tokens: list[int] | None,  # [N]
+    ) -> torch.Tensor:  # [N, V] float32: ``logits`` itself when no row changes it, else a copy
+        """``logit_bias``, ``min_tokens`` and the penalties of the rows that ask for them.
+
+        Raises:
+            ValueError: a row needs its tokens (``min_tokens``, penalties) and none were given.
+        """
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        held = [i for i, p in enumerate(params) if p.min_tokens]
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        if not (biased or held or penalised):
+            return logits
+        if (held or penalised) and (token_ids is None or num_prompt_tokens is None):
+            raise ValueError("min_tokens and penalties need each row's token_ids and num_prompt_tokens")
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in biased:
+            bias = {t: b for t, b in params[i].logit_bias.items() if t < vocab}
+            if bias:
+                ids = torch.tensor(list(bias), device=logits.device)
+                logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        for i in held:
+            p = params[i]
+            if len(token_ids[i]) - num_prompt_tokens[i] < p.min_tokens:  # type: ignore[index]
+                stops = {*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)}
+                ids = [t for t in stops if t < vocab]
+                if ids:
+                    logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
+        if penalised:
+            rows = torch.tensor(penalised, device=logits.device)
+            sub = logits[rows]
+            apply_penalties(
+                sub,
+                [token_ids[i][: num_prompt_tokens[i]] for i in penalised],  # type: ignore[index]
+                [token_ids[i][num_prompt_tokens[i]:] for i in penalised],  # type: ignore[index]
+                [params[i].presence_penalty for i in penalised],
+                [params[i].frequency_penalty for i in penalised],
+                [params[i].repetition_penalty for i in penalised],
+            )
+            logits[rows] = sub
+        return logits
+
     def sample(
         self,
         logits: torch.Tensor,  # [N, V] float32
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        token_ids: list[list[int]] | None = None,  # [N] each row's prompt + output tokens so far
+        num_prompt_tokens: list[int] | None = None,  # [N]
     ) -> list[int]:
-        """One token id per row."""
+        """One token id per row (``logits`` is left as it is).
+
+        Raises:
+            ValueError: a row needs its tokens (``min_tokens``, penalties) and none were given.
+        """
+        logits = self.process_logits(logits, params, token_ids, num_prompt_tokens)
         greedy = greedy_argmax(logits)  # [N]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
@@ -140,6 +236,11 @@ class Sampler:
         sub = logits[rows]  # [R, V]
         temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
         sub = sub / temps.unsqueeze(1)
+        min_p = [params[i].min_p for i in random_rows]
+        if any(min_p):  # vLLM: after the temperature, before top-k and top-p
+            probs = sub.softmax(dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=logits.device).unsqueeze(1)
+            sub = sub.masked_fill(probs < threshold, float("-inf"))
         top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else 0 for i in random_rows])
         top_p = torch.tensor([params[i].top_p for i in random_rows], dtype=torch.float32)
         if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):

@@ -68,11 +68,12 @@ class Request:
         """An upper bound of the bytes its ``NewRequestData`` takes in a msgpack ``StepPlan``
         with ``num_tokens`` tokens (default: the tokens known now): at most 5 bytes per token
         id and per block id (block size >= 8), its sampling params (field names and the widest
-        values: 256), its id in the plan's maps, the field names and counters (256), and the
-        ids of the samples an n > 1 request forks."""
+        values: 512, plus 18 per ``logit_bias`` entry), its id in the plan's maps, the field
+        names and counters (256), and the ids of the samples an n > 1 request forks."""
         tokens = self.num_tokens if num_tokens is None else num_tokens
         params = self.sampling_params
-        params_bytes = 256 + sum(len(s.encode()) + 5 for s in params.stop) + 9 * len(params.stop_token_ids)
+        params_bytes = (512 + sum(len(s.encode()) + 5 for s in params.stop) + 9 * len(params.stop_token_ids)
+                        + 18 * len(params.logit_bias))
         forks = (params.n - 1) * (len(self.request_id.encode()) + 8)
         return 5 * (tokens + tokens // 8 + 1) + params_bytes + 3 * len(self.request_id.encode()) + 256 + forks
 
@@ -122,13 +123,15 @@ class Request:
         """After appending a token: decide whether the request is finished (sets the reason).
 
         Order as in vLLM: EOS (unless ``ignore_eos``), then ``stop_token_ids``, then
-        ``max_tokens``, then ``max_model_len``.
+        ``max_tokens``, then ``max_model_len``. Before ``min_tokens`` outputs neither EOS nor a
+        stop token ends it (the sampler forbids them there).
         """
         last = self.output_token_ids[-1]
         params = self.sampling_params
-        if not params.ignore_eos and last in self.eos_token_ids:
+        stops = len(self.output_token_ids) >= params.min_tokens
+        if stops and not params.ignore_eos and last in self.eos_token_ids:
             self.finish_reason, self.stop_reason = "stop", None
-        elif last in params.stop_token_ids:
+        elif stops and last in params.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", last
         elif params.max_tokens is not None and len(self.output_token_ids) >= params.max_tokens:
             self.finish_reason = "length"

@@ -345,6 +345,7 @@ class SchedulerService:
                         stop=p.stop,
                         include_stop_str_in_output=p.include_stop_str_in_output,
                         skip_special_tokens=p.skip_special_tokens,
+                        min_tokens=p.min_tokens,
                         parent_request_id=req.parent_request_id,
                         index=req.index,
                     )

@@ -154,13 +154,18 @@ class TokenizerService:
         completion's prompt text is returned too (token ids decoded, special tokens kept).
 
         Raises:
-            TokenizeError: empty or malformed input, token ids outside ``[0, vocab_size)``,
+            TokenizeError: empty or malformed input, token ids (of the prompt or of
+                ``logit_bias``) outside ``[0, vocab_size)``,
                 no chat template, or too long for ``max_model_len`` (the error names the
                 parameter: ``prompt``, ``messages`` or ``max_tokens``; with
                 ``cap_at_max_model_len`` only a prompt that leaves no room for one token).
         """
         if request.messages is not None and request.prompt is not None:
             raise TokenizeError("give either prompt or messages, not both", param="messages")
+        vocab = self.model_info.vocab_size
+        if bad := [t for t in request.sampling_params.logit_bias if t >= vocab]:
+            raise TokenizeError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                param="logit_bias")
         prompt_text = None
         if request.messages is not None:
             param = "messages"
