@@ -183,6 +183,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_tokens: int = 0
+    echoed: bool = False  # its prompt was streamed (echo)
     logprobs: list[DecodedLogprobs] = field(default_factory=list)  # one per token, if asked
     tokens_text_len: int = 0  # characters in the texts of the tokens of ``logprobs``
     delta_offset: int = 0  # ``tokens_text_len`` before the last delta (its first ``text_offset``)
@@ -197,6 +198,14 @@ class _Part:
     timer: RequestTimer
     echo: str = ""  # the prompt text, echoed before each of its samples (completions' echo)
     num_cached_tokens: int = 0
+    echo_only: bool = False  # echo with max_tokens 0: what the engine generates is not shown
+    prompt_logprobs: list[DecodedLogprobs] | None = None  # echo with logprobs: from the first delta
+
+    @property
+    def prompt_text_len(self) -> int:
+        """Characters in the texts of the prompt's tokens (where a completion's text_offset
+        goes on after an echo with logprobs)."""
+        return sum(len(lp.sampled.token) for lp in self.prompt_logprobs or ())
 
 
 class _Generation:
@@ -252,14 +261,20 @@ class _Generation:
         index = p * self.n + delta.index
         choice = self.choices[index]
         choice.finished = choice.finished or delta.finished
+        if delta.prompt_logprobs and part.prompt_logprobs is None:
+            part.prompt_logprobs = delta.prompt_logprobs
+        part.num_prompt_tokens = delta.num_prompt_tokens or part.num_prompt_tokens
+        part.num_cached_tokens = max(part.num_cached_tokens, delta.num_cached_tokens)
+        if part.echo_only:  # the prompt alone: the token the engine had to generate is not shown
+            if delta.finished:
+                choice.finish_reason, choice.stop_reason = "length", None
+            return index
         choice.pieces.append(delta.text)
         if delta.logprobs:
             choice.logprobs.extend(delta.logprobs)
             choice.delta_offset = choice.tokens_text_len
             choice.tokens_text_len += sum(len(lp.sampled.token) for lp in delta.logprobs)
         choice.num_tokens = max(delta.num_output_tokens, choice.num_tokens + len(delta.token_ids))
-        part.num_prompt_tokens = delta.num_prompt_tokens or part.num_prompt_tokens
-        part.num_cached_tokens = max(part.num_cached_tokens, delta.num_cached_tokens)
         if delta.finished:
             choice.finish_reason = delta.finish_reason or "stop"
             choice.stop_reason = delta.stop_reason
@@ -323,21 +338,39 @@ class _CompletionGeneration(_Generation):
         )
 
     def start_chunks(self) -> list[BaseModel]:
+        """The echoed prompts; with logprobs they wait for the prompt's (in the first delta)."""
+        if self.logprobs:
+            return []
+        for c in self.choices:
+            c.echoed = True
         return [self._chunk([CompletionChoice(index=i, text=self.echo(i))])
                 for i in range(len(self.choices)) if self.echo(i)]
 
     def delta_chunks(self, delta: RequestDelta, index: int) -> list[BaseModel]:
-        if not self._has_news(delta):
-            return []
-        c = self.choices[index]
-        choice = CompletionChoice(
-            index=index,
-            text=delta.text,
-            logprobs=completion_logprobs(delta.logprobs, c.delta_offset) if self.logprobs else None,
-            finish_reason=c.finish_reason if delta.finished else None,
-            stop_reason=c.stop_reason if delta.finished else None,
-        )
-        return [self._chunk([choice])]
+        c, part = self.choices[index], self.parts[index // self.n]
+        chunks: list[BaseModel] = []
+        if not c.echoed:
+            c.echoed = True
+            if part.echo:
+                chunks.append(self._chunk([CompletionChoice(
+                    index=index, text=part.echo, logprobs=completion_logprobs(part.prompt_logprobs or [], 0))]))
+        if part.echo_only:
+            news = delta.finished
+            text, logprobs = "", None
+        else:
+            news = self._has_news(delta)
+            text = delta.text
+            logprobs = (completion_logprobs(delta.logprobs, part.prompt_text_len + c.delta_offset)
+                        if self.logprobs else None)
+        if news:
+            chunks.append(self._chunk([CompletionChoice(
+                index=index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason if delta.finished else None,
+                stop_reason=c.stop_reason if delta.finished else None,
+            )]))
+        return chunks
 
     def usage_chunk(self) -> BaseModel:
         chunk = self._chunk([])
@@ -348,7 +381,8 @@ class _CompletionGeneration(_Generation):
         choices = [
             CompletionChoice(index=i, text=self.echo(i) + "".join(c.pieces), finish_reason=c.finish_reason,
                              stop_reason=c.stop_reason,
-                             logprobs=completion_logprobs(c.logprobs, 0) if self.logprobs else None)
+                             logprobs=completion_logprobs([*(self.parts[i // self.n].prompt_logprobs or ()),
+                                                           *c.logprobs], 0) if self.logprobs else None)
             for i, c in enumerate(self.choices)
         ]
         return CompletionResponse(
@@ -405,13 +439,18 @@ class _ChatGeneration(_Generation):
 def completion_logprobs(items: list[DecodedLogprobs], offset: int) -> CompletionLogprobs:
     """OpenAI's completion ``logprobs`` of ``items``: per token its text, its offset (from
     ``offset``, adding each token's text length, as vLLM), its log probability, and the sampled
-    and most likely tokens' log probabilities by text."""
+    and most likely tokens' log probabilities by text (None for the first prompt token of an
+    echo)."""
     out = CompletionLogprobs()
     for lp in items:
         sampled = lp.sampled
         out.text_offset.append(offset)
         offset += len(sampled.token)
         out.tokens.append(sampled.token)
+        if sampled.logprob is None:  # the first prompt token (echo): nothing before it
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
         out.token_logprobs.append(json_logprob(sampled.logprob))
         top = {sampled.token: json_logprob(sampled.logprob)}
         for t in lp.top:
@@ -563,7 +602,8 @@ class OpenAIServing:
             raise
         parts = [
             _Part(engine_id, len(reply.prompt_token_ids),
-                  self.metrics.timer(params.n, len(reply.prompt_token_ids), arrival), reply.prompt or "")
+                  self.metrics.timer(params.n, len(reply.prompt_token_ids), arrival), reply.prompt or "",
+                  echo_only=isinstance(body, CompletionRequest) and body.echo_only)
             for engine_id, reply in zip(engine_ids, replies, strict=True)
         ]
         log.debug("request_submitted", request_id=request_id, num_prompts=len(parts),

@@ -179,6 +179,8 @@ class StreamOptions(BaseModel):
 class _SamplingFields(OpenAIRequest):
     """The fields both endpoints share (OpenAI names plus vLLM extensions)."""
 
+    echo_takes_zero_max_tokens: ClassVar[bool] = False  # completions: max_tokens 0 with echo
+
     model: str | None = None  # None = the served model (as vLLM; OpenAI requires it)
     temperature: float | None = None  # None = 1.0
     top_p: float | None = None  # None = 1.0
@@ -213,7 +215,7 @@ class _SamplingFields(OpenAIRequest):
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
     def _positive_limit(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and v < 1:
+        if v is not None and v < 1 and not (v == 0 and cls.echo_takes_zero_max_tokens):
             raise ValueError(f"{info.field_name} must be at least 1, got {v}")
         return v
 
@@ -270,7 +272,8 @@ MAX_BATCH_PROMPTS = 1024
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: a prompt (a string or token ids) or a batch of them (a list
     of strings or of token-id lists; each is its own engine request, as in vLLM).
-    ``echo`` starts each choice's text with its prompt."""
+    ``echo`` starts each choice's text with its prompt (with ``logprobs``, the prompt tokens'
+    log probabilities start its logprobs; with ``max_tokens`` 0, nothing is generated)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -281,6 +284,7 @@ class CompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None  # vLLM extension
     add_special_tokens: bool = True  # vLLM extension
 
+    echo_takes_zero_max_tokens: ClassVar[bool] = True
     unsupported_values: ClassVar[Unsupported] = (
         ("add_special_tokens", bool, "the tokenizer's special tokens are always added to a prompt"),
         ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
@@ -316,15 +320,20 @@ class CompletionRequest(_SamplingFields):
         return v
 
     @model_validator(mode="after")
-    def _no_prompt_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("logprobs with echo=true is not supported (it needs the log probabilities of the "
-                             "prompt)")
+    def _zero_max_tokens_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1, got 0 (0 is only accepted with echo=true)")
         return self
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the prompt (and its log probabilities) without a
+        completion (OpenAI's legacy way to score a text, as lm-evaluation-harness does)."""
+        return self.echo and self.max_tokens == 0
 
     def prompt_inputs(self) -> list[str | list[int]]:
         """The prompts, each as text or token ids (one unless a batch)."""
@@ -339,7 +348,10 @@ class CompletionRequest(_SamplingFields):
         Raises:
             pydantic.ValidationError: a value is out of range (the message names it).
         """
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        params = self._sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get theirs too
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class ChatMessage(BaseModel):

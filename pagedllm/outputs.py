@@ -38,7 +38,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The result of one prompt."""
+    """The result of one prompt (``outputs``: its ``n`` samples)."""
 
     request_id: str
     prompt: str | None
@@ -46,3 +46,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with SamplingParams.prompt_logprobs, as vLLM: None for the first prompt token, then one
+    # dict per prompt token (the token first, then the most likely ones)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

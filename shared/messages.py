@@ -43,7 +43,7 @@ class ServiceError(Message):
 
 # vLLM SamplingParams fields that ours lacks: refused by name rather than as unknown fields
 _VLLM_ONLY_SAMPLING_PARAMS = frozenset({
-    "prompt_logprobs", "best_of", "logits_processors", "bad_words", "allowed_token_ids",
+    "best_of", "logits_processors", "bad_words", "allowed_token_ids",
     "truncate_prompt_tokens", "guided_decoding", "structured_outputs", "output_kind", "detokenize",
     "spaces_between_special_tokens", "extra_args",
 })
@@ -57,7 +57,9 @@ class SamplingParams(Message):
     whatever else is in the batch. ``logprobs`` N returns, with each sampled token, its log
     probability, its rank and the N most likely tokens' (0: the sampled token's only; None:
     nothing), over the model's raw distribution (before temperature, top-k and top-p; vLLM's
-    default ``raw_logprobs``). Every integer must fit a signed 64-bit integer.
+    default ``raw_logprobs``). ``prompt_logprobs`` N does the same for every prompt token but
+    the first (a request asking for them is not served from the prefix cache, as in vLLM).
+    Every integer must fit a signed 64-bit integer.
 
     Logits processing, as vLLM (and OpenAI for ``presence_penalty``, ``frequency_penalty``,
     ``logit_bias``), in this order: ``logit_bias`` adds to a token's logit; ``min_tokens``
@@ -87,6 +89,7 @@ class SamplingParams(Message):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # alternatives per sampled token, 0..MAX_LOGPROBS
+    prompt_logprobs: int | None = None  # alternatives per prompt token, 0..MAX_LOGPROBS
     presence_penalty: float = 0.0  # -2..2
     frequency_penalty: float = 0.0  # -2..2
     repetition_penalty: float = 1.0  # > 0; 1 = none
@@ -136,6 +139,8 @@ class SamplingParams(Message):
             raise ValueError("stop: stop strings must not be empty")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not (-2.0 <= getattr(self, name) <= 2.0):
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -346,6 +351,15 @@ class SampleLogprobs(Message):
     top_logprobs: list[float] = Field(default_factory=list)
 
 
+class PromptLogprobs(Message):
+    """The log probabilities of prompt tokens ``start``, ``start + 1``, ... (each under the
+    distribution after the tokens before it; the first prompt token has none)."""
+
+    start: int  # >= 1: the prompt position of the first entry
+    token_ids: list[int]  # the prompt tokens they are of
+    logprobs: list[SampleLogprobs]
+
+
 class StepResult(Message):
     """The executor's answer to a ``StepPlan``: one sampled token per request that got one,
     and its log probabilities where the request asked for them."""
@@ -354,6 +368,8 @@ class StepResult(Message):
     group_id: str
     sampled_token_ids: dict[str, int] = Field(default_factory=dict)
     logprobs: dict[str, SampleLogprobs] = Field(default_factory=dict)
+    # the prompt positions this step computed, of the requests with prompt_logprobs
+    prompt_logprobs: dict[str, PromptLogprobs] = Field(default_factory=dict)
     error: ServiceError | None = None
     execute_time_s: float = 0.0
 
@@ -370,6 +386,8 @@ class DetokNewRequest(Message):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0  # stop strings are matched only in text after this many output tokens
+    prompt_logprobs: PromptLogprobs | None = None  # all of them (start 1), if asked
+    first_prompt_token_id: int | None = None  # with prompt_logprobs: the prompt token they start after
     parent_request_id: str | None = None  # n > 1: the client's request id of this sample
     index: int = 0  # n > 1: which sample (choice index)
 
@@ -402,8 +420,8 @@ class TokenLogprob(Message):
     token_id: int
     token: str  # the token's own text (special tokens included; "\ufffd" for part of a character)
     bytes: list[int]  # its UTF-8 bytes (a byte-level BPE token's own bytes, even a partial character)
-    logprob: float
-    rank: int
+    logprob: float | None  # None: the first prompt token (nothing before it)
+    rank: int | None
 
 
 class DecodedLogprobs(Message):
@@ -428,6 +446,8 @@ class RequestDelta(Message):
     num_cached_tokens: int = 0
     error: ServiceError | None = None
     logprobs: list[DecodedLogprobs] = Field(default_factory=list)  # one per token id, if asked
+    # the first delta of a request with prompt_logprobs: one per prompt token (the first's logprob None)
+    prompt_logprobs: list[DecodedLogprobs] = Field(default_factory=list)
     accepted: bool = False  # only this: the scheduler queued the request (SubmitRequest.notify_accepted)
 
 

@@ -245,3 +245,29 @@ async def test_client_disconnect_aborts_and_every_block_is_free(stack, nats_url,
     assert stats.groups and all(g.num_free_blocks == g.num_blocks for g in stats.groups)
     models = (await client.models.list()).data
     assert [m.id for m in models] == [MODEL]
+
+
+async def test_echo_logprobs_score_a_continuation_as_hugging_face(client, smollm2_path):
+    """lm-evaluation-harness's loglikelihood request through the whole stack: a batch of
+    token-id prompts (context + continuation) with echo, logprobs 1 and max_tokens 0. The
+    continuation's summed log probability equals HF's float32 one, each token's entry holds
+    the most likely token, and nothing is generated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    pairs = [([504, 3575, 282, 4649, 314], [7042, 30]), ([34, 28, 216, 35, 28], [216, 36])]  # "... is" " Paris."
+    out = await client.completions.create(model=MODEL, prompt=[c + x for c, x in pairs], echo=True, logprobs=1,
+                                          max_tokens=0, temperature=0)
+    assert out.usage.completion_tokens == 0
+    for choice, (context, continuation) in zip(out.choices, pairs, strict=True):
+        ids = context + continuation
+        lp = choice.logprobs
+        assert choice.finish_reason == "length" and len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+        with torch.inference_mode():
+            ref = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+        expected = sum(ref[p - 1, ids[p]].item() for p in range(len(context), len(ids)))
+        assert sum(lp.token_logprobs[len(context):]) == pytest.approx(expected, abs=1e-3)
+        for p in range(1, len(ids)):
+            best = ref[p - 1].argmax().item()
+            assert max(lp.top_logprobs[p].values()) == pytest.approx(ref[p - 1, best].item(), abs=1e-3)

@@ -58,6 +58,20 @@ def fake_logprobs(i: int, piece: str, num_top: int) -> DecodedLogprobs:
     return DecodedLogprobs(sampled=sampled, top=alts)
 
 
+def fake_prompt_logprobs(text: str, num_top: int) -> list[DecodedLogprobs]:
+    """Prompt word ``i`` (text " word" but the first): log probability -i, the first None."""
+    words = text.split()
+    out = []
+    for i, w in enumerate(words):
+        piece = w if i == 0 else " " + w
+        token = TokenLogprob(token_id=i, token=piece, bytes=list(piece.encode()), logprob=-float(i) if i else None,
+                             rank=1 if i else None)
+        alts = [] if not i else [TokenLogprob(token_id=900 + k, token=f"alt{k}", bytes=list(f"alt{k}".encode()),
+                                              logprob=-10.0 - k, rank=k + 1) for k in range(num_top)]
+        out.append(DecodedLogprobs(sampled=token, top=alts))
+    return out
+
+
 class FakeBackend:
     """Tokenizer + detokenizer stand-in that records what the gateway sends."""
 
@@ -149,6 +163,8 @@ class FakeBackend:
                     text=piece,
                     token_ids=[100 + i],
                     logprobs=[] if params.logprobs is None else [fake_logprobs(i, piece, params.logprobs)],
+                    prompt_logprobs=(fake_prompt_logprobs(text, params.prompt_logprobs)
+                                     if params.prompt_logprobs is not None and i == 0 and index == 0 else []),
                     finished=last,
                     finish_reason=("stop" if len(pieces) == len(ANSWER) else "length") if last else None,
                     num_prompt_tokens=num_prompt,
@@ -357,7 +373,7 @@ BAD_BODIES = [
      "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}},
      "logit_bias"),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2, "echo": True}, "logprobs"),  # needs prompt logprobs
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
@@ -927,3 +943,36 @@ async def test_penalties_min_p_min_tokens_and_logit_bias_reach_the_engine(gw):
                                                     "repetition_penalty": None, "logit_bias": None})
     sent = gw.backend.requests[r.json()["id"]].sampling_params
     assert (sent.presence_penalty, sent.repetition_penalty, sent.logit_bias, sent.has_penalties) == (0, 1, {}, False)
+
+
+async def test_echo_with_logprobs_scores_the_prompt(gw):
+    """``echo`` with ``logprobs`` puts the prompt tokens' log probabilities first (the first
+    token's null), then the completion's, with text offsets running over the echoed text; with
+    ``max_tokens`` 0 the prompt alone comes back, no completion token counted (how
+    lm-evaluation-harness scores a text). Streamed, the echo waits for the prompt's log
+    probabilities and the completion's offsets go on after it."""
+    words = [w if i == 0 else " " + w for i, w in enumerate(PROMPT.split())]
+    offsets = [sum(len(t) for t in (words + ANSWER)[:i]) for i in range(len(words) + len(ANSWER))]
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "echo": True, "logprobs": 1})
+    body = r.json()
+    sent = gw.backend.requests[body["id"]].sampling_params
+    assert (sent.logprobs, sent.prompt_logprobs, sent.max_tokens) == (1, 1, 16)
+    lp = body["choices"][0]["logprobs"]
+    assert body["choices"][0]["text"] == PROMPT + FULL
+    assert lp["tokens"] == words + ANSWER and lp["text_offset"] == offsets
+    assert lp["token_logprobs"][:len(words)] == [None] + [-float(i) for i in range(1, len(words))]
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {" is": -1.0, "alt0": -10.0}
+
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "echo": True,
+                                                    "logprobs": 0, "max_tokens": 0})
+    body = r.json()
+    assert gw.backend.requests[body["id"]].sampling_params.max_tokens == 1  # the engine generates one, unseen
+    choice = body["choices"][0]
+    assert (choice["text"], choice["finish_reason"], body["usage"]["completion_tokens"]) == (PROMPT, "length", 0)
+    assert choice["logprobs"]["tokens"] == words and choice["logprobs"]["top_logprobs"][1] == {" is": -1.0}
+
+    stream = await gw.oai.completions.create(model=gw.model, prompt=PROMPT, echo=True, logprobs=0, stream=True)
+    chunks = [c.choices[0] for c in [c async for c in stream] if c.choices]
+    assert chunks[0].text == PROMPT and chunks[0].logprobs.tokens == words
+    assert "".join(c.text for c in chunks) == PROMPT + FULL
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == offsets

@@ -199,3 +199,38 @@ def test_smollm2_min_tokens_matches_hugging_face_min_new_tokens(smollm2_path):
     assert len(free.outputs[0].token_ids) < 30 and free.outputs[0].finish_reason == "stop"
     assert held.outputs[0].token_ids == ref[: len(held.outputs[0].token_ids)]
     assert 30 < len(held.outputs[0].token_ids) and held.outputs[0].finish_reason == "stop"
+
+
+def test_smollm2_prompt_logprobs_match_hugging_face(smollm2_path):
+    """``prompt_logprobs`` equal the log-softmax of HF's float32 logits at every prompt token
+    after the first (None), with the prompt prefilled in chunks (a 16-token budget) and asked
+    twice: the second time its blocks are in the prefix cache, which a request with
+    prompt_logprobs does not use (those positions must be computed). An n=2 request has
+    them once, for its prompt."""
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    prompt = PROMPTS[7]  # 44 tokens: 3 chunks
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=64 << 20,
+             max_num_batched_tokens=16) as llm:
+        first_params = SamplingParams(temperature=0, max_tokens=2)
+        first = llm.generate([prompt], first_params, use_tqdm=False)[0]
+        assert first.prompt_logprobs is None
+        again, forked, plain = llm.generate(
+            [prompt, PROMPTS[1], prompt], [params, params.model_copy(update={"n": 2}), first_params], use_tqdm=False)
+    for out in (again, forked):
+        ids = out.prompt_token_ids
+        with torch.inference_mode():
+            ref = model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)  # [P - 1, V]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for p, entry in enumerate(out.prompt_logprobs[1:]):
+            token, row = ids[p + 1], ref[p]
+            assert next(iter(entry)) == token
+            assert entry[token].logprob == pytest.approx(row[token].item(), abs=2e-4)
+            assert entry[token].rank == int((row >= row[token]).sum())
+            assert entry[token].decoded_token == tok.convert_tokens_to_string([tok.convert_ids_to_tokens(token)])
+            top = row.topk(3).indices.tolist()
+            assert list(entry)[1:] == [t for t in top if t != token]
+    assert again.num_cached_tokens == 0 and plain.num_cached_tokens >= 32  # the cache was there to use
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids and plain.prompt_logprobs is None
+    assert len(again.prompt_token_ids) > 32 and len(forked.outputs) == 2

@@ -90,8 +90,8 @@ def test_assignments_are_checked_and_vllm_only_parameters_named():
     params.stop = "x"  # coerced as at construction
     params.max_tokens = None
     assert params.stop == ["x"] and params.max_tokens is None
-    with pytest.raises(pydantic.ValidationError, match="bad_words, prompt_logprobs: vLLM sampling"):
-        SamplingParams(prompt_logprobs=1, bad_words=["x"])
+    with pytest.raises(pydantic.ValidationError, match="bad_words, best_of: vLLM sampling"):
+        SamplingParams(best_of=2, bad_words=["x"])
 
 
 def test_child_seeds_wrap_in_64_bits_and_travel():

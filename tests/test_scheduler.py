@@ -12,7 +12,7 @@ import pytest
 from services.scheduler import scheduler as scheduler_module
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from shared.messages import SamplingParams, StepPlan, StepResult
+from shared.messages import PromptLogprobs, SampleLogprobs, SamplingParams, StepPlan, StepResult
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
@@ -40,13 +40,17 @@ class FakeExecutor:
         self.state: dict[str, dict] = {}
         self.slots: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix whose K/V it holds
         self.queue: list[StepPlan] = []  # plans received, not yet executed (see run)
+        self.prompt_logprob_chunks: list[tuple[str, int, int]] = []  # (request, first, end) prompt positions
 
     def execute(self, plan: StepPlan) -> StepResult:
         for rid in plan.finished_request_ids:
             self.state.pop(rid, None)
         for new in plan.new_requests:
             self.state[new.request_id] = dict(
-                tokens=list(new.prompt_token_ids), blocks=list(new.block_ids), computed=new.num_computed_tokens
+                tokens=list(new.prompt_token_ids), blocks=list(new.block_ids), computed=new.num_computed_tokens,
+                # prompt_logprobs: as the runner, for a request without outputs yet
+                prompt_len=(len(new.prompt_token_ids) if new.sampling_params.prompt_logprobs is not None
+                            and not new.num_output_tokens else 0),
             )
         for src, dst in plan.block_copies:
             for off in range(self.block_size):
@@ -81,8 +85,15 @@ class FakeExecutor:
             for pos in range(upto):
                 slot = st["blocks"][pos // self.block_size] * self.block_size + pos % self.block_size
                 assert self.slots.get(slot) == tuple(st["tokens"][: pos + 1]), f"{rid}: wrong KV at {pos}"
+        prompt_logprobs = {}
         for rid, n in plan.num_scheduled_tokens.items():
             st = self.state[rid]
+            first, end = st["computed"], min(st["computed"] + n, st.get("prompt_len", 0) - 1)
+            if end > first:  # row of position p -> prompt token p + 1, "log probability" -(p + 1)
+                self.prompt_logprob_chunks.append((rid, first + 1, end + 1))
+                prompt_logprobs[rid] = PromptLogprobs(
+                    start=first + 1, token_ids=st["tokens"][first + 1 : end + 1],
+                    logprobs=[SampleLogprobs(logprob=-(p + 1.0), rank=1) for p in range(first, end)])
             st["computed"] += n
             if st["computed"] == len(st["tokens"]):
                 for cid in plan.forks.get(rid, ()):  # n > 1: children sample from the same logits
@@ -95,7 +106,8 @@ class FakeExecutor:
                 tok = next_token(st["tokens"])
                 st["tokens"].append(tok)
                 sampled[rid] = tok
-        return StepResult(step_id=plan.step_id, group_id=plan.group_id, sampled_token_ids=sampled)
+        return StepResult(step_id=plan.step_id, group_id=plan.group_id, sampled_token_ids=sampled,
+                          prompt_logprobs=prompt_logprobs)
 
 
 def make_request(
@@ -726,3 +738,34 @@ def test_plan_byte_bounds_hold_for_the_widest_values(rid):
     assert 0.5 * req.new_request_bytes() < added <= req.new_request_bytes()
     added = len(encode(cached_plan("x", rid))) - len(encode(cached_plan("x")))
     assert 0.5 * req.cached_request_bytes(3) < added <= req.cached_request_bytes(3)
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_a_preemption_mid_prefill():
+    """A request with prompt_logprobs is prefilled from its first token although its prompt is
+    cached (those positions' logits are needed), in chunks; preempted mid-prefill, it is
+    prefilled again and the chunks it already had are not taken twice: it holds exactly one
+    log probability per prompt token after the first. Its first output token is unchanged."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16))
+    sched.add_group("g0", num_blocks=32, block_size=8)
+    ex = FakeExecutor(32, 8)
+    warm = make_request("warm", 40, 1, seed=4)
+    sched.add_request(warm)
+    run(sched, ex)
+    req = make_request("scored", 40, 2, seed=4)  # the same 40-token prompt: 5 full blocks cached
+    req.sampling_params = req.sampling_params.model_copy(update={"prompt_logprobs": 1})
+    sched.add_request(req)
+    queue: list[StepPlan] = []
+    for _ in range(2):  # two chunks of 16 prompt tokens
+        plan = queue.pop(0) if queue else sched.schedule("g0")
+        sched.update_from_output(ex.execute(plan))
+    assert req.num_cached_tokens == 0 and len(req.prompt_logprobs) == 32  # tokens 1..32 so far
+    group = sched.groups["g0"]
+    group.running.remove(req)  # as schedule() preempts a victim
+    sched._preempt(req, group)
+    assert req.needs_prompt_logprobs and req.num_computed_tokens == 0
+    out, _ = run(sched, ex)
+    assert out["scored"] == expected(req)
+    assert [lp.logprob for lp in req.prompt_logprobs] == [-(p + 1.0) for p in range(39)]  # positions 0..38
+    firsts = [first for rid, first, _ in ex.prompt_logprob_chunks if rid == "scored"]
+    assert firsts == [1, 17, 1, 17, 33]  # recomputed from the start after the preemption
+    assert group.kv.num_free_blocks == 32

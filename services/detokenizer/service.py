@@ -56,6 +56,7 @@ class DetokRequest:
     num_cached_tokens: int = 0
     client_request_id: str | None = None  # n > 1: the parent id the client knows
     index: int = 0  # n > 1: the choice index
+    prompt_logprobs: list[DecodedLogprobs] | None = None  # sent with its first delta, then dropped
 
 
 @dataclass
@@ -220,6 +221,7 @@ class DetokenizerService:
                 include_stop_str_in_output=new.include_stop_str_in_output,
                 min_tokens=new.min_tokens,
             ),
+            prompt_logprobs=self._decode_prompt_logprobs(new),
         )
 
     def _apply(self, req: DetokRequest, update: TokenUpdate) -> RequestDelta:
@@ -239,7 +241,7 @@ class DetokenizerService:
             if finish_reason == "error":
                 error = ServiceError(message="the engine failed while generating this request",
                                      type="internal_server_error", status=500)
-        return RequestDelta(
+        delta = RequestDelta(
             request_id=req.client_request_id or req.request_id,
             index=req.index,
             text=text,
@@ -252,7 +254,33 @@ class DetokenizerService:
             num_cached_tokens=req.num_cached_tokens,
             error=error,
             logprobs=self._decode_logprobs(update, consumed),
+            prompt_logprobs=req.prompt_logprobs or [],
         )
+        req.prompt_logprobs = None
+        return delta
+
+    def _texts(self) -> TokenTexts:
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.tokenizer)
+        return self._token_texts
+
+    def _decode_prompt_logprobs(self, new: DetokNewRequest) -> list[DecodedLogprobs] | None:
+        """One entry per prompt token, the first without a log probability; None if not asked
+        (or, after a bug upstream, not whole: logged, the request goes on without them)."""
+        chunk = new.prompt_logprobs
+        if chunk is None or new.first_prompt_token_id is None:
+            return None
+        if chunk.start != 1 or len(chunk.token_ids) != len(chunk.logprobs):
+            log.error("prompt_logprobs_misaligned", request_id=new.request_id, start=chunk.start,
+                      num_tokens=len(chunk.token_ids), num_logprobs=len(chunk.logprobs))
+            return None
+        texts = self._texts()
+        try:
+            first = DecodedLogprobs(sampled=texts.token(new.first_prompt_token_id, None, None))
+            return [first, *(texts.decode(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs, strict=True))]
+        except Exception:
+            log.exception("logprobs_decode_failed", request_id=new.request_id)
+            return None
 
     def _decode_logprobs(self, update: TokenUpdate, consumed: int) -> list[DecodedLogprobs]:
         """The decoded log probabilities of the update's first ``consumed`` tokens (those after
@@ -263,10 +291,8 @@ class DetokenizerService:
             log.error("logprobs_misaligned", request_id=update.request_id, num_tokens=len(update.new_token_ids),
                       num_logprobs=len(update.logprobs))
             return []
-        if self._token_texts is None:
-            self._token_texts = TokenTexts(self.tokenizer)
         try:
-            return [self._token_texts.decode(t, lp)
+            return [self._texts().decode(t, lp)
                     for t, lp in zip(update.new_token_ids[:consumed], update.logprobs[:consumed], strict=True)]
         except Exception:  # a tokenizer that fails on a token: this request's logprobs only are lost
             log.exception("logprobs_decode_failed", request_id=update.request_id)

@@ -75,7 +75,7 @@ class TokenTexts:
                 pass
         return self.tokenizer.convert_tokens_to_string([piece])
 
-    def token(self, token_id: int, logprob: float, rank: int) -> TokenLogprob:
+    def token(self, token_id: int, logprob: float | None, rank: int | None) -> TokenLogprob:
         text, raw = self.text_and_bytes(token_id)
         return TokenLogprob(token_id=token_id, token=text, bytes=raw, logprob=logprob, rank=rank)
 

@@ -26,10 +26,11 @@ from services.executor.models import get_model_class
 from services.executor.sampler import Sampler, compute_logprobs
 from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings
 from shared.logging import get_logger
-from shared.messages import SamplingParams, StepPlan, StepResult
+from shared.messages import PromptLogprobs, SampleLogprobs, SamplingParams, StepPlan, StepResult
 from shared.model_source import ModelInfo
 
 log = get_logger("executor")
+PROMPT_LOGITS_ROWS = 256  # prompt rows whose logits are computed at once (prompt_logprobs)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     num_prompt_tokens: int = 0  # of token_ids, the prompt's (the rest are outputs)
+    wants_prompt_logprobs: bool = False  # its prompt's log probabilities are computed as it is prefilled
 
 
 def resolve_dtype(setting: str, model_path: Path) -> torch.dtype:
@@ -184,6 +186,8 @@ class ModelRunner:
                     new.sampling_params.seed, new.num_output_tokens, vocab
                 ),
                 num_prompt_tokens=len(new.prompt_token_ids) - new.num_output_tokens,
+                # a resumed request (outputs already) sent them the first time
+                wants_prompt_logprobs=new.sampling_params.prompt_logprobs is not None and not new.num_output_tokens,
             )
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]
@@ -244,6 +248,30 @@ class ModelRunner:
         input_ids = torch.tensor(ids_list, dtype=torch.int64, device=dev)  # [T]
         return input_ids, torch.from_numpy(pos).to(dev), meta, logits_rows, sample_states
 
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, states: list[CachedRequestState], query_lens: list[int]
+    ) -> dict[str, PromptLogprobs]:
+        """The log probabilities of the prompt tokens that this step's rows predict (row of
+        position p -> prompt token p + 1), for the requests that want them; before the step's
+        ``num_computed_tokens`` are counted. The logits are computed ``PROMPT_LOGITS_ROWS``
+        rows at a time (a long prefill chunk would need ``rows * vocab`` float32 at once)."""
+        out: dict[str, PromptLogprobs] = {}
+        row = 0
+        for state, n in zip(states, query_lens, strict=True):
+            k = state.sampling_params.prompt_logprobs
+            first, end = state.num_computed_tokens, min(state.num_computed_tokens + n, state.num_prompt_tokens - 1)
+            if state.wants_prompt_logprobs and k is not None and end > first:
+                targets = state.token_ids[first + 1 : end + 1]
+                entries: list[SampleLogprobs] = []
+                for i in range(0, end - first, PROMPT_LOGITS_ROWS):
+                    rows = torch.arange(row + i, row + min(end - first, i + PROMPT_LOGITS_ROWS), device=self.device)
+                    logits = self.model.compute_logits(hidden[rows])  # [R, V] f32
+                    chunk = targets[i : i + PROMPT_LOGITS_ROWS]
+                    entries.extend(lp for lp in compute_logprobs(logits, chunk, [k] * len(chunk)) if lp is not None)
+                out[state.request_id] = PromptLogprobs(start=first + 1, token_ids=targets, logprobs=entries)
+            row += n
+        return out
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step. Returns the sampled token id of each request that got one, and its
@@ -264,10 +292,13 @@ class ModelRunner:
         states = [self.requests[rid] for rid, _ in order]
         input_ids, positions, meta, logits_rows, sample_states = self._prepare_inputs(states, [n for _, n in order])
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        result = StepResult(step_id=plan.step_id, group_id=plan.group_id)
+        if any(s.wants_prompt_logprobs for s in states):
+            result.prompt_logprobs = self._prompt_logprobs(hidden, states, [n for _, n in order])
         for state, (_, n) in zip(states, order, strict=True):
             state.num_computed_tokens += n
         if not sample_states:
-            return StepResult(step_id=plan.step_id, group_id=plan.group_id)
+            return result
         if plan.forks:
             self._fork(plan.forks, sample_states, logits_rows)
         if logits_rows != list(range(hidden.shape[0])):  # else every row samples (pure decode)
@@ -276,7 +307,6 @@ class ModelRunner:
         params = [s.sampling_params for s in sample_states]
         tokens = self.sampler.sample(logits, params, [s.generator for s in sample_states],
                                      [s.token_ids for s in sample_states], [s.num_prompt_tokens for s in sample_states])
-        result = StepResult(step_id=plan.step_id, group_id=plan.group_id)
         for state, tok in zip(sample_states, tokens, strict=True):
             state.token_ids.append(tok)
             result.sampled_token_ids[state.request_id] = tok

@@ -46,6 +46,8 @@ class Request:
     # tokens sampled in the last step but not yet published to the detokenizer
     pending_output_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[SampleLogprobs] = field(default_factory=list)  # theirs, if asked
+    # prompt_logprobs: those of prompt tokens 1, 2, ... received so far (sent with its first output)
+    prompt_logprobs: list[SampleLogprobs] = field(default_factory=list)
     # prefix caching: hashes of the full blocks of all_token_ids, and how many of the
     # request's blocks are registered in the cache
     block_hashes: dict[int, list[int]] = field(default_factory=dict)  # block size -> hashes
@@ -87,6 +89,13 @@ class Request:
         rid = len(self.request_id.encode())
         forks = (self.sampling_params.n - 1) * (rid + 8) + rid + 5 if self.needs_fork else 0
         return 2 * rid + 128 + 5 * num_new_blocks + forks
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for its prompt's log probabilities and has not had them all: it is not served
+        from the prefix cache (those positions would not be computed), as in vLLM."""
+        return (self.sampling_params.prompt_logprobs is not None and self.parent_request_id is None
+                and not self.sent_to_detokenizer)
 
     @property
     def needs_fork(self) -> bool:

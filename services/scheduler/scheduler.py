@@ -413,7 +413,7 @@ class Scheduler:
     def _admit_one(self, group: GroupState, req: Request, budget: int, scheduled: dict[str, int],
                    new_blocks: dict) -> bool:
         """Start the waiting ``req`` with up to ``budget`` tokens; False if its blocks do not fit."""
-        computed, num_hit = group.kv.get_computed_blocks(req)
+        computed, num_hit = ([], 0) if req.needs_prompt_logprobs else group.kv.get_computed_blocks(req)
         req.num_computed_tokens = num_hit
         num_new = min(req.num_tokens - num_hit, budget)
         blocks = group.kv.allocate_slots(req, num_new, computed)
@@ -500,6 +500,10 @@ class Scheduler:
                 continue  # finished, aborted or preempted meanwhile
             if rid in step.samplers:
                 req.num_output_placeholders -= 1
+            if (chunk := result.prompt_logprobs.get(rid)) is not None and req.needs_prompt_logprobs:
+                have = 1 + len(req.prompt_logprobs)  # the next prompt position it needs (a recompute repeats some)
+                if chunk.start <= have < chunk.start + len(chunk.logprobs):
+                    req.prompt_logprobs.extend(chunk.logprobs[have - chunk.start:])
             token = result.sampled_token_ids.get(rid)
             if token is None:
                 continue

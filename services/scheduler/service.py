@@ -33,6 +33,7 @@ from shared.messages import (
     HeartbeatAck,
     Ping,
     Pong,
+    PromptLogprobs,
     RegisterAck,
     RegisterGroup,
     RequestDelta,
@@ -334,7 +335,6 @@ class SchedulerService:
         for req in outcome.updated:
             step = shards[subj.detok_shard(req.request_id, n)]
             if not req.sent_to_detokenizer:
-                req.sent_to_detokenizer = True
                 p = req.sampling_params
                 step.new_requests.append(
                     DetokNewRequest(
@@ -348,8 +348,12 @@ class SchedulerService:
                         min_tokens=p.min_tokens,
                         parent_request_id=req.parent_request_id,
                         index=req.index,
+                        prompt_logprobs=None if not req.needs_prompt_logprobs else PromptLogprobs(
+                            start=1, token_ids=req.prompt_token_ids[1:], logprobs=req.prompt_logprobs),
+                        first_prompt_token_id=req.prompt_token_ids[0] if req.needs_prompt_logprobs else None,
                     )
                 )
+                req.sent_to_detokenizer, req.prompt_logprobs = True, []
             step.updates.append(
                 TokenUpdate(
                     request_id=req.request_id,
