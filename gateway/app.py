@@ -184,6 +184,9 @@ class _Choice:
     stop_reason: int | str | None = None
     num_tokens: int = 0
     echoed: bool = False  # its prompt was streamed (echo)
+    # streamed echo with logprobs: deltas (and their first text_offset past the prompt) that
+    # came before the prompt's log probabilities (sample 0's first delta), sent after them
+    held: list[tuple[RequestDelta, int]] = field(default_factory=list)
     logprobs: list[DecodedLogprobs] = field(default_factory=list)  # one per token, if asked
     tokens_text_len: int = 0  # characters in the texts of the tokens of ``logprobs``
     delta_offset: int = 0  # ``tokens_text_len`` before the last delta (its first ``text_offset``)
@@ -199,13 +202,15 @@ class _Part:
     echo: str = ""  # the prompt text, echoed before each of its samples (completions' echo)
     num_cached_tokens: int = 0
     echo_only: bool = False  # echo with max_tokens 0: what the engine generates is not shown
-    prompt_logprobs: list[DecodedLogprobs] | None = None  # echo with logprobs: from the first delta
+    # echo with logprobs: the prompt tokens', from sample 0's first delta (None: not yet come)
+    prompt_logprobs: list[DecodedLogprobs] | None = None
+    prompt_text_len: int = 0  # characters of their tokens' texts: where text_offset goes on
 
-    @property
-    def prompt_text_len(self) -> int:
-        """Characters in the texts of the prompt's tokens (where a completion's text_offset
-        goes on after an echo with logprobs)."""
-        return sum(len(lp.sampled.token) for lp in self.prompt_logprobs or ())
+    def take_prompt_logprobs(self, delta: RequestDelta) -> None:
+        """Keep the prompt's log probabilities: sample 0's first delta has them (or none)."""
+        if self.prompt_logprobs is None and (delta.prompt_logprobs or delta.index == 0):
+            self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_text_len = sum(len(lp.sampled.token) for lp in delta.prompt_logprobs)
 
 
 class _Generation:
@@ -261,8 +266,7 @@ class _Generation:
         index = p * self.n + delta.index
         choice = self.choices[index]
         choice.finished = choice.finished or delta.finished
-        if delta.prompt_logprobs and part.prompt_logprobs is None:
-            part.prompt_logprobs = delta.prompt_logprobs
+        part.take_prompt_logprobs(delta)
         part.num_prompt_tokens = delta.num_prompt_tokens or part.num_prompt_tokens
         part.num_cached_tokens = max(part.num_cached_tokens, delta.num_cached_tokens)
         if part.echo_only:  # the prompt alone: the token the engine had to generate is not shown
@@ -347,6 +351,22 @@ class _CompletionGeneration(_Generation):
                 for i in range(len(self.choices)) if self.echo(i)]
 
     def delta_chunks(self, delta: RequestDelta, index: int) -> list[BaseModel]:
+        p = index // self.n
+        part = self.parts[p]
+        held = (delta, self.choices[index].delta_offset)
+        if self.logprobs and part.echo and part.prompt_logprobs is None:  # a sample > 0 came first
+            self.choices[index].held.append(held)
+            return []
+        chunks: list[BaseModel] = []
+        for i in range(p * self.n, (p + 1) * self.n):  # those that waited for the prompt's
+            waiting, self.choices[i].held = self.choices[i].held, []
+            for d, offset in waiting:
+                chunks += self._choice_chunks(d, i, offset)
+        return chunks + self._choice_chunks(delta, index, held[1])
+
+    def _choice_chunks(self, delta: RequestDelta, index: int, offset: int) -> list[BaseModel]:
+        """The chunks of one delta of choice ``index`` (whose first token's text_offset past
+        the prompt is ``offset``): the echo first, once."""
         c, part = self.choices[index], self.parts[index // self.n]
         chunks: list[BaseModel] = []
         if not c.echoed:
@@ -360,8 +380,7 @@ class _CompletionGeneration(_Generation):
         else:
             news = self._has_news(delta)
             text = delta.text
-            logprobs = (completion_logprobs(delta.logprobs, part.prompt_text_len + c.delta_offset)
-                        if self.logprobs else None)
+            logprobs = completion_logprobs(delta.logprobs, part.prompt_text_len + offset) if self.logprobs else None
         if news:
             chunks.append(self._chunk([CompletionChoice(
                 index=index,

@@ -12,6 +12,8 @@ means.
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
@@ -207,10 +209,15 @@ class _SamplingFields(OpenAIRequest):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key in v or {}:
-            if not key.strip().isdigit():
+        """Keys must be token ids in ASCII digits; biases are clamped to [-100, 100] (vLLM)."""
+        if v is None:
+            return None
+        for key in v:
+            if not re.fullmatch(r"\s*[0-9]+\s*", key, re.ASCII):
                 raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}")
-        return v
+            if not math.isfinite(v[key]):
+                raise ValueError(f"logit_bias: biases must be finite numbers, got {v[key]} for {key!r}")
+        return {key: min(100.0, max(-100.0, bias)) for key, bias in v.items()}
 
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod

@@ -153,7 +153,7 @@ class SamplingParams(Message):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
         if bad_ids := [t for t in self.logit_bias if not (0 <= t <= INT64_MAX)]:
-            raise ValueError(f"logit_bias: token ids must be >= 0, got {bad_ids[0]}")
+            raise ValueError(f"logit_bias: token ids must be between 0 and {INT64_MAX}, got {bad_ids[0]}")
         if bad := [v for v in self.logit_bias.values() if not (-100.0 <= v <= 100.0)]:
             raise ValueError(f"logit_bias: biases must be in [-100, 100], got {bad[0]}")
         return self

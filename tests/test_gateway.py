@@ -3,7 +3,7 @@
 The fake backend answers ``TokenizeRequest`` (one token per prompt word) and then
 publishes ``GatewayStep`` deltas that spell "The capital of France is Paris." (one word
 per token, cut at ``max_tokens``). Prompts containing "slow" produce one delta and then
-wait for an abort; prompts containing "fail" end with an engine error; ``max_tokens``
+wait for an abort; with "children first" the samples of n > 1 come last to first; prompts containing "fail" end with an engine error; ``max_tokens``
 above 100 is refused by the fake tokenizer.
 """
 
@@ -156,7 +156,8 @@ class FakeBackend:
         pieces = ANSWER[:limit]
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
-            for index in range(params.n):  # every sample the same answer
+            order = range(params.n)[::-1] if "children first" in text else range(params.n)
+            for index in order:  # every sample the same answer (the prompt's logprobs with sample 0's)
                 await self._send(
                     req,
                     index=index,
@@ -371,8 +372,8 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": PROMPT, "min_tokens": 17}, "min_tokens"),  # > max_tokens (16)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"hello": 5}},
      "logit_bias"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}},
-     "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"²": 5}},
+     "logit_bias"),  # "²".isdigit(), but no token id
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs"),
@@ -930,10 +931,10 @@ async def test_completion_logprobs_as_openai_shapes_them(gw):
 
 async def test_penalties_min_p_min_tokens_and_logit_bias_reach_the_engine(gw):
     """OpenAI's presence/frequency penalties and logit_bias (string token-id keys) and vLLM's
-    repetition_penalty, min_p and min_tokens travel in the request's SamplingParams; null
-    penalties are the no-op values."""
+    repetition_penalty, min_p and min_tokens travel in the request's SamplingParams (biases
+    clamped to [-100, 100], as vLLM); null penalties are the no-op values."""
     body = {"messages": [{"role": "user", "content": PROMPT}], "presence_penalty": 0.5, "frequency_penalty": -0.25,
-            "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 3, "logit_bias": {"42": -100, "7": 2.5}}
+            "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 3, "logit_bias": {"42": -150, "7": 2.5}}
     r = await gw.http.post("/v1/chat/completions", json={"model": gw.model, **body})
     assert r.status_code == 200, r.text
     sent = gw.backend.requests[r.json()["id"]].sampling_params
@@ -976,3 +977,20 @@ async def test_echo_with_logprobs_scores_the_prompt(gw):
     assert chunks[0].text == PROMPT and chunks[0].logprobs.tokens == words
     assert "".join(c.text for c in chunks) == PROMPT + FULL
     assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == offsets
+
+
+async def test_streamed_echo_of_n_samples_waits_for_the_prompt_logprobs(gw):
+    """With n=2 the prompt's log probabilities come with sample 0's first delta; when sample 1's
+    comes first (another detokenizer shard), its echo waits for them: both choices stream the
+    prompt with its log probabilities, then their text, offsets going on after the prompt."""
+    prompt = "children first please"
+    words = ["children", " first", " please"]
+    stream = await gw.oai.completions.create(model=gw.model, prompt=prompt, echo=True, logprobs=0, n=2, max_tokens=2,
+                                             stream=True)
+    chunks = [c.choices[0] for c in [c async for c in stream] if c.choices]
+    for index in (0, 1):
+        mine = [c for c in chunks if c.index == index]
+        assert mine[0].text == prompt and mine[0].logprobs.tokens == words
+        assert mine[0].logprobs.token_logprobs == [None, -1.0, -2.0]
+        assert "".join(c.text for c in mine) == prompt + "".join(ANSWER[:2])
+        assert [o for c in mine for o in c.logprobs.text_offset] == [0, 8, 14, 21, 24]

@@ -197,7 +197,7 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_most_likely():
     ("min_p", 1.5, "min_p must be in \\[0, 1\\]"),
     ("min_tokens", 17, "min_tokens must be at most max_tokens=16"),
     ("logit_bias", {5: 101.0}, "logit_bias: biases must be in"),
-    ("logit_bias", {-1: 1.0}, "logit_bias: token ids must be >= 0"),
+    ("logit_bias", {-1: 1.0}, "logit_bias: token ids must be between 0 and"),
 ])
 def test_logits_processing_parameters_are_checked(field, value, message):
     with pytest.raises(pydantic.ValidationError, match=message):

@@ -157,6 +157,20 @@ async def test_a_submit_over_nats_max_payload_is_refused_with_413(env, monkeypat
     assert reply.error.code == "request_too_large" and reply.error.status == 413 and reply.error.param == "prompt"
 
 
+async def test_prompt_logprobs_too_large_for_a_nats_message_are_refused(env, monkeypatch):
+    """A prompt's log probabilities travel in one message: a request whose would exceed the
+    NATS server's max_payload is refused up front (naming logprobs), not lost on the way."""
+    monkeypatch.setattr(env.tokenizer_service.bus.nc, "_max_payload", 10_000)
+    fits = params(prompt_logprobs=1)  # 40 tokens x (120 + 96) bytes = 8,640
+    seen, submit, reply = await tokenize(env, prompt=[300] * 40, sampling_params=fits)
+    assert reply.error is None and submit is not None
+    seen, submit, reply = await tokenize(env, prompt=[300] * 40, sampling_params=params(prompt_logprobs=2))
+    assert submit is None and seen == ["inbox"]  # 40 x 312 = 12,480 bytes
+    assert (reply.error.param, reply.error.code, reply.error.status) == ("logprobs", "request_too_large", 400)
+    seen, submit, reply = await tokenize(env, prompt=[300] * 50, sampling_params=params(logprobs=20))
+    assert reply.error is None and submit is not None  # output logprobs travel a token at a time
+
+
 async def test_offline_requests_are_capped_at_max_model_len(env):
     """cap_at_max_model_len (the offline LLM, as vLLM's): prompt + max_tokens over
     max_model_len is submitted with max_tokens None (up to the context length) instead of
@@ -196,6 +210,7 @@ BAD_REQUESTS = [
     ("prompt fills context", {"prompt": [7] * MAX_MODEL_LEN, "sampling_params": params(max_tokens=None)}, "prompt"),
     ("messages fill context", {"messages": [{"role": "user", "content": "word " * 80}]}, "messages"),
     ("prompt + max_tokens", {"prompt": [7] * 60, "sampling_params": params(max_tokens=5)}, "max_tokens"),
+    ("logit_bias id too large", {"prompt": [7], "sampling_params": params(logit_bias={49152: 1.0})}, "logit_bias"),
 ]
 
 

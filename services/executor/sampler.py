@@ -60,7 +60,7 @@ def apply_top_k_top_p(
 
 
 def apply_penalties(
-    logits: torch.Tensor,  # [R, V] float32, changed in place
+    logits: torch.Tensor,  # [R, V] float32, contiguous, changed in place
     prompt_ids: list[list[int]],  # [R] the prompt's token ids of each row
     output_ids: list[list[int]],  # [R] the output's token ids of each row
     presence: list[float],  # [R]
@@ -70,26 +70,32 @@ def apply_penalties(
     """vLLM's ``apply_penalties``: the repetition penalty (CTRL, Keskar et al. 2019) divides the
     positive logits and multiplies the others of every token seen in the prompt or the output;
     then ``frequency * count in the output`` and ``presence * (count > 0)`` are subtracted
-    (OpenAI's formula). Token ids outside ``[0, V)`` are ignored."""
+    (OpenAI's formula). Token ids outside ``[0, V)`` are ignored.
+
+    Works on the distinct (row, token) pairs only (``torch.unique`` of flat indices), so a step
+    costs O(tokens seen), not O(R * V) dense count tensors.
+    """
     rows, vocab = logits.shape
     dev = logits.device
+    flat_logits = logits.view(-1)  # [R * V]
 
-    def counts(ids: list[list[int]]) -> torch.Tensor:  # [R, V] int64: occurrences per row
+    def pairs(ids: list[list[int]]) -> torch.Tensor:  # [K] int64: row * V + token of every occurrence
         tokens = torch.tensor([t for r in ids for t in r], dtype=torch.int64)
-        row_of = torch.repeat_interleave(torch.arange(rows), torch.tensor([len(r) for r in ids]))
+        row_of = torch.repeat_interleave(torch.arange(rows), torch.tensor([len(r) for r in ids], dtype=torch.int64))
         keep = (tokens >= 0) & (tokens < vocab)
-        flat = row_of[keep] * vocab + tokens[keep]
-        return torch.bincount(flat, minlength=rows * vocab).view(rows, vocab).to(dev)
+        return (row_of[keep] * vocab + tokens[keep]).to(dev)
 
-    output_counts = counts(output_ids)
-    output_mask = output_counts > 0
-    rep = torch.tensor(repetition, dtype=logits.dtype, device=dev).unsqueeze(1)  # [R, 1]
-    if bool((rep != 1).any()):
-        seen = (counts(prompt_ids) > 0) | output_mask
-        factor = torch.where(seen, rep, torch.ones_like(rep))  # [R, V]
-        logits.copy_(torch.where(logits > 0, logits / factor, logits * factor))
-    logits -= torch.tensor(frequency, dtype=logits.dtype, device=dev).unsqueeze(1) * output_counts
-    logits -= torch.tensor(presence, dtype=logits.dtype, device=dev).unsqueeze(1) * output_mask
+    out_flat, out_counts = torch.unique(pairs(output_ids), return_counts=True)  # [U], [U]
+    if any(r != 1 for r in repetition):
+        seen = torch.unique(torch.cat([pairs(prompt_ids), out_flat]))  # [S]
+        rep = torch.tensor(repetition, dtype=logits.dtype, device=dev)[seen // vocab]  # [S]
+        values = flat_logits[seen]
+        flat_logits[seen] = torch.where(values > 0, values / rep, values * rep)
+    if any(frequency) or any(presence):
+        row = out_flat // vocab
+        freq = torch.tensor(frequency, dtype=logits.dtype, device=dev)[row]
+        pres = torch.tensor(presence, dtype=logits.dtype, device=dev)[row]
+        flat_logits[out_flat] -= freq * out_counts.to(logits.dtype) + pres
     return logits
 
 
@@ -156,6 +162,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = eos_token_ids  # forbidden before min_tokens (unless ignore_eos)
+        self._bias_cache: dict[int, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
 
     def new_request_generator(self, seed: int | None, num_draws_done: int, vocab_size: int) -> torch.Generator | None:
         """A per-request generator for ``seed``, advanced past ``num_draws_done`` samples (a
@@ -186,20 +193,21 @@ class Sampler:
             return logits
         if (held or penalised) and (token_ids is None or num_prompt_tokens is None):
             raise ValueError("min_tokens and penalties need each row's token_ids and num_prompt_tokens")
+        held = [i for i in held  # only the rows still short of min_tokens
+                if len(token_ids[i]) - num_prompt_tokens[i] < params[i].min_tokens]  # type: ignore[index]
+        if not (biased or held or penalised):
+            return logits
         logits = logits.clone()
         vocab = logits.shape[1]
         for i in biased:
-            bias = {t: b for t, b in params[i].logit_bias.items() if t < vocab}
-            if bias:
-                ids = torch.tensor(list(bias), device=logits.device)
-                logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            ids, bias = self._bias_tensors(params[i], vocab, logits.device)
+            logits[i, ids] += bias
         for i in held:
             p = params[i]
-            if len(token_ids[i]) - num_prompt_tokens[i] < p.min_tokens:  # type: ignore[index]
-                stops = {*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)}
-                ids = [t for t in stops if t < vocab]
-                if ids:
-                    logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
+            stops = {*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)}
+            ids = [t for t in stops if t < vocab]
+            if ids:
+                logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
         if penalised:
             rows = torch.tensor(penalised, device=logits.device)
             sub = logits[rows]
@@ -213,6 +221,21 @@ class Sampler:
             )
             logits[rows] = sub
         return logits
+
+    def _bias_tensors(self, params: SamplingParams, vocab: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's ``logit_bias`` as (token ids [K] int64, biases [K] float32), built once
+        per params object (a running request keeps its params; ids past ``vocab`` dropped)."""
+        hit = self._bias_cache.get(id(params))
+        if hit is not None and hit[0] is params:
+            return hit[1], hit[2]
+        bias = {t: b for t, b in params.logit_bias.items() if t < vocab}
+        ids = torch.tensor(list(bias), dtype=torch.int64, device=device)
+        values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
+        if len(self._bias_cache) >= 1024:
+            self._bias_cache.clear()
+        self._bias_cache[id(params)] = (params, ids, values)
+        return ids, values
 
     def sample(
         self,

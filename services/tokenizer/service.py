@@ -29,6 +29,11 @@ from shared.subjects import TOKENIZER_QUEUE, Subjects
 log = get_logger("tokenizer")
 
 
+#: bytes of one prompt token's log probabilities in a RequestDelta: (base, per alternative);
+#: measured 73 and ~64 (msgpack, short token texts), with room for longer ones
+PROMPT_LOGPROB_BYTES = (120, 96)
+
+
 class TokenizeError(Exception):
     """A request the tokenizer refuses; ``error`` is the typed error sent back (HTTP 400)."""
 
@@ -183,7 +188,23 @@ class TokenizerService:
             raise TokenizeError(f"the {param} is empty: it must hold at least one token", param=param)
         max_tokens = None if request.cap_at_max_model_len else request.sampling_params.max_tokens
         self._check_length(len(ids), max_tokens, param)
+        self._check_prompt_logprobs_size(len(ids), request.sampling_params.prompt_logprobs)
         return ids, prompt_text
+
+    def _check_prompt_logprobs_size(self, num_prompt: int, num_top: int | None) -> None:
+        """A prompt's log probabilities travel in one message to the detokenizer and one to
+        the gateway: refuse a request whose would not fit the NATS server's ``max_payload``
+        (``PROMPT_LOGPROB_BYTES`` per token and per alternative, an upper estimate)."""
+        if num_top is None or self.bus is None:
+            return
+        size = num_prompt * (PROMPT_LOGPROB_BYTES[0] + PROMPT_LOGPROB_BYTES[1] * num_top)
+        limit = self.bus.nc.max_payload
+        if size > limit:
+            raise TokenizeError(
+                f"the log probabilities of {num_prompt} prompt tokens with {num_top} alternatives each (about "
+                f"{size} bytes) are more than one NATS message may carry here ({limit} bytes: the NATS "
+                "server's max_payload); ask for fewer alternatives or send a shorter prompt",
+                param="logprobs", code="request_too_large")
 
     def _tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
