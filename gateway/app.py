@@ -87,7 +87,14 @@ from gateway.protocol import (
 )
 from shared.config import Settings
 from shared.logging import get_logger
-from shared.messages import DecodedLogprobs, RequestDelta, SamplingParams, ServiceError, TokenizeReply
+from shared.messages import (
+    DecodedLogprobs,
+    RequestDelta,
+    SamplingParams,
+    ServiceError,
+    TokenizeReply,
+    TokenLogprob,
+)
 from shared.model_source import ModelInfo
 from shared.service import engine_ready
 
@@ -219,9 +226,10 @@ class _Generation:
     and the response. Choice ``p * n + i`` is sample ``i`` of prompt ``p``, as in vLLM."""
 
     def __init__(self, request_id: str, model: str, include_usage: bool, parts: list[_Part], n: int = 1,
-                 continuous_usage: bool = False, logprobs: bool = False) -> None:
+                 continuous_usage: bool = False, logprobs: bool = False, tokens_as_ids: bool = False) -> None:
         self.request_id = request_id
         self.logprobs = logprobs  # choices carry log probabilities
+        self.tokens_as_ids = tokens_as_ids  # their tokens named token_id:<id> (return_tokens_as_token_ids)
         self.model = model
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # every chunk carries the usage so far
@@ -373,14 +381,16 @@ class _CompletionGeneration(_Generation):
             c.echoed = True
             if part.echo:
                 chunks.append(self._chunk([CompletionChoice(
-                    index=index, text=part.echo, logprobs=completion_logprobs(part.prompt_logprobs or [], 0))]))
+                    index=index, text=part.echo,
+                    logprobs=completion_logprobs(part.prompt_logprobs or [], 0, self.tokens_as_ids))]))
         if part.echo_only:
             news = delta.finished
             text, logprobs = "", None
         else:
             news = self._has_news(delta)
             text = delta.text
-            logprobs = completion_logprobs(delta.logprobs, part.prompt_text_len + offset) if self.logprobs else None
+            logprobs = (completion_logprobs(delta.logprobs, part.prompt_text_len + offset, self.tokens_as_ids)
+                        if self.logprobs else None)
         if news:
             chunks.append(self._chunk([CompletionChoice(
                 index=index,
@@ -401,7 +411,8 @@ class _CompletionGeneration(_Generation):
             CompletionChoice(index=i, text=self.echo(i) + "".join(c.pieces), finish_reason=c.finish_reason,
                              stop_reason=c.stop_reason,
                              logprobs=completion_logprobs([*(self.parts[i // self.n].prompt_logprobs or ()),
-                                                           *c.logprobs], 0) if self.logprobs else None)
+                                                           *c.logprobs], 0, self.tokens_as_ids)
+                             if self.logprobs else None)
             for i, c in enumerate(self.choices)
         ]
         return CompletionResponse(
@@ -428,7 +439,7 @@ class _ChatGeneration(_Generation):
         choice = ChatStreamChoice(
             index=index,
             delta=DeltaMessage(content=delta.text or None),
-            logprobs=chat_logprobs(delta.logprobs) if self.logprobs else None,
+            logprobs=chat_logprobs(delta.logprobs, self.tokens_as_ids) if self.logprobs else None,
             finish_reason=c.finish_reason if delta.finished else None,
             stop_reason=c.stop_reason if delta.finished else None,
         )
@@ -444,7 +455,7 @@ class _ChatGeneration(_Generation):
             ChatChoice(
                 index=i,
                 message=AssistantMessage(content="".join(c.pieces)),
-                logprobs=chat_logprobs(c.logprobs) if self.logprobs else None,
+                logprobs=chat_logprobs(c.logprobs, self.tokens_as_ids) if self.logprobs else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
@@ -455,36 +466,48 @@ class _ChatGeneration(_Generation):
         )
 
 
-def completion_logprobs(items: list[DecodedLogprobs], offset: int) -> CompletionLogprobs:
+def _token_str(t: TokenLogprob, as_ids: bool) -> str:
+    """A token as the response names it: its text, or ``token_id:<id>`` with vLLM's
+    ``return_tokens_as_token_ids`` (tokens with the same text, parts of one character, stay
+    apart)."""
+    return f"token_id:{t.token_id}" if as_ids else t.token
+
+
+def completion_logprobs(items: list[DecodedLogprobs], offset: int, as_ids: bool = False) -> CompletionLogprobs:
     """OpenAI's completion ``logprobs`` of ``items``: per token its text, its offset (from
     ``offset``, adding each token's text length, as vLLM), its log probability, and the sampled
     and most likely tokens' log probabilities by text (None for the first prompt token of an
-    echo)."""
+    echo). Where tokens share a text (parts of characters all read U+FFFD) the largest log
+    probability is kept, as in vLLM, so the entry's maximum is the true one;
+    ``return_tokens_as_token_ids`` (``as_ids``) keeps them apart."""
     out = CompletionLogprobs()
     for lp in items:
         sampled = lp.sampled
         out.text_offset.append(offset)
         offset += len(sampled.token)
-        out.tokens.append(sampled.token)
+        out.tokens.append(_token_str(sampled, as_ids))
         if sampled.logprob is None:  # the first prompt token (echo): nothing before it
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             continue
         out.token_logprobs.append(json_logprob(sampled.logprob))
-        top = {sampled.token: json_logprob(sampled.logprob)}
-        for t in lp.top:
-            top.setdefault(t.token, json_logprob(t.logprob))
+        top: dict[str, float] = {}
+        for t in (sampled, *lp.top):
+            key, value = _token_str(t, as_ids), json_logprob(t.logprob)  # type: ignore[arg-type]
+            if key not in top or value > top[key]:
+                top[key] = value
         out.top_logprobs.append(top)
     return out
 
 
-def chat_logprobs(items: list[DecodedLogprobs]) -> ChatLogprobs:
-    """OpenAI's chat ``logprobs`` of ``items``: per token its text, bytes and log probability,
-    with the ``top_logprobs`` most likely tokens'."""
+def chat_logprobs(items: list[DecodedLogprobs], as_ids: bool = False) -> ChatLogprobs:
+    """OpenAI's chat ``logprobs`` of ``items``: per token its text (or ``token_id:<id>``,
+    ``as_ids``), bytes and log probability, with the ``top_logprobs`` most likely tokens'."""
     return ChatLogprobs(content=[
         ChatTokenLogprob(
-            token=lp.sampled.token, logprob=json_logprob(lp.sampled.logprob), bytes=lp.sampled.bytes,
-            top_logprobs=[TopLogprob(token=t.token, logprob=json_logprob(t.logprob), bytes=t.bytes) for t in lp.top],
+            token=_token_str(lp.sampled, as_ids), logprob=json_logprob(lp.sampled.logprob), bytes=lp.sampled.bytes,
+            top_logprobs=[TopLogprob(token=_token_str(t, as_ids), logprob=json_logprob(t.logprob), bytes=t.bytes)
+                          for t in lp.top],
         )
         for lp in items
     ])
@@ -629,7 +652,7 @@ class OpenAIServing:
                   num_prompt_tokens=sum(part.num_prompt_tokens for part in parts))
         cls = _ChatGeneration if chat else _CompletionGeneration
         return cls(request_id, self.model_info.name, body.include_usage, parts, params.n, body.continuous_usage,
-                   body.wants_logprobs)
+                   body.wants_logprobs, bool(body.return_tokens_as_token_ids))
 
     async def _submit(self, engine_id: str, fields: dict[str, Any], params: SamplingParams,
                       body: AnyRequest, notify_accepted: bool) -> TokenizeReply:

@@ -153,7 +153,6 @@ _UNSERVED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("use_beam_search", _is_empty, "beam search"),
     ("length_penalty", lambda v: v is None or v == 1, "beam search"),
     ("truncate_prompt_tokens", _is_empty, "prompt truncation"),
-    ("return_tokens_as_token_ids", _is_empty, "token ids in place of text"),
     ("chat_template_kwargs", _is_empty, "the model's chat template is rendered with its defaults"),
     ("mm_processor_kwargs", _is_empty, "multimodal inputs"),
     ("documents", _is_empty, "documents for the chat template"),
@@ -205,6 +204,7 @@ class _SamplingFields(OpenAIRequest):
     min_p: float | None = None
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    return_tokens_as_token_ids: bool | None = None  # vLLM extension: logprobs name tokens token_id:<id>
 
     @field_validator("logit_bias")
     @classmethod

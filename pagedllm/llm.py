@@ -196,6 +196,8 @@ class LLM:
         comp.token_ids.extend(delta.token_ids)
         if comp.logprobs is not None:
             comp.logprobs.extend(_logprob_dict(lp) for lp in delta.logprobs)
+            comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + sum(
+                lp.sampled.logprob or 0.0 for lp in delta.logprobs)
         if delta.prompt_logprobs and out.prompt_logprobs is None:
             out.prompt_logprobs = [None, *(_logprob_dict(lp) for lp in delta.prompt_logprobs[1:])]
         out.num_cached_tokens = delta.num_cached_tokens

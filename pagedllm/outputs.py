@@ -34,6 +34,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None  # with logprobs: the sum of the sampled tokens' (vLLM)
 
 
 @dataclass

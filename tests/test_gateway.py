@@ -595,7 +595,7 @@ async def test_a_stream_the_scheduler_refuses_is_a_plain_400(gw):
     ("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
     ("structured_outputs", {"choice": ["a"]}), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]),
     ("prompt_logprobs", 1), ("use_beam_search", True), ("truncate_prompt_tokens", 2),
-    ("return_tokens_as_token_ids", True), ("chat_template_kwargs", {"enable_thinking": True}),
+("chat_template_kwargs", {"enable_thinking": True}),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("spaces_between_special_tokens", False),
 ])
 async def test_vllm_fields_not_served_are_refused_by_name(gw, field, value):
@@ -994,3 +994,31 @@ async def test_streamed_echo_of_n_samples_waits_for_the_prompt_logprobs(gw):
         assert mine[0].logprobs.token_logprobs == [None, -1.0, -2.0]
         assert "".join(c.text for c in mine) == prompt + "".join(ANSWER[:2])
         assert [o for c in mine for o in c.logprobs.text_offset] == [0, 8, 14, 21, 24]
+
+
+def test_completion_top_logprobs_keep_the_likeliest_of_tokens_with_one_text():
+    """Tokens holding parts of characters all read U+FFFD: in a completion's top_logprobs (keyed
+    by text) the likeliest of them stays, so its maximum is the true one (a sampled byte token
+    first used to hide a likelier one); return_tokens_as_token_ids keeps them apart."""
+    from gateway.app import completion_logprobs
+
+    def tok(token_id: int, logprob: float, rank: int) -> TokenLogprob:
+        return TokenLogprob(token_id=token_id, token="\ufffd", bytes=[0xE4 + rank], logprob=logprob, rank=rank)
+
+    items = [DecodedLogprobs(sampled=tok(7, -5.5, 3), top=[tok(8, -2.8, 1), tok(9, -3.0, 2)])]
+    out = completion_logprobs(items, 0)
+    assert out.tokens == ["\ufffd"] and out.token_logprobs == [-5.5] and out.top_logprobs == [{"\ufffd": -2.8}]
+    out = completion_logprobs(items, 0, as_ids=True)
+    assert out.tokens == ["token_id:7"]
+    assert out.top_logprobs == [{"token_id:7": -5.5, "token_id:8": -2.8, "token_id:9": -3.0}]
+
+
+async def test_return_tokens_as_token_ids_names_tokens_by_id(gw):
+    body = {"model": gw.model, "messages": [{"role": "user", "content": PROMPT}], "logprobs": True, "top_logprobs": 1,
+            "max_tokens": 2, "return_tokens_as_token_ids": True}
+    content = (await gw.http.post("/v1/chat/completions", json=body)).json()["choices"][0]["logprobs"]["content"]
+    assert [(t["token"], [x["token"] for x in t["top_logprobs"]]) for t in content] == [
+        ("token_id:100", ["token_id:900"]), ("token_id:101", ["token_id:900"])]
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "logprobs": 0, "max_tokens": 2,
+                                                    "return_tokens_as_token_ids": True})
+    assert r.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:100", "token_id:101"]

@@ -139,6 +139,8 @@ def test_smollm2_logprobs_match_hugging_face(smollm2_path):
         assert len(out.outputs) == params.n
         for comp in out.outputs:
             assert len(comp.logprobs) == len(comp.token_ids) == 8
+            assert comp.cumulative_logprob == pytest.approx(
+                sum(d[t].logprob for d, t in zip(comp.logprobs, comp.token_ids, strict=True)))
             ids = torch.tensor([out.prompt_token_ids + comp.token_ids])
             with torch.inference_mode():
                 ref = model(ids).logits[0, len(out.prompt_token_ids) - 1:-1].float().log_softmax(-1)  # [8, V]
