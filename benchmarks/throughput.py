@@ -10,6 +10,7 @@ Prints generated tokens/s for both (greedy, ``ignore_eos``: every request makes 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -41,7 +42,8 @@ def bench_pagedllm(
 
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
               enable_prefix_caching=enable_prefix_caching, native_cpu_kernels=native_cpu_kernels)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, logprobs=args.logprobs)
+    params = SamplingParams(**{"temperature": 0, "max_tokens": args.output_len, "ignore_eos": True,
+                               **json.loads(args.params)})
     warm = ["warm-up prompt one", "warm-up prompt two"]  # shares nothing with the workload
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     t0 = time.perf_counter()
@@ -95,14 +97,15 @@ def main() -> None:
     p.add_argument("--compare-native-cpu-kernels", action="store_true",
                    help="also run pagedllm with native_cpu_kernels=False (torch-only decode attention)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--logprobs", type=int, default=None,
-                   help="pagedllm's requests ask for the log probabilities of N alternatives per token")
+    p.add_argument("--params", default="{}",
+                   help='more SamplingParams of pagedllm\'s requests, as JSON: e.g. \'{"logprobs": 5}\' or '
+                        '\'{"repetition_penalty": 1.2}\' (what they cost; HF runs without them)')
     args = p.parse_args()
     prompts = make_prompts(args.num_prompts, args.min_words, args.max_words, args.seed, args.prefix_words)
     print(f"# {args.num_prompts} prompts ({args.min_words}-{args.max_words} random words"
           f"{f' after a {args.prefix_words}-word shared prefix' if args.prefix_words else ''}) x "
           f"{args.output_len} generated tokens, dtype={args.dtype}, torch threads={torch.get_num_threads()}"
-          f"{f', pagedllm with logprobs={args.logprobs}' if args.logprobs is not None else ''}")
+          f"{f', pagedllm with {args.params}' if json.loads(args.params) else ''}")
     from kernels import cpu_kernels
 
     ours = ("kernels/cpu_gemm_bf16.c, " + ("AVX512-BF16 tiles" if cpu_kernels.hardware_bf16_gemm() else "FMA tiles")
