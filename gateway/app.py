@@ -505,8 +505,10 @@ def chat_logprobs(items: list[DecodedLogprobs], as_ids: bool = False) -> ChatLog
     ``as_ids``), bytes and log probability, with the ``top_logprobs`` most likely tokens'."""
     return ChatLogprobs(content=[
         ChatTokenLogprob(
-            token=_token_str(lp.sampled, as_ids), logprob=json_logprob(lp.sampled.logprob), bytes=lp.sampled.bytes,
-            top_logprobs=[TopLogprob(token=_token_str(t, as_ids), logprob=json_logprob(t.logprob), bytes=t.bytes)
+            token=_token_str(lp.sampled, as_ids), logprob=json_logprob(lp.sampled.logprob),  # type: ignore[arg-type]
+            bytes=list(lp.sampled.bytes),
+            top_logprobs=[TopLogprob(token=_token_str(t, as_ids), logprob=json_logprob(t.logprob),  # type: ignore[arg-type]
+                                     bytes=list(t.bytes))
                           for t in lp.top],
         )
         for lp in items

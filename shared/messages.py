@@ -419,7 +419,7 @@ class TokenLogprob(Message):
 
     token_id: int
     token: str  # the token's own text (special tokens included; "\ufffd" for part of a character)
-    bytes: list[int]  # its UTF-8 bytes (a byte-level BPE token's own bytes, even a partial character)
+    bytes: bytes  # its UTF-8 bytes (a byte-level BPE token's own bytes, even a partial character)
     logprob: float | None  # None: the first prompt token (nothing before it)
     rank: int | None
 

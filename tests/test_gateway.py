@@ -51,9 +51,9 @@ PROMPT = "What is the capital of France?"  # 6 words = 6 prompt tokens
 def fake_logprobs(i: int, piece: str, num_top: int) -> DecodedLogprobs:
     """Output token ``i`` (text ``piece``): log probability -i / 10 (the first is -inf: JSON
     has none), rank 1; alternatives "alt0", "alt1", ... at -1, -2, ..."""
-    sampled = TokenLogprob(token_id=100 + i, token=piece, bytes=list(piece.encode()),
+    sampled = TokenLogprob(token_id=100 + i, token=piece, bytes=piece.encode(),
                            logprob=-i / 10 if i else float("-inf"), rank=1)
-    alts = [TokenLogprob(token_id=900 + k, token=f"alt{k}", bytes=list(f"alt{k}".encode()), logprob=-1.0 - k,
+    alts = [TokenLogprob(token_id=900 + k, token=f"alt{k}", bytes=f"alt{k}".encode(), logprob=-1.0 - k,
                          rank=k + 1) for k in range(num_top)]
     return DecodedLogprobs(sampled=sampled, top=alts)
 
@@ -64,9 +64,9 @@ def fake_prompt_logprobs(text: str, num_top: int) -> list[DecodedLogprobs]:
     out = []
     for i, w in enumerate(words):
         piece = w if i == 0 else " " + w
-        token = TokenLogprob(token_id=i, token=piece, bytes=list(piece.encode()), logprob=-float(i) if i else None,
+        token = TokenLogprob(token_id=i, token=piece, bytes=piece.encode(), logprob=-float(i) if i else None,
                              rank=1 if i else None)
-        alts = [] if not i else [TokenLogprob(token_id=900 + k, token=f"alt{k}", bytes=list(f"alt{k}".encode()),
+        alts = [] if not i else [TokenLogprob(token_id=900 + k, token=f"alt{k}", bytes=f"alt{k}".encode(),
                                               logprob=-10.0 - k, rank=k + 1) for k in range(num_top)]
         out.append(DecodedLogprobs(sampled=token, top=alts))
     return out
@@ -1003,7 +1003,7 @@ def test_completion_top_logprobs_keep_the_likeliest_of_tokens_with_one_text():
     from gateway.app import completion_logprobs
 
     def tok(token_id: int, logprob: float, rank: int) -> TokenLogprob:
-        return TokenLogprob(token_id=token_id, token="\ufffd", bytes=[0xE4 + rank], logprob=logprob, rank=rank)
+        return TokenLogprob(token_id=token_id, token="\ufffd", bytes=bytes([0xE4 + rank]), logprob=logprob, rank=rank)
 
     items = [DecodedLogprobs(sampled=tok(7, -5.5, 3), top=[tok(8, -2.8, 1), tok(9, -3.0, 2)])]
     out = completion_logprobs(items, 0)

@@ -39,28 +39,28 @@ class TokenTexts:
 
             self._byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
         self._added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())  # ids of added tokens
-        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._cache: dict[int, tuple[str, bytes]] = {}
 
-    def text_and_bytes(self, token_id: int) -> tuple[str, list[int]]:
-        """The token's text and its bytes; an id outside the vocabulary gives ("", [])."""
+    def text_and_bytes(self, token_id: int) -> tuple[str, bytes]:
+        """The token's text and its bytes; an id outside the vocabulary gives ("", b"")."""
         hit = self._cache.get(token_id)
         if hit is not None:
             return hit
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         if piece is None:
-            out: tuple[str, list[int]] = ("", [])
+            out: tuple[str, bytes] = ("", b"")
         else:
             text = self._text(piece)
             byte_of = self._byte_of
             fallback = _BYTE_FALLBACK.fullmatch(piece) if byte_of is None else None
             if token_id in self._added:
-                raw = list(text.encode("utf-8"))
+                raw = text.encode("utf-8")
             elif byte_of is not None and all(c in byte_of for c in piece):
-                raw = [byte_of[c] for c in piece]
+                raw = bytes(byte_of[c] for c in piece)
             elif fallback is not None:
-                raw = [int(fallback.group(1), 16)]
+                raw = bytes([int(fallback.group(1), 16)])
             else:
-                raw = list(text.encode("utf-8"))
+                raw = text.encode("utf-8")
             out = (text, raw)
         if len(self._cache) >= MAX_CACHED:
             self._cache.clear()
@@ -77,11 +77,12 @@ class TokenTexts:
 
     def token(self, token_id: int, logprob: float | None, rank: int | None) -> TokenLogprob:
         text, raw = self.text_and_bytes(token_id)
-        return TokenLogprob(token_id=token_id, token=text, bytes=raw, logprob=logprob, rank=rank)
+        # built without validation: the values are the executor's and this class's own
+        return TokenLogprob.model_construct(token_id=token_id, token=text, bytes=raw, logprob=logprob, rank=rank)
 
     def decode(self, token_id: int, lp: SampleLogprobs) -> DecodedLogprobs:
         """The log probabilities at one sampled token ``token_id``, with each token's text."""
-        return DecodedLogprobs(
+        return DecodedLogprobs.model_construct(
             sampled=self.token(token_id, lp.logprob, lp.rank),
             top=[self.token(t, v, r) for r, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs,
                                                                      strict=True), start=1)],

@@ -106,8 +106,9 @@ def compute_logprobs(
 ) -> list[SampleLogprobs | None]:
     """The log probabilities at each sampled token of the rows that ask for them.
 
-    The distribution is ``log_softmax`` of the raw logits in float32 (vLLM's default
-    ``raw_logprobs``: before temperature, top-k and top-p). A sampled token's rank is the
+    The distribution is the log-softmax of the raw logits in float32 (vLLM's default
+    ``raw_logprobs``: before temperature, top-k and top-p), as ``logit - logsumexp``. A
+    sampled token's rank is the
     number of tokens at least as likely (vLLM's ``batched_count_greater_than``: 1 for the
     most likely token, more when others tie with it). The top
     tokens come most likely first (``torch.topk``; ties in index order).
@@ -119,19 +120,25 @@ def compute_logprobs(
     out: list[SampleLogprobs | None] = [None] * len(num_top)
     if not rows:
         return out
-    idx = torch.tensor(rows, device=logits.device)
-    logprobs = logits[idx].float().log_softmax(dim=-1)  # [R, V]
-    sampled = torch.tensor([token_ids[i] for i in rows], device=logits.device).unsqueeze(1)  # [R, 1]
-    sampled_lp = logprobs.gather(1, sampled)  # [R, 1]
-    ranks = (logprobs >= sampled_lp).sum(dim=-1)  # [R]
+    dev = logits.device
+    sub = (logits if len(rows) == len(num_top) else logits[torch.tensor(rows, device=dev)]).float()  # [R, V]
+    lse = torch.logsumexp(sub, dim=-1, keepdim=True)  # [R, 1]: logprob = logit - lse, no [R, V] log_softmax
+    sampled = torch.tensor([token_ids[i] for i in rows], device=dev).unsqueeze(1)  # [R, 1]
+    sampled_logit = sub.gather(1, sampled)  # [R, 1]
     k = max(num_top[i] or 0 for i in rows)
-    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], sampled[:, :0])  # [R, k]
-    sampled_list, rank_list = sampled_lp.squeeze(1).tolist(), ranks.tolist()
-    top_lp_list, top_id_list = top_lp.tolist(), top_ids.tolist()
+    # one more than asked (two at least): a sampled token above the last of them has every token
+    # at least as likely among them, so its rank is counted there; others count over the vocabulary
+    top_logit, top_ids = sub.topk(min(max(k, 1) + 1, sub.shape[1]), dim=-1)  # [R, max(k, 1) + 1]
+    ranks = (top_logit >= sampled_logit).sum(dim=-1)  # [R]
+    beyond = (sampled_logit <= top_logit[:, -1:]).squeeze(1)  # [R]
+    if bool(beyond.any()):
+        ranks[beyond] = (sub[beyond] >= sampled_logit[beyond]).sum(dim=-1)
+    sampled_list, rank_list = (sampled_logit - lse).squeeze(1).tolist(), ranks.tolist()
+    top_lp_list, top_id_list = (top_logit[:, :k] - lse).tolist(), top_ids[:, :k].tolist()
     for j, i in enumerate(rows):
         n = num_top[i] or 0
-        out[i] = SampleLogprobs(logprob=sampled_list[j], rank=rank_list[j],
-                                top_token_ids=top_id_list[j][:n], top_logprobs=top_lp_list[j][:n])
+        out[i] = SampleLogprobs.model_construct(logprob=sampled_list[j], rank=rank_list[j],
+                                                top_token_ids=top_id_list[j][:n], top_logprobs=top_lp_list[j][:n])
     return out
 
 
