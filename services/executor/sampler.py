@@ -108,10 +108,9 @@ def compute_logprobs(
 
     The distribution is the log-softmax of the raw logits in float32 (vLLM's default
     ``raw_logprobs``: before temperature, top-k and top-p), as ``logit - logsumexp``. A
-    sampled token's rank is the
-    number of tokens at least as likely (vLLM's ``batched_count_greater_than``: 1 for the
-    most likely token, more when others tie with it). The top
-    tokens come most likely first (``torch.topk``; ties in index order).
+    sampled token's rank is the number of tokens at least as likely (vLLM's
+    ``batched_count_greater_than``: 1 for the most likely token, more when others tie with
+    it). The top tokens come most likely first (``torch.topk``; ties in index order).
 
     Returns:
         One ``SampleLogprobs`` per row, None for the rows whose ``num_top`` is None.
