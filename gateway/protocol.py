@@ -233,6 +233,17 @@ class _SamplingFields(OpenAIRequest):
             raise ValueError("cache_salt must be a non-empty string if provided")  # as vLLM
         return v
 
+    @model_validator(mode="after")
+    def _min_tokens_within_the_limit(self) -> _SamplingFields:
+        """``min_tokens`` above the request's token limit, named as the request sets it (or
+        its default), rather than as the engine's ``max_tokens``."""
+        name = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
+        limit = getattr(self, name)
+        if limit is not None and self.min_tokens > limit:
+            default = "" if name in self.model_fields_set else " (its default when not given)"
+            raise ValueError(f"min_tokens={self.min_tokens} is more than {name}={limit}{default}")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _stream_options_need_stream(cls, data: Any) -> Any:

@@ -370,6 +370,8 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": PROMPT, "min_tokens": 17}, "min_tokens"),  # > max_tokens (16)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 5,
+                              "max_completion_tokens": 4}, "min_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"hello": 5}},
      "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"²": 5}},
@@ -1022,3 +1024,13 @@ async def test_return_tokens_as_token_ids_names_tokens_by_id(gw):
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "logprobs": 0, "max_tokens": 2,
                                                     "return_tokens_as_token_ids": True})
     assert r.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:100", "token_id:101"]
+
+
+async def test_min_tokens_above_the_limit_names_the_limit_the_request_has(gw):
+    """The 400 names the limit as the request sets it: completions' max_tokens default (16),
+    or chat's max_completion_tokens; not the engine's max_tokens."""
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "min_tokens": 50})
+    assert "min_tokens=50 is more than max_tokens=16 (its default when not given)" in r.json()["error"]["message"]
+    r = await gw.http.post("/v1/chat/completions", json={"model": gw.model, "messages": [{"role": "user", "content": "x"}],
+                                                         "min_tokens": 5, "max_completion_tokens": 4, "max_tokens": 9})
+    assert r.json()["error"]["message"].endswith("min_tokens=5 is more than max_completion_tokens=4")
