@@ -196,7 +196,6 @@ class _Choice:
     held: list[tuple[RequestDelta, int]] = field(default_factory=list)
     logprobs: list[DecodedLogprobs] = field(default_factory=list)  # one per token, if asked
     tokens_text_len: int = 0  # characters in the texts of the tokens of ``logprobs``
-    delta_offset: int = 0  # ``tokens_text_len`` before the last delta (its first ``text_offset``)
 
 
 @dataclass
@@ -217,7 +216,7 @@ class _Part:
         """Keep the prompt's log probabilities: sample 0's first delta has them (or none)."""
         if self.prompt_logprobs is None and (delta.prompt_logprobs or delta.index == 0):
             self.prompt_logprobs = delta.prompt_logprobs
-            self.prompt_text_len = sum(len(lp.sampled.token) for lp in delta.prompt_logprobs)
+            self.prompt_text_len = _tokens_text_len(delta.prompt_logprobs)
 
 
 class _Generation:
@@ -284,8 +283,7 @@ class _Generation:
         choice.pieces.append(delta.text)
         if delta.logprobs:
             choice.logprobs.extend(delta.logprobs)
-            choice.delta_offset = choice.tokens_text_len
-            choice.tokens_text_len += sum(len(lp.sampled.token) for lp in delta.logprobs)
+            choice.tokens_text_len += _tokens_text_len(delta.logprobs)
         choice.num_tokens = max(delta.num_output_tokens, choice.num_tokens + len(delta.token_ids))
         if delta.finished:
             choice.finish_reason = delta.finish_reason or "stop"
@@ -361,16 +359,17 @@ class _CompletionGeneration(_Generation):
     def delta_chunks(self, delta: RequestDelta, index: int) -> list[BaseModel]:
         p = index // self.n
         part = self.parts[p]
-        held = (delta, self.choices[index].delta_offset)
+        c = self.choices[index]
+        offset = c.tokens_text_len - _tokens_text_len(delta.logprobs)  # its first token's, past the prompt
         if self.logprobs and part.echo and part.prompt_logprobs is None:  # a sample > 0 came first
-            self.choices[index].held.append(held)
+            c.held.append((delta, offset))
             return []
         chunks: list[BaseModel] = []
         for i in range(p * self.n, (p + 1) * self.n):  # those that waited for the prompt's
             waiting, self.choices[i].held = self.choices[i].held, []
             for d, offset in waiting:
                 chunks += self._choice_chunks(d, i, offset)
-        return chunks + self._choice_chunks(delta, index, held[1])
+        return chunks + self._choice_chunks(delta, index, offset)
 
     def _choice_chunks(self, delta: RequestDelta, index: int, offset: int) -> list[BaseModel]:
         """The chunks of one delta of choice ``index`` (whose first token's text_offset past
@@ -464,6 +463,11 @@ class _ChatGeneration(_Generation):
         return ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=self.usage()
         )
+
+
+def _tokens_text_len(items: list[DecodedLogprobs]) -> int:
+    """Characters in the texts of the tokens of ``items`` (what a text_offset goes on by)."""
+    return sum(len(lp.sampled.token) for lp in items)
 
 
 def _token_str(t: TokenLogprob, as_ids: bool) -> str:

@@ -260,9 +260,11 @@ class _SamplingFields(OpenAIRequest):
         """Every chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
         return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -330,13 +332,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(v)}")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs_range(cls, v: int | None) -> int | None:
-        if v is not None and not (0 <= v <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {v}")
-        return v
-
     @model_validator(mode="after")
     def _zero_max_tokens_only_with_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
@@ -366,10 +361,9 @@ class CompletionRequest(_SamplingFields):
         Raises:
             pydantic.ValidationError: a value is out of range (the message names it).
         """
-        params = self._sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs)
-        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens get theirs too
-            params.prompt_logprobs = self.logprobs
-        return params
+        # the echoed prompt's tokens get their log probabilities too (logprobs is range-checked there)
+        return self._sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs,
+                                     self.logprobs if self.echo else None)
 
 
 class ChatMessage(BaseModel):

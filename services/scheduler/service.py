@@ -336,6 +336,7 @@ class SchedulerService:
             step = shards[subj.detok_shard(req.request_id, n)]
             if not req.sent_to_detokenizer:
                 p = req.sampling_params
+                with_prompt_logprobs = req.needs_prompt_logprobs  # all of them came: sent once, here
                 step.new_requests.append(
                     DetokNewRequest(
                         request_id=req.request_id,
@@ -348,9 +349,9 @@ class SchedulerService:
                         min_tokens=p.min_tokens,
                         parent_request_id=req.parent_request_id,
                         index=req.index,
-                        prompt_logprobs=None if not req.needs_prompt_logprobs else PromptLogprobs(
-                            start=1, token_ids=req.prompt_token_ids[1:], logprobs=req.prompt_logprobs),
-                        first_prompt_token_id=req.prompt_token_ids[0] if req.needs_prompt_logprobs else None,
+                        prompt_logprobs=PromptLogprobs(start=1, token_ids=req.prompt_token_ids[1:],
+                                                       logprobs=req.prompt_logprobs) if with_prompt_logprobs else None,
+                        first_prompt_token_id=req.prompt_token_ids[0] if with_prompt_logprobs else None,
                     )
                 )
                 req.sent_to_detokenizer, req.prompt_logprobs = True, []

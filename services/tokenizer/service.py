@@ -30,7 +30,8 @@ log = get_logger("tokenizer")
 
 
 #: bytes of one prompt token's log probabilities in a RequestDelta: (base, per alternative);
-#: measured 73 and ~64 (msgpack, short token texts), with room for longer ones
+#: measured 73 and ~64 (msgpack, short token texts, token bytes as int lists; less now that they travel
+#: as bin), with room for longer texts
 PROMPT_LOGPROB_BYTES = (120, 96)
 
 
