@@ -8,7 +8,7 @@ PORT ?= 8000
 MODEL ?=
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: run test setup model lint bench clean
+.PHONY: run test test-fast setup model lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ run: model
 
 test: model
 	$(BIN)/python -m pytest -q -x --durations=15 tests
+
+# the pure layer: no end-to-end or kernel tests (under a minute)
+test-fast: model
+	$(BIN)/python -m pytest -q -x -m "not e2e and not kernel" --durations=10 tests
 
 lint: setup
 	$(BIN)/ruff check .

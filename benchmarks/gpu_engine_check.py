@@ -7,7 +7,7 @@ tokenizer from ``--tokenizer``), then for each attention backend runs ``LLM(devi
 attention_backend=...)`` in float32 and compares its greedy tokens, prompt by prompt, with
 Hugging Face ``generate(do_sample=False)`` on the same device (one prompt at a time, no
 padding). A long prompt and a small ``max_num_batched_tokens`` force chunked prefill beside
-decodes, as in ``tests/test_llm_parity.py``. Then a bfloat16 run of the first backend: its
+decodes, as in ``tests/e2e/test_llm_parity.py``. Then a bfloat16 run of the first backend: its
 agreement with Hugging Face in bfloat16 is printed (rounding may split near-ties) and 64
 prompts x 64 tokens give a generated tokens/s figure. Exit status 1 when a float32 run
 disagrees or leaks KV blocks.

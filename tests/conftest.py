@@ -1,4 +1,11 @@
-"""Shared fixtures: a real nats-server per test session and the default model directory."""
+"""Shared fixtures (a real nats-server per test session, the default model directory) and the
+markers of the test layout.
+
+The tests are laid out like the source (``tests/gateway/`` for ``gateway/``, ...). Every test
+under ``tests/e2e/`` is marked ``e2e`` (the whole engine, its processes or the default model
+end to end) and every test under ``tests/kernels/`` ``kernel`` (attention, GEMM and norm
+kernels against their references); ``make test-fast`` runs the rest.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,8 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+TESTS_DIR = Path(__file__).resolve().parent
+MARKER_OF_DIR = {"e2e": "e2e", "kernels": "kernel"}  # first folder under tests/ -> marker
 CACHE_DIR = Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
 
 
@@ -27,3 +36,12 @@ def smollm2_path() -> Path:
     from shared.model_source import convert_default_model
 
     return convert_default_model(CACHE_DIR)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test by its folder (``MARKER_OF_DIR``)."""
+    for item in items:
+        parts = Path(item.fspath).resolve().relative_to(TESTS_DIR).parts
+        marker = MARKER_OF_DIR.get(parts[0]) if len(parts) > 1 else None
+        if marker is not None:
+            item.add_marker(marker)

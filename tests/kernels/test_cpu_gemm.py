@@ -244,7 +244,7 @@ def test_benchmark_prints_a_line_per_shape_and_row_count():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "cpu_gemm.py"), "--rows", "1,3", "--repeats", "1",
                            "--skip-torch-bf16"], cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

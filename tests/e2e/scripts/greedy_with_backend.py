@@ -1,14 +1,14 @@
 """Greedy tokens of SmolLM2 through the executor's ModelRunner with a chosen attention
 backend; prints JSON. Run in a fresh process (TRITON_INTERPRET must precede triton's import).
 
-    python tests/scripts/greedy_with_backend.py MODEL_DIR BACKEND NUM_TOKENS
+    python tests/e2e/scripts/greedy_with_backend.py MODEL_DIR BACKEND NUM_TOKENS
 """
 
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from services.executor.model_runner import ModelRunner  # noqa: E402
 from shared.config import Settings  # noqa: E402

@@ -108,7 +108,7 @@ def test_gpu_engine_check_script_runs_on_cpu(smollm2_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "gpu_engine_check.py"), "--tokenizer", str(smollm2_path),
          "--device", "cpu", "--backends", "torch", "--max-new-tokens", "8"],

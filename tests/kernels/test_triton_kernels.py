@@ -44,7 +44,7 @@ import triton.language as tl  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels.triton_utils import is_interpreted  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOL = {  # per-dtype (atol, rtol); fp16/bf16 include P rounded to the cache dtype before P @ V
     torch.float32: (1e-5, 1e-5),
     torch.float16: (2e-3, 2e-3),

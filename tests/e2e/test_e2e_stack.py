@@ -24,7 +24,7 @@ from shared.messages import SchedulerStats, StatsQuery
 from shared.nats_server import free_port
 from shared.subjects import Subjects
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = DEFAULT_MODEL_NAME
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -122,7 +122,7 @@ def test_an_embedded_nats_server_dies_with_its_owner():
     code = ("import sys, time; from shared.nats_server import EmbeddedNats; "
             "s = EmbeddedNats().start(); print(s._proc.pid, flush=True); time.sleep(60)")
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parents[1])
+                             cwd=Path(__file__).resolve().parents[2])
     server = psutil.Process(int(owner.stdout.readline()))
     assert server.is_running() and "nats-server" in server.name()
     owner.kill()

@@ -1,6 +1,6 @@
 """``GET /metrics``: engine metrics from the scheduler's ``SchedulerStats`` and request
 metrics measured by the gateway, against a real nats-server and a fake backend
-(tokenizer + detokenizer stand-in, as in tests/test_gateway.py)."""
+(tokenizer + detokenizer stand-in, as in tests/gateway/test_gateway.py)."""
 
 from __future__ import annotations
 
