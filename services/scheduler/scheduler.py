@@ -340,8 +340,8 @@ class Scheduler:
             if num_new <= 0 or self._done_when_answered(req):
                 continue
             while True:
-                blocks = self._allocate_running(group, req, num_new, copies)
-                if blocks is not None:
+                allocated = group.kv.allocate_running(req, num_new)
+                if allocated is not None:
                     break
                 victim = group.running.pop()  # lowest priority, then newest
                 self._preempt(victim, group)
@@ -349,10 +349,12 @@ class Scheduler:
                 preempted = True
                 if victim is req:
                     break
-            if blocks is None:  # the request preempted itself
+            if allocated is None:  # the request preempted itself
                 break
+            new_blocks[req.request_id], copy = allocated
+            if copy is not None:
+                copies[req.request_id] = copy
             scheduled[req.request_id] = num_new
-            new_blocks[req.request_id] = blocks
             budget -= num_new
 
         if not preempted and suspect is None and waiting_suspect is None:
@@ -371,25 +373,6 @@ class Scheduler:
         total = req.num_tokens + req.num_output_placeholders
         done_by_max_tokens = max_tokens is not None and len(req.output_token_ids) + req.num_output_placeholders >= max_tokens
         return done_by_max_tokens or total >= req.max_model_len
-
-    def _allocate_running(
-        self, group: GroupState, req: Request, num_new: int, copies: dict[str, tuple[int, int]]
-    ) -> list[int] | None:
-        """Blocks for a running request's next tokens, copying a shared partial block first."""
-        blocks_before = len(req.block_ids)
-        needs_copy = (
-            req.num_computed_tokens % group.kv.block_size != 0
-            and req.num_computed_tokens // group.kv.block_size < blocks_before
-            and group.kv.pool.ref_counts[req.block_ids[req.num_computed_tokens // group.kv.block_size]] > 1
-        )
-        extra = group.kv.blocks_needed(req.num_computed_tokens + num_new) - blocks_before
-        if needs_copy and 1 + max(extra, 0) > group.kv.num_free_blocks:
-            return None
-        if needs_copy:
-            copy = group.kv.copy_on_write(req, num_new)
-            if copy is not None:
-                copies[req.request_id] = copy
-        return group.kv.allocate_slots(req, num_new)
 
     def _admit(self, group: GroupState, budget: int, scheduled: dict[str, int], new_blocks: dict) -> None:
         """Start waiting requests in queue order while budget, sequences, blocks and the plan's
