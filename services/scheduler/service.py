@@ -131,17 +131,7 @@ class SchedulerService:
     # ------------------------------------------------------------------ handlers
 
     async def _on_submit(self, msg: SubmitRequest) -> None:
-        req = Request(
-            request_id=msg.request_id,
-            gateway_id=msg.gateway_id,
-            prompt_token_ids=msg.prompt_token_ids,
-            sampling_params=msg.sampling_params,
-            max_model_len=self.model_info.max_model_len,
-            eos_token_ids=self.model_info.eos_token_ids,
-            priority=msg.priority,
-            arrival_time=msg.arrival_time or time.time(),
-            cache_extra_keys=(msg.cache_salt,) if msg.cache_salt else (),
-        )
+        req = Request.from_submit(msg, self.model_info.max_model_len, self.model_info.eos_token_ids, time.time())
         error = self.scheduler.add_request(req)
         if error is not None:
             log.info("request_rejected", request_id=req.request_id, reason=error.message)

@@ -366,24 +366,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     self._finish(sample)
 
     def _fork(self, parent: Request, index: int) -> Request:
-        """``Scheduler._fork``, except that the child keeps the parent's ``cache_extra_keys``
-        (its copied hashes were made with them). ``Scheduler._fork`` leaves them at ``()``, so a
-        salted child's later blocks are cached under hashes no same-salt request ever looks up:
-        missed prefix hits, no wrong sharing."""
+        """``Scheduler._fork``: ``Request.fork_child`` (the child keeps the parent's
+        ``cache_extra_keys``: its copied hashes were made with them), then ``KVCacheManager.fork``."""
         pool = self.kv.pool
-        child = Request(
-            request_id=f"{parent.request_id}#{index}",
-            gateway_id=parent.gateway_id,
-            prompt_token_ids=parent.prompt_token_ids,
-            sampling_params=PARAMS,
-            max_model_len=parent.max_model_len,
-            output_token_ids=list(parent.output_token_ids),
-            status=RequestStatus.RUNNING,
-            num_computed_tokens=parent.num_computed_tokens,
-            parent_request_id=parent.request_id,
-            index=index,
-            cache_extra_keys=parent.cache_extra_keys,
-        )
+        child = parent.fork_child(index)
+        assert child.cache_extra_keys == parent.cache_extra_keys and child.sampling_params == PARAMS
+        assert child.status is RequestStatus.RUNNING and child.num_computed_tokens == parent.num_computed_tokens
         old_q, old_rc = self._queue(), list(pool.ref_counts)
         self.kv.fork(parent, child)
         assert child.block_ids == parent.block_ids and child.block_ids is not parent.block_ids
