@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.block_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
-from shared.messages import GroupStats, ServiceError, StepPlan
+from shared.messages import GroupStats, RegisterGroup, ServiceError, StepPlan
 
 DECODE_COST_TOKENS = 16  # routing: one running request's per-step work, in prefill tokens
 
@@ -181,3 +181,18 @@ def fit_pools(groups: Iterable[GroupState], req: Request) -> ServiceError | None
         param="max_tokens",
         code="kv_cache_too_small",
     )
+
+
+def registration_error(msg: RegisterGroup, model: str, max_model_len: int) -> ServiceError | None:
+    """Why a group may not join a scheduler of ``model`` and ``max_model_len``: an empty pool,
+    or another model or context length (the requests are validated and sized for those)."""
+    if msg.block_size < 1 or msg.num_blocks < 1:
+        return ServiceError(message="empty KV cache pool")
+    if msg.model != model or msg.max_model_len != max_model_len:
+        return ServiceError(
+            message=(f"executor group {msg.group_id!r} serves model {msg.model!r} with max_model_len "
+                     f"{msg.max_model_len}, but this scheduler serves {model!r} with max_model_len "
+                     f"{max_model_len}: start them with the same --model, --served-model-name and "
+                     "--max-model-len"),
+            type="server_error", code="group_mismatch", status=500)
+    return None

@@ -44,6 +44,21 @@ class Verdict(enum.Enum):
     HEARTBEAT_LOST = "heartbeat_lost"  # requeue, no blame
     STEP_TIMED_OUT = "step_timed_out"  # a failed step: blame (Scheduler.fail_step)
 
+    @property
+    def error(self) -> ServiceError:
+        """The group's error: a timed-out step's culprit fails with it, and so do the waiting
+        requests if no group comes back (``fail_waiting``)."""
+        return _ERRORS[self]
+
+
+_ERRORS = {
+    Verdict.GROUP_STOPPED: ServiceError(message="executor group stopped", type="server_error", status=503),
+    Verdict.PLAN_LOST: ServiceError(message="executor step lost", type="server_error", status=503),
+    Verdict.RESULT_LOST: ServiceError(message="executor step lost", type="server_error", status=503),
+    Verdict.HEARTBEAT_LOST: ServiceError(message="executor group lost", type="server_error", status=500),
+    Verdict.STEP_TIMED_OUT: ServiceError(message="executor step timed out", type="server_error", status=500),
+}
+
 
 class PingAnswer(enum.Enum):
     """How a peer's ping went."""

@@ -18,6 +18,7 @@ from collections import defaultdict
 import nats.errors
 from pydantic import BaseModel
 
+from services.scheduler.group import registration_error
 from services.scheduler.liveness import Liveness, PingAnswer, Verdict
 from services.scheduler.outputs import Outputs
 from services.scheduler.request import Request
@@ -49,17 +50,9 @@ from shared.service import BusService, Exclusive
 
 log = get_logger(__name__)
 PLAN_MARGIN_BYTES = 64 << 10  # of NATS max_payload, for plan fields Request.new_request_bytes omits
-#: what a verdict of the liveness policy drops a group with: (log event, error)
-DROPPED = {
-    Verdict.GROUP_STOPPED: ("group_stopped", ServiceError(message="executor group stopped", type="server_error",
-                                                          status=503)),
-    Verdict.PLAN_LOST: ("step_lost", ServiceError(message="executor step lost", type="server_error", status=503)),
-    Verdict.RESULT_LOST: ("step_lost", ServiceError(message="executor step lost", type="server_error", status=503)),
-    Verdict.HEARTBEAT_LOST: ("group_heartbeat_lost", ServiceError(message="executor group lost", type="server_error",
-                                                                  status=500)),
-    Verdict.STEP_TIMED_OUT: ("group_dropped", ServiceError(message="executor step timed out", type="server_error",
-                                                            status=500)),
-}
+#: the log event of a verdict that drops a group (a step timed out is a failed step: group_dropped)
+DROP_EVENTS = {Verdict.GROUP_STOPPED: "group_stopped", Verdict.PLAN_LOST: "step_lost", Verdict.RESULT_LOST: "step_lost",
+               Verdict.HEARTBEAT_LOST: "group_heartbeat_lost"}
 
 
 class SchedulerService(BusService):
@@ -147,7 +140,7 @@ class SchedulerService(BusService):
         await self._kick()
 
     async def _on_register(self, msg: RegisterGroup) -> RegisterAck:
-        if (error := self._registration_error(msg)) is not None:
+        if (error := registration_error(msg, self.model_info.name, self.model_info.max_model_len)) is not None:
             log.error("group_refused", group_id=msg.group_id, reason=error.message)
             return RegisterAck(group_id=msg.group_id, accepted=False, error=error)
         requeued = self._remove_group(msg.group_id)
@@ -164,25 +157,9 @@ class SchedulerService(BusService):
         asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._kick()))
         return RegisterAck(group_id=msg.group_id, accepted=True, next_step_id=self.scheduler.next_step_id)
 
-    def _registration_error(self, msg: RegisterGroup) -> ServiceError | None:
-        """Why a group may not join: an empty pool, or another model or context length than
-        this scheduler's (its requests are validated and sized for those)."""
-        if msg.block_size < 1 or msg.num_blocks < 1:
-            return ServiceError(message="empty KV cache pool")
-        name, max_model_len = self.model_info.name, self.model_info.max_model_len
-        if msg.model != name or msg.max_model_len != max_model_len:
-            return ServiceError(
-                message=(f"executor group {msg.group_id!r} serves model {msg.model!r} with max_model_len "
-                         f"{msg.max_model_len}, but this scheduler serves {name!r} with max_model_len "
-                         f"{max_model_len}: start them with the same --model, --served-model-name and "
-                         "--max-model-len"),
-                type="server_error", code="group_mismatch", status=500)
-        return None
-
     async def _on_heartbeat(self, msg: Heartbeat) -> HeartbeatAck:
         """Note the group alive. A stopping group, or one whose step in flight was lost, is
-        dropped and its requests requeued (no blame: no request failed); the executor, told it
-        is unknown, registers again with a clean state."""
+        dropped (``_drop_group``) and told it is unknown."""
         group = self.scheduler.groups.get(msg.group_id)
         if group is None:
             return HeartbeatAck(group_id=msg.group_id, known=False)
@@ -191,14 +168,8 @@ class SchedulerService(BusService):
                                           last_step_id=msg.last_step_id, stopping=msg.stopping, oldest_step_id=oldest)
         if verdict is None:
             return HeartbeatAck(group_id=msg.group_id, known=True)
-        moved = self._remove_group(msg.group_id)
-        event, error = DROPPED[verdict]
-        if verdict is Verdict.GROUP_STOPPED:
-            log.info(event, group_id=msg.group_id, requeued=len(moved))
-        else:
-            log.warning(event, group_id=msg.group_id, step_id=oldest, requeued=len(moved), lost=verdict.value)
-        self._note_group_dropped(error)
-        await self._kick()
+        lost = {} if verdict is Verdict.GROUP_STOPPED else {"step_id": oldest, "lost": verdict.value}
+        await self._drop_group(msg.group_id, verdict, **lost)
         return HeartbeatAck(group_id=msg.group_id, known=False)
 
     async def _on_result(self, result: StepResult) -> None:
@@ -290,6 +261,19 @@ class SchedulerService(BusService):
         self.liveness.forget(group_id)
         return self.scheduler.remove_group(group_id)
 
+    async def _drop_group(self, group_id: str, verdict: Verdict, **fields: object) -> None:
+        """Carry out a verdict of the liveness policy: a step timed out fails (``_fail_group``);
+        else the group is dropped with no blame (no request failed) and its requests requeued;
+        its executor, told it is unknown, registers again with a clean state."""
+        if verdict is Verdict.STEP_TIMED_OUT:
+            await self._fail_group(group_id, verdict.error)
+            return
+        moved = self._remove_group(group_id)
+        (log.info if verdict is Verdict.GROUP_STOPPED else log.warning)(
+            DROP_EVENTS[verdict], group_id=group_id, requeued=len(moved), **fields)
+        self._note_group_dropped(verdict.error)
+        await self._kick()
+
     def _note_group_dropped(self, error: ServiceError) -> None:
         self.liveness.group_dropped(time.monotonic(), error, len(self.scheduler.groups))
 
@@ -317,15 +301,8 @@ class SchedulerService(BusService):
             await asyncio.sleep(min(0.5, self.settings.heartbeat_interval_s))
             now = time.monotonic()
             for group_id in list(self.scheduler.groups):
-                verdict = self.liveness.check(group_id, now)
-                if verdict is Verdict.HEARTBEAT_LOST:
-                    moved = self._remove_group(group_id)
-                    event, error = DROPPED[verdict]
-                    log.warning(event, group_id=group_id, requeued=len(moved))
-                    self._note_group_dropped(error)
-                    await self._kick()
-                elif verdict is Verdict.STEP_TIMED_OUT:
-                    await self._fail_group(group_id, DROPPED[verdict][1])
+                if (verdict := self.liveness.check(group_id, now)) is not None:
+                    await self._drop_group(group_id, verdict)
             fail = self.liveness.fail_waiting(now, bool(self.scheduler.groups), bool(self.scheduler.waiting))
             if fail is not None:
                 waiting = list(self.scheduler.waiting)

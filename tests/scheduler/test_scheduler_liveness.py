@@ -195,3 +195,14 @@ def test_peers_no_longer_holding_requests_are_forgotten(live):
     assert live.peers.misses(("gateway", "gone")) == 0 and live.peers.misses(("detokenizer", "3")) == 0
     assert live.gateway_ping("gone", PingAnswer.NO_RESPONDERS) is False  # a first miss again
     assert live.gateway_ping("kept", PingAnswer.NO_RESPONDERS) is True
+
+
+def test_each_verdict_carries_the_error_of_the_group_it_drops():
+    assert {v: (v.error.message, v.error.status) for v in Verdict} == {
+        Verdict.GROUP_STOPPED: ("executor group stopped", 503),
+        Verdict.PLAN_LOST: ("executor step lost", 503),
+        Verdict.RESULT_LOST: ("executor step lost", 503),
+        Verdict.HEARTBEAT_LOST: ("executor group lost", 500),
+        Verdict.STEP_TIMED_OUT: ("executor step timed out", 500),
+    }
+    assert all(v.error.type == "server_error" for v in Verdict)
