@@ -19,11 +19,8 @@ from pydantic import BaseModel
 from shared import subjects
 from shared.bus import Bus, Handler, RemoteError
 from shared.config import Settings
-from shared.logging import get_logger
 from shared.messages import Ping, Pong, SchedulerStats, StatsQuery
 from shared.model_source import ModelInfo
-
-log = get_logger(__name__)
 
 
 class Service(Protocol):
