@@ -223,8 +223,10 @@ class ExecutorService(BusService):
                     log.info("stale_step_dropped", step_id=plan.step_id, first_step_id=self._first_step_id)
             finally:
                 self._held_step_id = None
-            if self.state is ExecutorState.REJOIN_PENDING:  # the step failed, or the scheduler dropped
-                self._start_rejoin()  # the group meanwhile: start clean and join again (its requests are recomputed)
+            # the step failed, or the scheduler dropped the group meanwhile: start clean and join
+            # again (its requests are recomputed)
+            if self.state is ExecutorState.REJOIN_PENDING:
+                self._start_rejoin()
 
     async def _execute(self, plan: StepPlan) -> None:
         """Run one plan on the torch thread and publish its result (a failure as an error
