@@ -19,7 +19,7 @@ from shared.logging import get_logger
 from shared.model_source import ModelInfo, load_model_info
 from shared.nats_server import die_with_parent
 
-log = get_logger("launcher")
+log = get_logger(__name__)
 
 SERVICE_NAMES = ("scheduler", "tokenizer", "detokenizer", "executor", "gateway")
 

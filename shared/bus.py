@@ -16,6 +16,7 @@ from nats.aio.subscription import Subscription
 from pydantic import BaseModel
 
 from shared.logging import get_logger
+from shared.messages import ServiceError
 
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
@@ -37,6 +38,39 @@ def decode(data: bytes, message_type: type[M]) -> M:
 
 
 Handler = Callable[[M], Awaitable[BaseModel | None]]
+
+#: nats micro's error reply: these headers on an empty reply (``Nats-Service-Error-Code`` an
+#: HTTP-like status as a string)
+ERROR_HEADER = "Nats-Service-Error"
+ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+
+
+class RemoteError(Exception):
+    """A request's handler failed at the other end: it answered with nats micro's error headers
+    at once (``Bus.subscribe``) rather than leave the caller to wait out its timeout.
+    ``error`` is the failure as a ``ServiceError`` (``status`` from the error code)."""
+
+    def __init__(self, subject: str, error: ServiceError) -> None:
+        super().__init__(f"{subject}: {error.message}")
+        self.subject = subject
+        self.error = error
+
+
+def error_headers(message: str, status: int) -> dict[str, str]:
+    """nats micro's error reply headers: ``message`` on one line (a header value cannot hold a
+    line break) and ``status``."""
+    return {ERROR_HEADER: " ".join(message.split()) or "error", ERROR_CODE_HEADER: str(status)}
+
+
+def remote_error(subject: str, headers: dict[str, str] | None) -> RemoteError | None:
+    """The ``RemoteError`` a reply's headers carry, if any."""
+    if not headers or ERROR_HEADER not in headers:
+        return None
+    code = headers.get(ERROR_CODE_HEADER, "")
+    status = int(code) if code.isdigit() else 500
+    kind = "invalid_request_error" if 400 <= status < 500 else "internal_server_error"
+    return RemoteError(subject, ServiceError(message=headers[ERROR_HEADER], type=kind, status=status))
+
 
 #: while the server stays unreachable, a connection error is logged again at most this often
 CONNECTION_ERROR_LOG_INTERVAL_S = 30.0
@@ -118,7 +152,9 @@ class Bus:
     """One NATS connection with typed helpers.
 
     Handlers receive the decoded message; a handler of a request/reply subject returns
-    the reply message. A handler that raises is logged and the subscription goes on.
+    the reply message. A handler that raises is logged and the subscription goes on; a request
+    it fails is answered at once with nats micro's error headers (``request`` raises them as a
+    ``RemoteError``): status 400 when the request does not decode, else 500.
     """
 
     def __init__(self, nc: Client) -> None:
@@ -148,27 +184,41 @@ class Bus:
         Raises:
             nats.errors.TimeoutError: no reply within ``timeout`` seconds.
             nats.errors.NoRespondersError: nobody listens on ``subject``.
+            RemoteError: the handler failed (an error reply, at once).
         """
         msg = await self.nc.request(subject, encode(message), timeout=timeout)
+        if (error := remote_error(subject, msg.headers)) is not None:
+            raise error
         return decode(msg.data, reply_type)
 
     async def subscribe(
         self, subject: str, message_type: type[M], handler: Handler, queue: str = ""
     ) -> Subscription:
         async def on_msg(msg: Msg) -> None:
+            status = 400  # until it decodes
             try:
                 decoded = decode(msg.data, message_type)
+                status = 500
                 reply = await handler(decoded)
                 if reply is not None and msg.reply:
                     await msg.respond(encode(reply))
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
                 log.exception("handler_failed", subject=subject)
+                if msg.reply:
+                    await self._respond_error(msg, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+                                              status)
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
         self._subs.append(sub)
         return sub
+
+    async def _respond_error(self, msg: Msg, message: str, status: int) -> None:
+        try:
+            await self.nc.publish(msg.reply, b"", headers=error_headers(message, status))
+        except Exception:  # NATS away: the caller times out
+            log.warning("error_reply_failed", subject=msg.subject)
 
     async def flush(self) -> None:
         """Return once the server has processed everything sent so far (a subscription made

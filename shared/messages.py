@@ -5,6 +5,7 @@ Flow of one request (subjects in shared/subjects.py):
   scheduler --StepPlan--> executor group --StepResult--> scheduler
   scheduler --DetokStep--> detokenizer shard --GatewayStep--> gateway/LLM
   gateway/detokenizer --AbortRequests--> scheduler
+  detokenizer --FailRequests--> scheduler
 A prompt's token ids cross each hop once; per step only changes travel (vLLM V1's
 ``SchedulerOutput`` style: new requests in full, then appended block ids and counts).
 """
@@ -235,26 +236,32 @@ class SubmitRequest(Message):
 
 
 class AbortRequests(Message):
-    """Stop these requests and free their blocks (client gone, stop string matched, or their
-    detokenizer state lost). With ``error``, the scheduler also sends it to the gateway of
-    each request it still holds (the sender does not know the gateways)."""
+    """Stop these requests and free their blocks (client gone, or stop string matched)."""
 
     request_ids: list[str]
     reason: FinishReason = "abort"
-    error: ServiceError | None = None
+
+
+class FailRequests(Message):
+    """End these requests with ``error`` (a detokenizer lost their state): the scheduler frees
+    their blocks and sends the error to the gateway of each one it still holds (the sender does
+    not know the gateways)."""
+
+    request_ids: list[str]
+    error: ServiceError
 
 
 # ---------------------------------------------------------------- scheduler <-> executor
 
 
 class RegisterGroup(Message):
-    """An executor group announces itself (request/reply; answered by ``RegisterAck``)."""
+    """An executor group announces itself (request/reply; answered by ``RegisterAck``). The
+    scheduler refuses a group whose served ``model`` or ``max_model_len`` differs from its own."""
 
     group_id: str
-    model: str
+    model: str  # the served model name
     num_blocks: int
     block_size: int  # tokens
-    tensor_parallel_size: int = 1
     max_model_len: int
 
 
@@ -280,7 +287,6 @@ class Heartbeat(Message):
     """
 
     group_id: str
-    time: float  # unix seconds
     idle: bool = False
     last_step_id: int = 0
     stopping: bool = False
@@ -371,7 +377,6 @@ class StepResult(Message):
     # the prompt positions this step computed, of the requests with prompt_logprobs
     prompt_logprobs: dict[str, PromptLogprobs] = Field(default_factory=dict)
     error: ServiceError | None = None
-    execute_time_s: float = 0.0
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer

@@ -1,6 +1,7 @@
 """The shape every service has: an async context manager that starts, serves, drains.
 
-``run_service`` runs one until SIGTERM/SIGINT, then drains its subscriptions.
+``BusService`` is the base of the engine's services (the bus lifecycle, subscriptions, pings);
+``run_service`` runs one until SIGTERM/SIGINT, then stops it.
 """
 
 from __future__ import annotations
@@ -8,13 +9,18 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, NamedTuple, Protocol
 
 import nats.errors
+from nats.aio.subscription import Subscription
+from pydantic import BaseModel
 
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, Handler, RemoteError
+from shared.config import Settings
 from shared.messages import Ping, Pong, SchedulerStats, StatsQuery
+from shared.model_source import ModelInfo
 
 
 class Service(Protocol):
@@ -49,6 +55,137 @@ async def run_service(service: Service) -> None:
         await service.stop()
 
 
+class Exclusive(NamedTuple):
+    """What ``refuse_if_served`` checks before a service serves: its ping name, what it is (in
+    the error), and the advice the error gives."""
+
+    ping_name: str
+    what: str
+    advice: str = "run one per model and NATS server"
+
+
+class BusService:
+    """Base of the engine's services: owns the bus lifecycle, so that each service's module
+    holds only its handlers.
+
+    ``start``: ``load`` (what needs no NATS: a model, a tokenizer); connect to
+    ``settings.nats_url`` unless a bus was given; refuse to start if another instance already
+    serves what this one would (``exclusive``); ``serve`` (the subclass subscribes with
+    :meth:`subscribe` and starts its tasks with :meth:`spawn`); flush, so that every message
+    published after ``start`` returns is received; answer pings on each of ``ping_names``.
+
+    ``stop``: cancel the tasks, drain the subscriptions this service made (their pending
+    messages are handled; all at once), ``on_stop`` (the bus still up: tell the clients what is
+    lost), then close the bus if this service opened it. ``async with service:`` does both.
+
+    Args:
+        settings: engine settings (``nats_url`` is used when ``bus`` is None).
+        model_info: the served model (its name selects the subjects).
+        bus: a connected bus to share (it stays open); None: connect in ``start``, close in
+            ``stop``.
+    """
+
+    name = "service"
+
+    def __init__(self, settings: Settings, model_info: ModelInfo, bus: Bus | None = None) -> None:
+        self.settings = settings
+        self.model_info = model_info
+        self.subjects = subjects.Subjects(model_info.name)
+        self.bus = bus
+        self._own_bus = bus is None
+        self._subs: list[Subscription] = []
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def connection_name(self) -> str:
+        """The NATS connection's name (server logs, monitoring)."""
+        return self.name
+
+    def exclusive(self) -> Exclusive | None:
+        """What only one instance may serve (checked before serving); None: replicas share."""
+        return None
+
+    def ping_names(self) -> tuple[str, ...]:
+        """The names this service answers pings on once serving (``subjects.ping``)."""
+        return (self.name,)
+
+    async def load(self) -> None:
+        """Prepare what needs no NATS (called first by ``start``)."""
+
+    async def serve(self) -> None:
+        """Subscribe to this service's subjects and start its tasks."""
+
+    async def on_stop(self) -> None:
+        """Called by ``stop`` once the subscriptions are drained, the bus still up."""
+
+    async def start(self) -> None:
+        """Load, connect (if needed) and serve.
+
+        Raises:
+            ValueError: no bus was given and ``settings.nats_url`` is None.
+            ServiceConflictError: another instance already serves what ``exclusive`` names.
+        """
+        await self.load()
+        if self.bus is None:
+            if not self.settings.nats_url:
+                raise ValueError(f"{type(self).__name__} needs settings.nats_url (or a connected bus)")
+            self.bus = await Bus.connect(self.settings.nats_url, name=self.connection_name)
+        if (exclusive := self.exclusive()) is not None:
+            await refuse_if_served(self.bus, self.model_info.name, exclusive.ping_name, exclusive.what,
+                                   advice=exclusive.advice)
+        await self.serve()
+        await self.bus.flush()
+        for ping_name in self.ping_names():
+            await self.answer_pings(ping_name)
+
+    async def stop(self) -> None:
+        """Cancel the tasks, drain the subscriptions, ``on_stop``, close an owned bus."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        subs, self._subs = self._subs, []
+        await asyncio.gather(*(_drain(sub) for sub in subs))
+        if self.bus is None:
+            return
+        await self.on_stop()
+        if self._own_bus:
+            await self.bus.close()
+            self.bus = None
+
+    async def __aenter__(self) -> BusService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def subscribe(self, subject: str, message_type: type[BaseModel], handler: Handler,
+                        queue: str = "") -> Subscription:
+        """``Bus.subscribe``, drained by ``stop``."""
+        assert self.bus is not None
+        sub = await self.bus.subscribe(subject, message_type, handler, queue=queue)
+        self._subs.append(sub)
+        return sub
+
+    async def answer_pings(self, ping_name: str) -> None:
+        """:func:`answer_pings` on ``ping_name``, until ``stop``."""
+        assert self.bus is not None
+        self._subs.append(await answer_pings(self.bus, self.model_info.name, ping_name))
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Run ``coro`` as a task of this service, cancelled by ``stop``."""
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        return task
+
+
+async def _drain(sub: Subscription) -> None:
+    try:
+        await sub.drain()
+    except Exception:  # the connection is closed, draining or gone
+        pass
+
+
 class ServiceConflictError(RuntimeError):
     """Another instance already serves what this one would (one scheduler per model and NATS,
     one detokenizer per shard, one executor per group id): two would both act on every message
@@ -70,19 +207,23 @@ async def refuse_if_served(bus: Bus, model: str, service: str, what: str, timeou
         await bus.request(subjects.ping(model, service), Ping(), Pong, timeout=timeout)
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
         return
+    except RemoteError:  # something answered, with an error: it is there
+        pass
     raise ServiceConflictError(
         f"another {what} already serves {model} on this NATS server; {advice}"
     )
 
 
-async def answer_pings(bus: Bus, model: str, service: str) -> None:
-    """Answer ``Ping`` on ``ping(model, service)``: call once the service is ready to serve."""
+async def answer_pings(bus: Bus, model: str, service: str) -> Subscription:
+    """Answer ``Ping`` on ``ping(model, service)``: call once the service is ready to serve.
+    Returns the subscription (flushed)."""
 
     async def pong(_: Ping) -> Pong:
         return Pong(service=service)
 
-    await bus.subscribe(subjects.ping(model, service), Ping, pong)
+    sub = await bus.subscribe(subjects.ping(model, service), Ping, pong)
     await bus.flush()
+    return sub
 
 
 def engine_ping_names(num_detokenizer_shards: int) -> tuple[str, ...]:
@@ -111,7 +252,7 @@ async def engine_ready(bus: Bus, model: str, num_detokenizer_shards: int, timeou
         for service in engine_ping_names(num_detokenizer_shards):
             await bus.request(subjects.ping(model, service), Ping(), Pong, timeout=timeout)
         stats = await bus.request(subjects.Subjects(model).stats_get, StatsQuery(), SchedulerStats, timeout)
-    except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError, RemoteError):
         return False
     return bool(stats.groups)
 

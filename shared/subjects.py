@@ -34,6 +34,10 @@ class Subjects:
         return f"{self.base}.abort"
 
     @property
+    def fail(self) -> str:  # FailRequests
+        return f"{self.base}.fail"
+
+    @property
     def register(self) -> str:  # RegisterGroup -> RegisterAck (request/reply)
         return f"{self.base}.register"
 

@@ -7,8 +7,8 @@ gateway (a ``RequestDelta`` per updated request) and, when stop strings matched,
 A finished request's state is dropped at once, as is that of a request the scheduler ended
 without a last output (``DetokStep.released``); later updates for it are ignored. An update
 for a request this shard never registered (its state went with a detokenizer that was
-replaced, or its first output was sent while none served the shard) fails it: an
-``AbortRequests`` with a 503 ``request_lost``, which the scheduler reports to its gateway.
+replaced, or its first output was sent while none served the shard) fails it: a
+``FailRequests`` with a 503 ``request_lost``, which the scheduler reports to its gateway.
 """
 
 from __future__ import annotations
@@ -23,21 +23,22 @@ from services.detokenizer.token_text import TokenTexts
 from shared import subjects as subj
 from shared.bus import Bus
 from shared.config import Settings
-from shared.logging import configure_logging, get_logger
+from shared.logging import get_logger
 from shared.messages import (
     AbortRequests,
     DecodedLogprobs,
     DetokNewRequest,
     DetokStep,
+    FailRequests,
     GatewayStep,
     RequestDelta,
     ServiceError,
     TokenUpdate,
 )
-from shared.model_source import ModelInfo, load_model_info
-from shared.service import answer_pings, refuse_if_served, run_service
+from shared.model_source import ModelInfo
+from shared.service import BusService, Exclusive
 
-log = get_logger("detokenizer")
+log = get_logger(__name__)
 
 #: finished request ids remembered, so that an update still in flight for one is not taken
 #: for a request whose state was lost
@@ -69,7 +70,7 @@ class StepOutputs:
     lost: list[str]
 
 
-class DetokenizerService:
+class DetokenizerService(BusService):
     """Serves ``Subjects(model).detok(settings.detokenizer_shard)``.
 
     Args:
@@ -84,55 +85,49 @@ class DetokenizerService:
     def __init__(
         self, settings: Settings, model_info: ModelInfo, bus: Bus | None = None, tokenizer: Any = None
     ) -> None:
-        self.settings = settings
-        self.model_info = model_info
-        self.subjects = subj.Subjects(model_info.name)
-        self.bus = bus
+        super().__init__(settings, model_info, bus)
         self.tokenizer = tokenizer
+        self.shard = settings.detokenizer_shard
         self._token_texts: TokenTexts | None = None
         self.requests: dict[str, DetokRequest] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()  # the last RECENTLY_FINISHED ids
-        self._own_bus = bus is None
-        self._sub: Any = None
+
+    @property
+    def connection_name(self) -> str:
+        return f"{self.name}-{self.shard}"
+
+    def exclusive(self) -> Exclusive:
+        return Exclusive(f"{self.name}.{self.shard}", f"detokenizer of shard {self.shard}")
+
+    def ping_names(self) -> tuple[str, ...]:
+        return f"{self.name}.{self.shard}", self.name
+
+    async def load(self) -> None:
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.model_info.path))
+
+    async def serve(self) -> None:
+        await self.subscribe(self.subjects.detok(self.shard), DetokStep, self.handle)
 
     async def start(self) -> None:
         """Load the tokenizer, connect (if needed) and serve this shard's subject.
 
         Raises:
             ValueError: no bus was given and ``settings.nats_url`` is None.
+            ServiceConflictError: another detokenizer already serves this shard.
         """
-        if self.tokenizer is None:
-            from transformers import AutoTokenizer
+        await super().start()
+        log.info("detokenizer_started", model=self.model_info.name, subject=self.subjects.detok(self.shard))
 
-            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.model_info.path))
-        if self.bus is None:
-            if not self.settings.nats_url:
-                raise ValueError("DetokenizerService needs settings.nats_url (or a connected bus)")
-            self.bus = await Bus.connect(self.settings.nats_url, name=f"detokenizer-{self.settings.detokenizer_shard}")
-        shard = self.settings.detokenizer_shard
-        await refuse_if_served(self.bus, self.model_info.name, f"{self.name}.{shard}", f"detokenizer of shard {shard}")
-        subject = self.subjects.detok(shard)
-        self._sub = await self.bus.subscribe(subject, DetokStep, self.handle)
-        await answer_pings(self.bus, self.model_info.name, f"{self.name}.{shard}")
-        await answer_pings(self.bus, self.model_info.name, self.name)
-        log.info("detokenizer_started", model=self.model_info.name, subject=subject)
-
-    async def stop(self) -> None:
-        """Drain the subscription, end the requests still live here and close an owned
-        connection. Their text state goes with this process: each fails at once with a 503
-        ``request_lost`` to its gateway and is aborted at the scheduler (else it would run on,
-        for nobody, until the client's liveness check noticed)."""
-        if self._sub is not None:
-            try:
-                await self._sub.drain()
-            except Exception:  # connection already closed
-                pass
-            self._sub = None
-        if self.requests and self.bus is not None:
+    async def on_stop(self) -> None:
+        """The subscription is drained: end the requests still live here. Their text state goes
+        with this process: each fails at once with a 503 ``request_lost`` to its gateway and is
+        aborted at the scheduler (else it would run on, for nobody, until the client's liveness
+        check noticed)."""
+        if self.requests:
             await self._fail_live_requests()
-        if self._own_bus and self.bus is not None:
-            await self.bus.close()
-            self.bus = None
 
     async def _fail_live_requests(self) -> None:
         lost = ServiceError(message="the detokenizer stopped before this request finished; send it again",
@@ -159,10 +154,9 @@ class DetokenizerService:
             await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=out.aborted, reason="stop"))
         if out.lost:
             log.warning("request_state_lost", request_ids=out.lost)
-            await self.bus.publish(self.subjects.abort, AbortRequests(
-                request_ids=out.lost, reason="error", error=ServiceError(
-                    message="the detokenizer lost this request's state (it was restarted); send it again",
-                    type="server_error", code="request_lost", status=503)))
+            await self.bus.publish(self.subjects.fail, FailRequests(request_ids=out.lost, error=ServiceError(
+                message="the detokenizer lost this request's state (it was restarted); send it again",
+                type="server_error", code="request_lost", status=503)))
         for gateway_id, deltas in out.by_gateway.items():
             await self.bus.publish(subj.gateway(gateway_id), GatewayStep(outputs=deltas))
 
@@ -298,13 +292,3 @@ class DetokenizerService:
             log.exception("logprobs_decode_failed", request_id=update.request_id)
             return []
 
-
-def main() -> None:
-    """Run one detokenizer shard as a process (settings from ``PAGEDLLM_*``)."""
-    settings = Settings()
-    configure_logging(settings.log_level, service=f"detokenizer-{settings.detokenizer_shard}")
-    asyncio.run(run_service(DetokenizerService(settings, load_model_info(settings))))
-
-
-if __name__ == "__main__":
-    main()

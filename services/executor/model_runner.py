@@ -95,6 +95,12 @@ class ModelRunner:
             load_s=round(time.perf_counter() - t0, 2),
         )
 
+    def reset(self) -> None:
+        """Forget every request's state (the group registers again: the scheduler recomputes
+        its requests from their first token). The KV cache keeps its content; nothing reads
+        it again before a plan writes it."""
+        self.requests.clear()
+
     def _cpu_thread_governor(self) -> CpuThreadGovernor | None:
         """On CPU: apply ``cpu_threads`` to the calling (model) thread, and adapt it to the
         cores other processes leave free when ``adaptive_cpu_threads`` (see cpu_threads.py)."""

@@ -9,18 +9,18 @@ blocks the plan names.
 from __future__ import annotations
 
 import asyncio
+import enum
 import os
 import re
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import nats.errors
-import structlog
 
 from services.executor.model_runner import ModelRunner
-from shared.bus import Bus
+from shared.bus import Bus, RemoteError
 from shared.config import Settings
+from shared.logging import get_logger
 from shared.messages import (
     Heartbeat,
     HeartbeatAck,
@@ -31,10 +31,9 @@ from shared.messages import (
     StepResult,
 )
 from shared.model_source import ModelInfo
-from shared.service import answer_pings, refuse_if_served
-from shared.subjects import Subjects
+from shared.service import BusService, Exclusive
 
-log = structlog.get_logger("executor")
+log = get_logger(__name__)
 
 
 def default_group_id() -> str:
@@ -43,30 +42,62 @@ def default_group_id() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", f"{socket.gethostname()}-{os.getpid()}")
 
 
-class ExecutorService:
-    """Runs the model for one executor group (``settings.group_id``)."""
+class ExecutorState(enum.Enum):
+    """Where an executor stands with the scheduler."""
+
+    REGISTERING = "registering"  # the first registration: plans wait; pings on "executor" not answered yet
+    SERVING = "serving"  # registered: plans run in arrival order
+    # the scheduler dropped the group (a failed step, or a heartbeat's answer) while a plan was
+    # held: register again once done with it
+    REJOIN_PENDING = "rejoin_pending"
+    # registering again with no request state: plans wait, then those planned for the previous
+    # registration are dropped (step id below RegisterAck.next_step_id)
+    REJOINING = "rejoining"
+    STOPPING = "stopping"
+
+
+class ExecutorService(BusService):
+    """Runs the model for one executor group (``settings.group_id``).
+
+    ``state`` says where it stands with the scheduler (``ExecutorState``); ``wait_registered``
+    returns once it serves.
+    """
 
     name = "executor"
 
     def __init__(self, settings: Settings, model_info: ModelInfo, bus: Bus | None = None) -> None:
-        self.settings = settings
-        self.model_info = model_info
-        self.subjects = Subjects(model_info.name)
+        super().__init__(settings, model_info, bus)
         self.group_id = settings.group_id or default_group_id()
-        self.bus = bus
-        self._own_bus = bus is None
         self.runner: ModelRunner | None = None
-        self._tasks: list[asyncio.Task] = []
-        self.registered = asyncio.Event()
         # Every torch call runs on this one thread: OpenMP keeps one thread team per calling
         # thread, and teams of several threads spin against each other on a small CPU.
         self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-torch")
-        self._pinging = False
         self._plans: asyncio.Queue[StepPlan] = asyncio.Queue()  # received, run in order by _run_steps
+        self.state = ExecutorState.REGISTERING
+        self._serving = asyncio.Event()  # set exactly while SERVING: plans wait on it
         self._first_step_id = 0  # of this registration (RegisterAck.next_step_id): older plans are stale
-        self._holding_plan = False  # _run_steps took a plan and has not finished with it
         self._last_step_id = 0  # the newest plan received (Heartbeat.last_step_id)
-        self._rejoin = False  # register again once the running step is done (the scheduler dropped us)
+        self._held_step_id: int | None = None  # the plan _run_steps holds (waiting to run, or running)
+
+    @property
+    def connection_name(self) -> str:
+        return f"{self.name}-{self.group_id}"
+
+    def exclusive(self) -> Exclusive:
+        return Exclusive(f"{self.name}.{self.group_id}", f"executor of group {self.group_id!r}",
+                         advice="give each executor its own --group-id (PAGEDLLM_GROUP_ID)")
+
+    def ping_names(self) -> tuple[str, ...]:
+        # answered from now on (registered or not, re-registering included): a second executor
+        # of this group id would take this group's steps too; "executor" once registered
+        return (f"{self.name}.{self.group_id}",)
+
+    async def load(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.runner = await loop.run_in_executor(self._torch_thread, ModelRunner, self.settings, self.model_info)
+
+    async def serve(self) -> None:
+        await self.subscribe(self.subjects.step(self.group_id), StepPlan, self._on_step)
 
     async def start(self) -> None:
         """Load the model, connect (if needed), serve the group's step subject and start
@@ -76,43 +107,47 @@ class ExecutorService:
             ServiceConflictError: another executor already serves this group id (both would
                 run every step and answer it twice).
         """
-        loop = asyncio.get_running_loop()
-        self.runner = await loop.run_in_executor(self._torch_thread, ModelRunner, self.settings, self.model_info)
-        if self.bus is None:
-            self.bus = await Bus.connect(self.settings.nats_url, name=f"executor-{self.group_id}")
-        group_ping = f"{self.name}.{self.group_id}"
-        await refuse_if_served(self.bus, self.model_info.name, group_ping, f"executor of group {self.group_id!r}",
-                               advice="give each executor its own --group-id (PAGEDLLM_GROUP_ID)")
-        await self.bus.subscribe(self.subjects.step(self.group_id), StepPlan, self._on_step)
-        # answered from now on (registered or not, re-registering included): a second executor
-        # of this group id would take this group's steps too
-        await answer_pings(self.bus, self.model_info.name, group_ping)
-        self._tasks = [asyncio.create_task(self._register_and_heartbeat()), asyncio.create_task(self._run_steps())]
+        await super().start()
+        self.spawn(self._register_and_heartbeat())
+        self.spawn(self._run_steps())
 
     async def stop(self) -> None:
         """Tell the scheduler the group is going (its requests are requeued at once rather
         than after ``heartbeat_timeout_s``), then stop."""
-        if self.registered.is_set() and self.bus is not None:
+        registered = self.state in (ExecutorState.SERVING, ExecutorState.REJOIN_PENDING)
+        self._enter(ExecutorState.STOPPING)
+        if registered and self.bus is not None:
             try:
-                await self.bus.request(self.subjects.heartbeat,
-                                       Heartbeat(group_id=self.group_id, time=time.time(), stopping=True),
+                await self.bus.request(self.subjects.heartbeat, Heartbeat(group_id=self.group_id, stopping=True),
                                        HeartbeatAck, timeout=1.0)
             except Exception:  # no scheduler, or NATS gone: its watchdog notices the silence
                 pass
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._own_bus and self.bus is not None:
-            await self.bus.close()
+        await super().stop()
         self._torch_thread.shutdown(wait=False)
 
+    async def wait_registered(self) -> None:
+        """Return once the group is registered and runs its plans (``ExecutorState.SERVING``)."""
+        await self._serving.wait()
+
+    def _enter(self, state: ExecutorState) -> None:
+        self.state = state
+        if state is ExecutorState.SERVING:
+            self._serving.set()
+        else:
+            self._serving.clear()
+
     async def _register(self) -> None:
+        """Register with the scheduler, retrying until it answers.
+
+        Raises:
+            RuntimeError: the scheduler refused the group (an empty pool, or another model or
+                ``max_model_len`` than the scheduler's).
+        """
         msg = RegisterGroup(
             group_id=self.group_id,
             model=self.model_info.name,
             num_blocks=self.runner.num_blocks,
             block_size=self.runner.block_size,
-            tensor_parallel_size=1,
             max_model_len=self.model_info.max_model_len,
         )
         while True:
@@ -121,14 +156,19 @@ class ExecutorService:
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
                 await asyncio.sleep(0.2)
                 continue
+            except RemoteError as exc:  # the scheduler's handler failed: try again, at a timeout's pace
+                log.warning("group_register_failed", group_id=self.group_id, error=exc.error.message)
+                await asyncio.sleep(2.0)
+                continue
             if not ack.accepted:
                 raise RuntimeError(f"scheduler refused group {self.group_id}: {ack.error}")
+            if self.state is ExecutorState.STOPPING:
+                return
             log.info("group_registered", group_id=self.group_id, num_blocks=msg.num_blocks)
             self._first_step_id = ack.next_step_id
-            if not self.registered.is_set() and not self._pinging:
-                self._pinging = True
-                await answer_pings(self.bus, self.model_info.name, self.name)
-            self.registered.set()
+            if self.state is ExecutorState.REGISTERING:  # the first time: ready to serve
+                await self.answer_pings(self.name)
+            self._enter(ExecutorState.SERVING)
             return
 
     async def _register_and_heartbeat(self) -> None:
@@ -140,27 +180,27 @@ class ExecutorService:
     async def _heartbeat(self) -> None:
         """Say we are alive; if the scheduler no longer knows the group (it dropped it after a
         step timed out, or it restarted), register again, after the running step if any."""
-        msg = Heartbeat(group_id=self.group_id, time=time.time(),
-                        idle=self._plans.empty() and not self._holding_plan, last_step_id=self._last_step_id)
+        msg = Heartbeat(group_id=self.group_id, idle=self._plans.empty() and self._held_step_id is None,
+                        last_step_id=self._last_step_id)
         try:
             ack = await self.bus.request(self.subjects.heartbeat, msg, HeartbeatAck,
                                          timeout=max(1.0, self.settings.heartbeat_interval_s))
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, RemoteError):
             return  # the scheduler is busy or away: its own watchdog decides
-        if ack.known or not self.registered.is_set():
+        if ack.known or self.state is not ExecutorState.SERVING:
             return
-        log.warning("group_unknown_to_scheduler", group_id=self.group_id, holding_plan=self._holding_plan)
-        if self._holding_plan:  # _run_steps rejoins once done with it
-            self._rejoin = True
+        holding = self._held_step_id is not None
+        log.warning("group_unknown_to_scheduler", group_id=self.group_id, holding_plan=holding)
+        if holding:  # _run_steps rejoins once done with it
+            self._enter(ExecutorState.REJOIN_PENDING)
         else:
             self._start_rejoin()
 
     def _start_rejoin(self) -> None:
         """Forget every request (the scheduler recomputes them) and register again."""
-        self._rejoin = False
-        self.runner.requests.clear()
-        self.registered.clear()
-        self._tasks.append(asyncio.create_task(self._register()))
+        self.runner.reset()
+        self._enter(ExecutorState.REJOINING)
+        self.spawn(self._register())
 
     async def _on_step(self, plan: StepPlan) -> None:
         self._last_step_id = max(self._last_step_id, plan.step_id)
@@ -174,22 +214,23 @@ class ExecutorService:
         registration's answer or the new registration's first plan."""
         while True:
             plan = await self._plans.get()
-            self._holding_plan = True
+            self._held_step_id = plan.step_id
             try:
-                await self.registered.wait()
+                await self._serving.wait()
                 if plan.step_id >= self._first_step_id:
                     await self._execute(plan)
                 else:
                     log.info("stale_step_dropped", step_id=plan.step_id, first_step_id=self._first_step_id)
             finally:
-                self._holding_plan = False
-            if self._rejoin:  # the step failed, or the scheduler dropped the group meanwhile:
-                self._start_rejoin()  # start clean and join again (its requests are recomputed)
+                self._held_step_id = None
+            # the step failed, or the scheduler dropped the group meanwhile: start clean and join
+            # again (its requests are recomputed)
+            if self.state is ExecutorState.REJOIN_PENDING:
+                self._start_rejoin()
 
     async def _execute(self, plan: StepPlan) -> None:
         """Run one plan on the torch thread and publish its result (a failure as an error
         result, after which the group registers again)."""
-        t0 = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
             result = await loop.run_in_executor(self._torch_thread, self.runner.execute, plan)
@@ -200,7 +241,6 @@ class ExecutorService:
                 group_id=self.group_id,
                 error=ServiceError(message=f"executor step failed: {exc}", type="server_error", status=500),
             )
-        result.execute_time_s = time.perf_counter() - t0
         await self.bus.publish(self.subjects.result, result)
-        if result.error is not None:  # the scheduler drops this group
-            self._rejoin = True
+        if result.error is not None and self.state is not ExecutorState.STOPPING:  # the scheduler drops us
+            self._enter(ExecutorState.REJOIN_PENDING)

@@ -4,8 +4,9 @@
 order, and the prefix-cache map from a full block's hash to the block holding that content.
 ``KVCacheManager`` maps requests to blocks: ``get_computed_blocks`` finds the longest cached
 prefix of full blocks, ``allocate_slots`` grows a request's block table to hold its next
-tokens or returns ``None`` when the pool is short, ``fork`` shares a request's blocks with a
-child (n > 1) and ``copy_on_write`` gives a request its own copy of a shared partial block.
+tokens or returns ``None`` when the pool is short, ``allocate_running`` does the same for a
+running request after ``copy_on_write`` gives it its own copy of a shared partial block, and
+``fork`` shares a request's blocks with a child (n > 1).
 Design after vLLM V1's ``BlockPool`` / ``KVCacheManager`` (automatic prefix caching,
 hash-chained full blocks, LRU eviction of freed cached blocks).
 """
@@ -209,6 +210,38 @@ class KVCacheManager:
         child.num_cached_blocks = parent.num_cached_blocks
         child.block_hashes = {bs: list(h) for bs, h in parent.block_hashes.items()}
 
+    def allocate_running(
+        self, request: Request, num_new_tokens: int
+    ) -> tuple[list[int], tuple[int, int] | None] | None:
+        """Blocks for a running request's next ``num_new_tokens``: first its own copy of the
+        shared, partially filled block it would write into (a sample of an n > 1 request,
+        forked with its parent's blocks; :meth:`copy_on_write`), then :meth:`allocate_slots`.
+
+        Returns:
+            ``(new block ids, (src, dst) or None)``: the blocks appended to its table and the
+            copy the executor makes before the step, if one was needed; or ``None`` when the
+            pool has too few free blocks for both, and then nothing changes.
+        """
+        copy_needed = self._shared_partial_block(request, num_new_tokens) is not None
+        extra = max(self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids), 0)
+        if copy_needed and 1 + extra > self.num_free_blocks:
+            return None
+        copy = self.copy_on_write(request, num_new_tokens) if copy_needed else None
+        new = self.allocate_slots(request, num_new_tokens)
+        if new is None:  # never after a copy: the pool had room for both
+            return None
+        return new, copy
+
+    def _shared_partial_block(self, request: Request, num_new_tokens: int) -> int | None:
+        """The index in the request's block table of the partially filled block its next
+        tokens would write into, if another request shares it; else None."""
+        if num_new_tokens <= 0 or request.num_computed_tokens % self.block_size == 0:
+            return None
+        idx = request.num_computed_tokens // self.block_size
+        if idx >= len(request.block_ids) or self.pool.ref_counts[request.block_ids[idx]] <= 1:
+            return None
+        return idx
+
     def copy_on_write(self, request: Request, num_new_tokens: int) -> tuple[int, int] | None:
         """Before writing into a shared, partially filled block: give the request its own copy.
 
@@ -217,14 +250,10 @@ class KVCacheManager:
             ``None`` if no copy is needed. Raises ``ValueError`` when no block is free
             (callers check ``num_free_blocks`` first).
         """
-        if num_new_tokens <= 0 or request.num_computed_tokens % self.block_size == 0:
-            return None
-        idx = request.num_computed_tokens // self.block_size
-        if idx >= len(request.block_ids):
+        idx = self._shared_partial_block(request, num_new_tokens)
+        if idx is None:
             return None
         src = request.block_ids[idx]
-        if self.pool.ref_counts[src] <= 1:
-            return None
         (dst,) = self.pool.allocate(1)
         self.pool.free([src])
         request.block_ids[idx] = dst

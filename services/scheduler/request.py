@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from shared.messages import FinishReason, SampleLogprobs, SamplingParams
+from shared.messages import FinishReason, SampleLogprobs, SamplingParams, SubmitRequest
 
 
 class RequestStatus(enum.Enum):
@@ -13,6 +13,11 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, to be recomputed
     FINISHED = "finished"
+
+
+#: what a sample of an n > 1 request takes over from its parent as submitted (fork_child)
+_INHERITED = ("gateway_id", "prompt_token_ids", "max_model_len", "eos_token_ids", "priority", "arrival_time",
+              "cache_extra_keys")
 
 
 @dataclass(eq=False)
@@ -66,6 +71,40 @@ class Request:
     num_failed_steps: int = 0  # batched
     num_failed_alone: int = 0  # as a suspect (Scheduler.suspects), alone in the step
 
+    @classmethod
+    def from_submit(cls, msg: SubmitRequest, max_model_len: int, eos_token_ids: tuple[int, ...],
+                    now: float) -> Request:
+        """A request as the tokenizer submitted it; ``now`` (unix seconds) is its arrival time
+        if the message has none. A ``cache_salt`` becomes its prefix-cache extra key."""
+        return cls(
+            request_id=msg.request_id,
+            gateway_id=msg.gateway_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            sampling_params=msg.sampling_params,
+            max_model_len=max_model_len,
+            eos_token_ids=eos_token_ids,
+            priority=msg.priority,
+            arrival_time=msg.arrival_time or now,
+            cache_extra_keys=(msg.cache_salt,) if msg.cache_salt else (),
+        )
+
+    def fork_child(self, index: int) -> Request:
+        """Sample ``index`` of this n > 1 request, ``"<id>#<index>"``, forked when its prefill
+        completes: running on the same group with its tokens so far (its blocks are shared by
+        ``KVCacheManager.fork``) and the sampling params of that sample (``for_child``)."""
+        return Request(
+            request_id=f"{self.request_id}#{index}",
+            sampling_params=self.sampling_params.for_child(index),
+            **{name: getattr(self, name) for name in _INHERITED},
+            output_token_ids=list(self.output_token_ids),
+            status=RequestStatus.RUNNING,
+            num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            group_id=self.group_id,
+            parent_request_id=self.request_id,
+            index=index,
+        )
+
     def new_request_bytes(self, num_tokens: int | None = None) -> int:
         """An upper bound of the bytes its ``NewRequestData`` takes in a msgpack ``StepPlan``
         with ``num_tokens`` tokens (default: the tokens known now): at most 5 bytes per token
@@ -96,6 +135,18 @@ class Request:
         from the prefix cache (those positions would not be computed), as in vLLM."""
         return (self.sampling_params.prompt_logprobs is not None and self.parent_request_id is None
                 and not self.sent_to_detokenizer)
+
+    @property
+    def done_when_answered(self) -> bool:
+        """The tokens sampled in flight (async scheduling) take the request to ``max_tokens``
+        or ``max_model_len``: nothing more to schedule for it."""
+        if self.num_output_placeholders == 0:
+            return False
+        max_tokens = self.sampling_params.max_tokens
+        total = self.num_tokens + self.num_output_placeholders
+        done_by_max_tokens = (max_tokens is not None
+                              and len(self.output_token_ids) + self.num_output_placeholders >= max_tokens)
+        return done_by_max_tokens or total >= self.max_model_len
 
     @property
     def needs_fork(self) -> bool:

@@ -18,6 +18,10 @@ holds an output placeholder; its next decode is scheduled on it (the executor fe
 token it sampled itself), and its stop checks happen when the result arrives, so a request
 that stops on EOS may compute one token that is dropped. ``num_computed_tokens`` advances
 when a step is planned (as in vLLM V1).
+
+The parts: ``request.py`` (a request's state), ``block_manager.py`` (its blocks),
+``group.py`` (one group's queues and the routing), ``blame.py`` (who fails with a failed
+step), ``step_plan.py`` (the plan sent for a step).
 """
 
 from __future__ import annotations
@@ -25,21 +29,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from services.scheduler.blame import blame, find_suspect
 from services.scheduler.block_manager import KVCacheManager
+from services.scheduler.group import GroupState, fit_pools, pick_group
 from services.scheduler.request import Request, RequestStatus
-from shared.messages import (
-    CachedRequestData,
-    GroupStats,
-    NewRequestData,
-    SchedulerStats,
-    ServiceError,
-    StepPlan,
-    StepResult,
-)
-
-DECODE_COST_TOKENS = 16  # routing: one running request's per-step work, in prefill tokens
-MAX_FAILED_STEPS = 3  # a request in this many failed batched steps fails with the error (fail_step)
-MAX_FAILED_ALONE = 2  # a suspect that fails this many steps alone fails with the error (fail_step)
+from services.scheduler.step_plan import build_step_plan, plan_size_error, scheduled_bytes
+from shared.messages import SchedulerStats, ServiceError, StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -56,38 +51,6 @@ class SchedulerConfig:
     @property
     def max_steps_in_flight(self) -> int:
         return 2 if self.async_scheduling else 1
-
-
-@dataclass
-class InFlightStep:
-    """A plan sent to a group and not yet answered."""
-
-    plan: StepPlan
-    epochs: dict[str, int]  # request id -> Request.epoch when planned (a later epoch: stale)
-    samplers: set[str]  # requests that sample a token in this step (one placeholder each)
-
-
-@dataclass
-class GroupState:
-    """One executor group: its block pool and the requests routed to it."""
-
-    group_id: str
-    kv: KVCacheManager
-    running: list[Request] = field(default_factory=list)
-    waiting: list[Request] = field(default_factory=list)
-    known: set[str] = field(default_factory=set)  # request ids the executor holds state for
-    to_forget: list[str] = field(default_factory=list)  # finished/preempted, not yet told
-    in_flight: list[InFlightStep] = field(default_factory=list)  # oldest first
-    last_heartbeat: float = field(default_factory=time.monotonic)
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.kv.num_blocks * self.kv.block_size
-
-    def queued_work(self) -> int:
-        """Tokens this group must compute before a newly routed request would start."""
-        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-        return waiting + DECODE_COST_TOKENS * len(self.running)
 
 
 @dataclass
@@ -133,7 +96,7 @@ class Scheduler:
         pending, self.unrouted = self.unrouted, []
         refused = []
         for req in pending:
-            error = self._fit_pools(req)
+            error = fit_pools(self.groups.values(), req)
             if error is None:
                 self.route(req)
             else:
@@ -147,18 +110,7 @@ class Scheduler:
         group = self.groups.pop(group_id, None)
         if group is None:
             return []
-        moved = list(group.running) + list(group.waiting)
-        for req in group.running:
-            group.kv.free(req)
-        for req in moved:
-            req.num_computed_tokens = 0
-            req.num_output_placeholders = 0
-            req.epoch += 1  # results of its steps in flight are stale
-            req.group_id = None
-            req.block_hashes.clear()
-            req.num_cached_blocks = 0
-            if req.status is RequestStatus.RUNNING:
-                req.status = RequestStatus.PREEMPTED
+        moved = group.release_all()
         for req in sorted(moved, key=Request.sort_key):
             self.route(req)
         return moved
@@ -167,35 +119,16 @@ class Scheduler:
 
     def fail_step(self, group_id: str) -> tuple[list[Request], list[Request]]:
         """The group's oldest step in flight failed (an error result, or a timeout). Returns
-        ``(failed, requeued)``: the requests to fail now (finish_reason "error", blocks freed)
-        and the group's other requests, routed again for recompute; the group is removed.
-
-        Blame, so that one poisoned request (an input that crashes the model or the sampler)
-        does not fail every request batched with it, as a single failed step does in vLLM:
-        - a suspect runs alone (``schedule``) until a step in which it samples succeeds; a
-          suspect that fails ``MAX_FAILED_ALONE`` steps alone fails (twice: a transient failure
-          of one of its steps alone harms nobody);
-        - any other failed step makes each of its requests a suspect, and fails a request that
-          has now been in ``MAX_FAILED_STEPS`` such steps (one that crashes only in a batch).
-        A request counts as in the step whatever happened to it since (preempted meanwhile).
-        """
+        ``(failed, requeued)``: the requests to fail now (``blame``; finish_reason "error",
+        blocks freed) and the group's other requests, routed again for recompute; the group is
+        removed."""
         group = self.groups.get(group_id)
         if group is None:
             return [], []
         failed: list[Request] = []
         if group.in_flight:
-            reqs = [self.requests[rid] for rid in group.in_flight[0].epochs if rid in self.requests]
-            if len(reqs) == 1 and reqs[0].request_id in self.suspects:
-                reqs[0].num_failed_alone += 1
-                if reqs[0].num_failed_alone >= MAX_FAILED_ALONE:
-                    failed.append(reqs[0])
-            else:
-                for req in reqs:
-                    req.num_failed_steps += 1
-                    if req.num_failed_steps >= MAX_FAILED_STEPS:
-                        failed.append(req)
-                    else:
-                        self.suspects.add(req.request_id)
+            failed = blame([self.requests[rid] for rid in group.in_flight[0].epochs if rid in self.requests],
+                           self.suspects)
         done = self.abort([r.request_id for r in failed], "error") if failed else []
         return done, self.remove_group(group_id)
 
@@ -207,59 +140,23 @@ class Scheduler:
         if req.priority != 0 and self.config.policy != "priority":  # as vLLM: not silently ignored
             return ServiceError(message=f"priority={req.priority} needs --scheduling-policy priority "
                                         f"(this engine schedules {self.config.policy})", param="priority")
-        if self.groups and (error := self._fit_pools(req)) is not None:
+        if self.groups and (error := fit_pools(self.groups.values(), req)) is not None:
             return error
-        limit = self.config.max_plan_bytes
-        if limit is not None and (size := req.new_request_bytes(req.max_total_tokens)) > limit:
-            return ServiceError(
-                message=(f"The request, with up to {req.max_total_tokens} tokens, may need {size} bytes in a "
-                         f"step plan, over the {limit} bytes a NATS message may carry here: raise the "
-                         "NATS server's max_payload, or shorten the prompt or max_tokens."),
-                param="prompt", code="request_too_large",
-            )
+        if (error := plan_size_error(req, self.config.max_plan_bytes)) is not None:
+            return error
         self.requests[req.request_id] = req
         self.route(req)
         return None
 
-    def _fit_pools(self, req: Request) -> ServiceError | None:
-        """None if the largest KV cache pool can hold ``req`` alone, else why not.
-
-        A request without ``max_tokens`` (generate up to the context length, as a chat request
-        does by default) whose context would outgrow the largest pool gets that pool's
-        capacity as its context length instead: it stops there with finish_reason "length",
-        rather than being refused.
-        """
-        largest = max(g.capacity_tokens for g in self.groups.values())
-        if req.sampling_params.max_tokens is None and req.num_prompt_tokens < largest < req.max_model_len:
-            req.max_model_len = largest
-        if req.max_total_tokens <= largest:
-            return None
-        return ServiceError(
-            message=(
-                f"The request needs up to {req.max_total_tokens} tokens of KV cache "
-                f"(prompt {req.num_prompt_tokens} + max_tokens), but the largest KV cache "
-                f"pool holds {largest} tokens. Reduce max_tokens or the prompt."
-            ),
-            param="max_tokens",
-            code="kv_cache_too_small",
-        )
-
     def route(self, req: Request) -> GroupState | None:
-        """Queue ``req`` on the group where it would start soonest: the least queued work plus
-        its own uncached prompt tokens (an exact prefix-cache hit saves those tokens)."""
-        best, best_cost = None, None
-        for group in self.groups.values():
-            if req.max_total_tokens > group.capacity_tokens:
-                continue
-            _, hit = group.kv.get_computed_blocks(req)
-            cost = (group.queued_work() + req.num_tokens - hit, len(group.running), group.group_id)
-            if best_cost is None or cost < best_cost:
-                best, best_cost = group, cost
+        """Queue ``req`` on the group where it would start soonest (``pick_group``), or keep it
+        unrouted while no group can hold it."""
+        best = pick_group(self.groups.values(), req)
         if best is None:
             self.unrouted.append(req)
             return None
         req.group_id = best.group_id
-        self._enqueue(best, req, front=req.status is RequestStatus.PREEMPTED)
+        best.enqueue(req, self.config.policy == "priority", front=req.status is RequestStatus.PREEMPTED)
         return best
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[Request]:
@@ -277,10 +174,6 @@ class Scheduler:
                 self._finish(r)
                 done.append(r)
         return done
-
-    def has_work(self, group_id: str) -> bool:
-        group = self.groups.get(group_id)
-        return group is not None and bool(group.running or group.waiting)
 
     @property
     def next_step_id(self) -> int:
@@ -321,11 +214,7 @@ class Scheduler:
         preempted = False
 
         group.running.sort(key=Request.sort_key)
-        suspect = waiting_suspect = None
-        if self.suspects:
-            suspect = next((r for r in group.running if r.request_id in self.suspects), None)
-            if suspect is None:
-                waiting_suspect = next((r for r in group.waiting if r.request_id in self.suspects), None)
+        suspect, waiting_suspect = find_suspect(group, self.suspects)
         if waiting_suspect is not None and len(group.running) < self.config.max_num_seqs:
             if self._admit_one(group, waiting_suspect, budget, scheduled, new_blocks):
                 return self._make_plan(group, scheduled, new_blocks, copies)
@@ -337,11 +226,11 @@ class Scheduler:
                 continue
             # tokens known or sampled in flight, not yet computed (0: waiting for a result)
             num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
-            if num_new <= 0 or self._done_when_answered(req):
+            if num_new <= 0 or req.done_when_answered:
                 continue
             while True:
-                blocks = self._allocate_running(group, req, num_new, copies)
-                if blocks is not None:
+                allocated = group.kv.allocate_running(req, num_new)
+                if allocated is not None:
                     break
                 victim = group.running.pop()  # lowest priority, then newest
                 self._preempt(victim, group)
@@ -349,10 +238,12 @@ class Scheduler:
                 preempted = True
                 if victim is req:
                     break
-            if blocks is None:  # the request preempted itself
+            if allocated is None:  # the request preempted itself
                 break
+            new_blocks[req.request_id], copy = allocated
+            if copy is not None:
+                copies[req.request_id] = copy
             scheduled[req.request_id] = num_new
-            new_blocks[req.request_id] = blocks
             budget -= num_new
 
         if not preempted and suspect is None and waiting_suspect is None:
@@ -361,45 +252,13 @@ class Scheduler:
             return None
         return self._make_plan(group, scheduled, new_blocks, copies)
 
-    @staticmethod
-    def _done_when_answered(req: Request) -> bool:
-        """The tokens in flight take the request to max_tokens or max_model_len: nothing more
-        to schedule for it."""
-        if req.num_output_placeholders == 0:
-            return False
-        max_tokens = req.sampling_params.max_tokens
-        total = req.num_tokens + req.num_output_placeholders
-        done_by_max_tokens = max_tokens is not None and len(req.output_token_ids) + req.num_output_placeholders >= max_tokens
-        return done_by_max_tokens or total >= req.max_model_len
-
-    def _allocate_running(
-        self, group: GroupState, req: Request, num_new: int, copies: dict[str, tuple[int, int]]
-    ) -> list[int] | None:
-        """Blocks for a running request's next tokens, copying a shared partial block first."""
-        blocks_before = len(req.block_ids)
-        needs_copy = (
-            req.num_computed_tokens % group.kv.block_size != 0
-            and req.num_computed_tokens // group.kv.block_size < blocks_before
-            and group.kv.pool.ref_counts[req.block_ids[req.num_computed_tokens // group.kv.block_size]] > 1
-        )
-        extra = group.kv.blocks_needed(req.num_computed_tokens + num_new) - blocks_before
-        if needs_copy and 1 + max(extra, 0) > group.kv.num_free_blocks:
-            return None
-        if needs_copy:
-            copy = group.kv.copy_on_write(req, num_new)
-            if copy is not None:
-                copies[req.request_id] = copy
-        return group.kv.allocate_slots(req, num_new)
-
     def _admit(self, group: GroupState, budget: int, scheduled: dict[str, int], new_blocks: dict) -> None:
         """Start waiting requests in queue order while budget, sequences, blocks and the plan's
         bytes (``max_plan_bytes``: each new request carries its whole prompt) last."""
         limit = self.config.max_plan_bytes
         plan_bytes = 0
         if limit is not None and group.waiting:  # what the running requests scheduled take
-            plan_bytes = sum(req.cached_request_bytes(len(new_blocks[req.request_id]))
-                             for req in group.running if req.request_id in scheduled)
-            plan_bytes += sum(len(rid.encode()) + 5 for rid in group.to_forget)
+            plan_bytes = scheduled_bytes(group, scheduled, new_blocks)
         while group.waiting and budget > 0 and len(group.running) < self.config.max_num_seqs:
             req = group.waiting[0]
             if limit is not None:
@@ -413,75 +272,15 @@ class Scheduler:
     def _admit_one(self, group: GroupState, req: Request, budget: int, scheduled: dict[str, int],
                    new_blocks: dict) -> bool:
         """Start the waiting ``req`` with up to ``budget`` tokens; False if its blocks do not fit."""
-        computed, num_hit = ([], 0) if req.needs_prompt_logprobs else group.kv.get_computed_blocks(req)
-        req.num_computed_tokens = num_hit
-        num_new = min(req.num_tokens - num_hit, budget)
-        blocks = group.kv.allocate_slots(req, num_new, computed)
-        if blocks is None:
-            req.num_computed_tokens = 0
-            return False
-        group.waiting.remove(req)
-        group.kv.record_prefix_query(req.num_tokens, num_hit)
-        if req.status is RequestStatus.WAITING:
-            req.num_cached_tokens = num_hit
-        req.status = RequestStatus.RUNNING
-        group.running.append(req)
-        scheduled[req.request_id] = num_new
-        new_blocks[req.request_id] = blocks
-        return True
+        admitted = group.admit(req, budget)
+        if admitted is not None:
+            scheduled[req.request_id], new_blocks[req.request_id] = admitted
+        return admitted is not None
 
-    def _make_plan(
-        self, group: GroupState, scheduled: dict[str, int], new_blocks: dict, copies: dict[str, tuple[int, int]]
-    ) -> StepPlan:
-        copied = copies
+    def _make_plan(self, group: GroupState, scheduled: dict[str, int], new_blocks: dict,
+                   copies: dict[str, tuple[int, int]]) -> StepPlan:
         self._step_id += 1
-        plan = StepPlan(
-            step_id=self._step_id,
-            group_id=group.group_id,
-            finished_request_ids=group.to_forget,
-            block_copies=list(copies.values()),
-        )
-        group.to_forget = []
-        epochs: dict[str, int] = {}
-        samplers: set[str] = set()
-        for req in group.running:
-            num = scheduled.get(req.request_id)
-            if num is None:
-                continue
-            if req.request_id in group.known:
-                copy = copied.get(req.request_id)
-                plan.cached_requests.append(
-                    CachedRequestData(
-                        request_id=req.request_id,
-                        new_block_ids=new_blocks[req.request_id],
-                        num_computed_tokens=req.num_computed_tokens,
-                        replaced_block=None if copy is None else (req.block_ids.index(copy[1]), copy[1]),
-                    )
-                )
-            else:
-                group.known.add(req.request_id)
-                plan.new_requests.append(
-                    NewRequestData(
-                        request_id=req.request_id,
-                        prompt_token_ids=req.all_token_ids,
-                        sampling_params=req.sampling_params,
-                        block_ids=list(req.block_ids),
-                        num_computed_tokens=req.num_computed_tokens,
-                        num_output_tokens=len(req.output_token_ids),
-                    )
-                )
-            if req.needs_fork and req.num_computed_tokens + num == req.num_tokens:
-                req.fork_pending = True  # the prefill completes this step: fork the n - 1 others
-                plan.forks[req.request_id] = [f"{req.request_id}#{i}" for i in range(1, req.sampling_params.n)]
-            # the plan carries the step's start; the scheduler counts the step as computed now
-            req.num_computed_tokens += num
-            epochs[req.request_id] = req.epoch
-            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:  # reaches its last token
-                req.num_output_placeholders += 1
-                samplers.add(req.request_id)
-        plan.num_scheduled_tokens = scheduled
-        group.in_flight.append(InFlightStep(plan, epochs, samplers))
-        return plan
+        return build_step_plan(self._step_id, group, scheduled, new_blocks, copies)
 
     def update_from_output(self, result: StepResult) -> StepOutcome:
         """Apply a group's ``StepResult`` to the oldest step it has in flight (anything else is
@@ -492,7 +291,6 @@ class Scheduler:
         group = self.groups[result.group_id]
         step = group.in_flight.pop(0)
         plan = step.plan
-        group.last_heartbeat = time.monotonic()
         for rid in plan.num_scheduled_tokens:
             req = self.requests.get(rid)
             if (req is None or req.epoch != step.epochs[rid] or req.status is not RequestStatus.RUNNING
@@ -525,25 +323,7 @@ class Scheduler:
 
     def _fork(self, group: GroupState, parent: Request, child_id: str) -> Request:
         """Sample ``index`` of an n > 1 request: the parent's tokens and blocks (shared)."""
-        index = int(child_id.rsplit("#", 1)[1])
-        child = Request(
-            request_id=child_id,
-            gateway_id=parent.gateway_id,
-            prompt_token_ids=parent.prompt_token_ids,
-            sampling_params=parent.sampling_params.for_child(index),
-            max_model_len=parent.max_model_len,
-            eos_token_ids=parent.eos_token_ids,
-            priority=parent.priority,
-            arrival_time=parent.arrival_time,
-            output_token_ids=list(parent.output_token_ids),
-            status=RequestStatus.RUNNING,
-            num_computed_tokens=parent.num_computed_tokens,
-            num_cached_tokens=parent.num_cached_tokens,
-            group_id=group.group_id,
-            parent_request_id=parent.request_id,
-            index=index,
-            cache_extra_keys=parent.cache_extra_keys,
-        )
+        child = parent.fork_child(int(child_id.rsplit("#", 1)[1]))
         group.kv.fork(parent, child)
         group.running.append(child)
         group.known.add(child_id)
@@ -553,44 +333,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _enqueue(self, group: GroupState, req: Request, front: bool = False) -> None:
-        """FCFS: new requests join the back; ``front`` (preempted or requeued ones) go ahead
-        of every request never started, in arrival order among themselves."""
-        if self.config.policy == "priority":
-            group.waiting.append(req)
-            group.waiting.sort(key=Request.sort_key)
-        elif front:
-            i = 0
-            while (i < len(group.waiting) and group.waiting[i].status is RequestStatus.PREEMPTED
-                   and group.waiting[i].sort_key() <= req.sort_key()):
-                i += 1
-            group.waiting.insert(i, req)
-        else:
-            group.waiting.append(req)
-
     def _preempt(self, req: Request, group: GroupState) -> None:
-        group.kv.free(req)
-        group.known.discard(req.request_id)
-        group.to_forget.append(req.request_id)
-        req.num_computed_tokens = 0
-        req.num_output_placeholders = 0
-        req.epoch += 1  # results of its steps in flight are stale
-        req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
+        group.preempt(req, self.config.policy == "priority")
         self.num_preemptions += 1
-        self._enqueue(group, req, front=True)
 
     def _finish(self, req: Request) -> None:
         group = self.groups.get(req.group_id) if req.group_id else None
         if group is not None:
-            if req in group.running:
-                group.kv.free(req)
-                group.running.remove(req)
-            elif req in group.waiting:
-                group.waiting.remove(req)
-            if req.request_id in group.known:
-                group.known.discard(req.request_id)
-                group.to_forget.append(req.request_id)
+            group.drop(req)
         elif req in self.unrouted:
             self.unrouted.remove(req)
         req.status = RequestStatus.FINISHED
@@ -602,19 +352,7 @@ class Scheduler:
         return SchedulerStats(
             num_running=sum(len(g.running) for g in self.groups.values()),
             num_waiting=len(self.waiting),
-            groups=[
-                GroupStats(
-                    group_id=g.group_id,
-                    num_blocks=g.kv.num_blocks,
-                    num_free_blocks=g.kv.num_free_blocks,
-                    block_size=g.kv.block_size,
-                    num_running=len(g.running),
-                    num_waiting=len(g.waiting),
-                    prefix_cache_queries=g.kv.num_queries,
-                    prefix_cache_hits=g.kv.num_hits,
-                )
-                for g in self.groups.values()
-            ],
+            groups=[g.stats() for g in self.groups.values()],
             num_preemptions=self.num_preemptions,
             num_finished=self.num_finished,
             time=time.time(),

@@ -20,13 +20,13 @@ import nats.errors
 
 from shared.bus import Bus
 from shared.config import Settings
-from shared.logging import configure_logging, get_logger
+from shared.logging import get_logger
 from shared.messages import SamplingParams, ServiceError, SubmitRequest, TokenizeReply, TokenizeRequest
-from shared.model_source import ModelInfo, load_model_info
-from shared.service import answer_pings, run_service
-from shared.subjects import TOKENIZER_QUEUE, Subjects
+from shared.model_source import ModelInfo
+from shared.service import BusService
+from shared.subjects import TOKENIZER_QUEUE
 
-log = get_logger("tokenizer")
+log = get_logger(__name__)
 
 
 #: bytes of one prompt token's log probabilities in a RequestDelta: (base, per alternative);
@@ -43,7 +43,7 @@ class TokenizeError(Exception):
         self.error = ServiceError(message=message, type="invalid_request_error", param=param, code=code)
 
 
-class TokenizerService:
+class TokenizerService(BusService):
     """Tokenizes and validates requests, then submits them to the scheduler.
 
     Args:
@@ -54,7 +54,8 @@ class TokenizerService:
         tokenizer: an already loaded tokenizer (tests); None = ``AutoTokenizer.from_pretrained``.
 
     Tokenization runs on one worker thread (HF tokenizers must not be called from two
-    threads at once), so a long prompt never blocks the event loop.
+    threads at once), so a long prompt never blocks the event loop. Replicas share the
+    requests (queue group ``TOKENIZER_QUEUE``).
     """
 
     name = "tokenizer"
@@ -62,14 +63,18 @@ class TokenizerService:
     def __init__(
         self, settings: Settings, model_info: ModelInfo, bus: Bus | None = None, tokenizer: Any = None
     ) -> None:
-        self.settings = settings
-        self.model_info = model_info
-        self.subjects = Subjects(model_info.name)
-        self.bus = bus
+        super().__init__(settings, model_info, bus)
         self.tokenizer = tokenizer
-        self._own_bus = bus is None
-        self._sub: Any = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    async def load(self) -> None:
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.model_info.path))
+
+    async def serve(self) -> None:
+        await self.subscribe(self.subjects.tokenize, TokenizeRequest, self.handle, queue=TOKENIZER_QUEUE)
 
     async def start(self) -> None:
         """Load the tokenizer, connect (if needed) and serve the tokenize subject.
@@ -77,32 +82,12 @@ class TokenizerService:
         Raises:
             ValueError: no bus was given and ``settings.nats_url`` is None.
         """
-        if self.tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.model_info.path))
-        if self.bus is None:
-            if not self.settings.nats_url:
-                raise ValueError("TokenizerService needs settings.nats_url (or a connected bus)")
-            self.bus = await Bus.connect(self.settings.nats_url, name="tokenizer")
-        self._sub = await self.bus.subscribe(
-            self.subjects.tokenize, TokenizeRequest, self.handle, queue=TOKENIZER_QUEUE
-        )
-        await self.bus.flush()
-        await answer_pings(self.bus, self.model_info.name, self.name)
+        await super().start()
         log.info("tokenizer_started", model=self.model_info.name, subject=self.subjects.tokenize)
 
     async def stop(self) -> None:
         """Drain the subscription, close an owned connection, stop the worker thread."""
-        if self._sub is not None:
-            try:
-                await self._sub.drain()
-            except Exception:  # connection already closed
-                pass
-            self._sub = None
-        if self._own_bus and self.bus is not None:
-            await self.bus.close()
-            self.bus = None
+        await super().stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def handle(self, request: TokenizeRequest) -> TokenizeReply:
@@ -309,13 +294,3 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         out.append({**m, "role": role, "content": text})
     return out
 
-
-def main() -> None:
-    """Run the tokenizer service as a process (settings from ``PAGEDLLM_*``)."""
-    settings = Settings()
-    configure_logging(settings.log_level, service="tokenizer")
-    asyncio.run(run_service(TokenizerService(settings, load_model_info(settings))))
-
-
-if __name__ == "__main__":
-    main()

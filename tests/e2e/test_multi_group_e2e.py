@@ -120,6 +120,9 @@ class _StubRunner:
     def __init__(self, settings, model_info) -> None:
         self.requests: dict = {}
 
+    def reset(self) -> None:
+        self.requests.clear()
+
 
 async def test_a_second_executor_of_a_group_id_is_refused(nats_url, monkeypatch):
     """Two executors with one --group-id would both run every step of the group and answer it
@@ -150,15 +153,15 @@ async def test_a_second_executor_of_a_group_id_is_refused(nats_url, monkeypatch)
     other = executor_service.ExecutorService(settings.model_copy(update={"group_id": "g2"}), info)
     try:
         await first.start()
-        await asyncio.wait_for(first.registered.wait(), 5)
+        await asyncio.wait_for(first.wait_registered(), 5)
         with pytest.raises(ServiceConflictError, match="another executor of group 'g1' already serves") as exc:
             await duplicate.start()
         assert "--group-id" in str(exc.value)
         await other.start()
-        await asyncio.wait_for(other.registered.wait(), 5)
+        await asyncio.wait_for(other.wait_registered(), 5)
         first._start_rejoin()  # what a failed step does
         deadline = time.monotonic() + 5
-        while registered.count("g1") < 2 or not first.registered.is_set():
+        while registered.count("g1") < 2 or first.state is not executor_service.ExecutorState.SERVING:
             assert time.monotonic() < deadline, registered
             await asyncio.sleep(0.05)
         assert sorted(registered) == ["g1", "g1", "g2"]

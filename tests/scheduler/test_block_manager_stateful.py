@@ -4,9 +4,9 @@ drives it, with a simulated executor that keeps every KV slot's content.
 A step has the scheduler's two phases. *Scheduling* (rules ``admit`` and ``schedule_running``,
 interleaved with ``add_request``): waiting requests are admitted (``get_computed_blocks`` ->
 ``num_computed_tokens`` -> ``allocate_slots`` with the hit blocks, possibly a partial chunk);
-running requests get their next chunk or token (``copy_on_write`` of a shared partial block
-first, then ``allocate_slots``, preempting the newest unscheduled request while the pool is
-short, as ``Scheduler._allocate_running`` / ``schedule`` do). *Execution* (rule ``execute``):
+running requests get their next chunk or token (``allocate_running``: ``copy_on_write`` of a
+shared partial block first, then ``allocate_slots``; preempting the newest unscheduled request
+while the pool is short, as ``Scheduler.schedule`` does). *Execution* (rule ``execute``):
 aborts may land while the step is in flight (the executor still writes those requests' K/V);
 the executor copies the CoW blocks (gather, then scatter, like ``ModelRunner._copy_blocks``)
 and writes each scheduled position's K/V into its slot; then ``num_computed_tokens``
@@ -186,52 +186,43 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert not hits, f"{req.request_id}: missed a prefix hit on block(s) {hits} after {k} hit blocks"
 
     def _allocate_running(self, req: Request, num_new: int) -> list[int] | None:
-        """``Scheduler._allocate_running``, with every manager call checked."""
+        """``KVCacheManager.allocate_running``, as ``Scheduler.schedule`` calls it, with every
+        effect checked against the model: it copies exactly when the request's next token falls
+        in a partially filled block that another live request holds, the copy takes the LRU free
+        block, and it refuses exactly when the pool is short of the copy plus the new blocks."""
         kv, bs, pool = self.kv, self.bs, self.kv.pool
-        blocks_before = len(req.block_ids)
         idx = req.num_computed_tokens // bs
-        needs_copy = (
-            req.num_computed_tokens % bs != 0
-            and idx < blocks_before
-            and pool.ref_counts[req.block_ids[idx]] > 1
+        partial = req.num_computed_tokens % bs != 0 and idx < len(req.block_ids)
+        shared = partial and sum(req.block_ids[idx] in r.block_ids for r in self.running) > 1
+        extra = max(cdiv(req.num_computed_tokens + num_new, bs) - len(req.block_ids), 0)
+        old_q, before, table = self._queue(), self._snapshot(req), list(req.block_ids)
+        rc_src = pool.ref_counts[table[idx]] if shared else 0
+        got = kv.allocate_running(req, num_new)
+        assert (got is None) == (int(shared) + extra > len(old_q)), (
+            f"allocate_running returned {got} with {len(old_q)} free, {extra} new blocks and "
+            f"{int(shared)} copy needed"
         )
-        extra = kv.blocks_needed(req.num_computed_tokens + num_new) - blocks_before
-        if needs_copy and 1 + max(extra, 0) > kv.num_free_blocks:
+        if got is None:
+            assert self._snapshot(req) == before, "a refused allocate_running changed state"
             return None
-        old_q = self._queue()
-        if needs_copy:
-            src_before = req.block_ids[idx]
-            rc_src = pool.ref_counts[src_before]
-            copy = kv.copy_on_write(req, num_new)
+        new, copy = got
+        total = req.num_computed_tokens + num_new
+        if shared:
             assert copy is not None, (
-                f"{req.request_id}: copy_on_write declined to copy shared partial block {src_before}"
+                f"{req.request_id}: allocate_running declined to copy shared partial block {table[idx]}"
             )
             src, dst = copy
-            assert src == src_before and req.block_ids[idx] == dst, (copy, req.block_ids)
-            assert dst == old_q[0] and self._queue() == old_q[1:], (
-                "copy_on_write must take the LRU free block"
-            )
-            assert (
-                pool.ref_counts[src] == rc_src - 1
-                and pool.ref_counts[dst] == 1
-                and pool.block_hash[dst] is None
-            )
+            assert src == table[idx] and req.block_ids[idx] == dst, (copy, req.block_ids)
+            assert req.block_ids[: len(table)] == table[:idx] + [dst] + table[idx + 1 :]
+            assert dst == old_q[0], "copy_on_write must take the LRU free block"
+            assert pool.ref_counts[src] == rc_src - 1 and pool.ref_counts[dst] == 1
+            h = pool.block_hash[dst]  # no stale hash: none, or this request's own for that block
+            assert h is None or h == req.block_hashes[bs][idx], f"copied block {dst} kept a stale hash"
             self.copies.append(copy)
-            old_q = self._queue()
+            old_q = old_q[1:]
         else:
-            before = self._snapshot(req)
-            assert kv.copy_on_write(req, num_new) is None, f"{req.request_id}: needless copy_on_write"
-            assert self._snapshot(req) == before
-        before = self._snapshot(req)
-        new = kv.allocate_slots(req, num_new)
-        total = req.num_computed_tokens + num_new
-        assert (new is None) == (max(extra, 0) > len(old_q)), (
-            f"allocate_slots returned {new} with {len(old_q)} free"
-        )
-        if new is None:
-            assert not needs_copy, "allocation failed after a copy-on-write the scheduler had room for"
-            assert self._snapshot(req) == before, "a refused allocate_slots changed state"
-            return None
+            assert copy is None, f"{req.request_id}: needless copy-on-write {copy}"
+            assert req.block_ids[: len(table)] == table
         self._check_allocation(req, old_q, (), new, total)
         self._record(req)
         return new
@@ -375,24 +366,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     self._finish(sample)
 
     def _fork(self, parent: Request, index: int) -> Request:
-        """``Scheduler._fork``, except that the child keeps the parent's ``cache_extra_keys``
-        (its copied hashes were made with them). ``Scheduler._fork`` leaves them at ``()``, so a
-        salted child's later blocks are cached under hashes no same-salt request ever looks up:
-        missed prefix hits, no wrong sharing."""
+        """``Scheduler._fork``: ``Request.fork_child`` (the child keeps the parent's
+        ``cache_extra_keys``: its copied hashes were made with them), then ``KVCacheManager.fork``."""
         pool = self.kv.pool
-        child = Request(
-            request_id=f"{parent.request_id}#{index}",
-            gateway_id=parent.gateway_id,
-            prompt_token_ids=parent.prompt_token_ids,
-            sampling_params=PARAMS,
-            max_model_len=parent.max_model_len,
-            output_token_ids=list(parent.output_token_ids),
-            status=RequestStatus.RUNNING,
-            num_computed_tokens=parent.num_computed_tokens,
-            parent_request_id=parent.request_id,
-            index=index,
-            cache_extra_keys=parent.cache_extra_keys,
-        )
+        child = parent.fork_child(index)
+        assert child.cache_extra_keys == parent.cache_extra_keys and child.sampling_params == PARAMS
+        assert child.status is RequestStatus.RUNNING and child.num_computed_tokens == parent.num_computed_tokens
         old_q, old_rc = self._queue(), list(pool.ref_counts)
         self.kv.fork(parent, child)
         assert child.block_ids == parent.block_ids and child.block_ids is not parent.block_ids

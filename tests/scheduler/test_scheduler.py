@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from services.scheduler import blame
 from services.scheduler import scheduler as scheduler_module
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -376,7 +377,7 @@ def test_a_suspect_runs_alone_until_it_samples():
     sched.update_from_output(ex.execute(plan))
     plan = sched.schedule("g0")
     assert set(plan.num_scheduled_tokens) == {"r1", "r2", "fresh"}  # a normal batch again
-    reqs[1].num_failed_steps = scheduler_module.MAX_FAILED_STEPS - 1
+    reqs[1].num_failed_steps = blame.MAX_FAILED_STEPS - 1
     failed, _ = sched.fail_step("g0")
     assert [r.request_id for r in failed] == ["r1"]
     assert sched.suspects == {"r2", "fresh"} and sched.requests["fresh"].num_failed_steps == 1

@@ -7,6 +7,7 @@ or detokenizer shard gone are aborted or failed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from shared.config import Settings
 from shared.messages import (
     AbortRequests,
     DetokStep,
+    FailRequests,
     GatewayStep,
     Heartbeat,
     Ping,
@@ -82,7 +84,7 @@ async def until(predicate, timeout: float = 5.0) -> None:
 
 
 def heartbeat(idle: bool = False, stopping: bool = False, last_step_id: int = 0) -> Heartbeat:
-    return Heartbeat(group_id="g", time=0.0, idle=idle, stopping=stopping, last_step_id=last_step_id)
+    return Heartbeat(group_id="g", idle=idle, stopping=stopping, last_step_id=last_step_id)
 
 
 async def test_two_idle_heartbeats_with_a_step_in_flight_drop_the_group(env):
@@ -109,7 +111,7 @@ async def test_a_result_missing_for_heartbeat_timeout_s_drops_the_group(env):
     unless it is still in the scheduler's backlog, so the group is dropped only after
     heartbeat_timeout_s of idle heartbeats saying so."""
     service, plans = env.svc, env.plans
-    service.settings = service.settings.model_copy(update={"heartbeat_timeout_s": 0.5})
+    service.liveness.heartbeat_timeout_s = 0.5  # the policy reads it (Settings.heartbeat_timeout_s)
     await register(service)
     await submit(service, "r0")
     await until(lambda: len(plans) == 2)
@@ -209,7 +211,7 @@ async def test_requests_of_a_gateway_gone_are_aborted(nats_url):
         await submit(svc, "mine", gateway="gw-alive")  # no group: they wait
         await submit(svc, "orphan", gateway="gw-dead")
         await submit(svc, "late", gateway="gw-late")
-        await until(lambda: svc._peer_misses.get(subjects.gateway_ping("gw-late")) == 1)  # the first round missed it
+        await until(lambda: svc.liveness.peers.misses(("gateway", "gw-late")) == 1)  # the first round missed it
         await late.start()
         await until(lambda: "orphan" not in svc.scheduler.requests)
         await asyncio.sleep(1.2)  # one more round
@@ -221,13 +223,13 @@ async def test_requests_of_a_gateway_gone_are_aborted(nats_url):
         await svc.stop()
 
 
-async def test_an_abort_with_an_error_reports_it_to_the_gateway(env):
-    """A detokenizer that lost requests' state sends them back with an error: the scheduler
-    sends it to each held request's gateway and frees it; unknown ids are ignored."""
+async def test_failed_requests_report_their_error_to_the_gateway(env):
+    """A detokenizer that lost requests' state sends them back with an error (FailRequests): the
+    scheduler sends it to each held request's gateway and frees it; unknown ids are ignored."""
     await submit(env.svc, "r0")
     await submit(env.svc, "r1")
     lost = ServiceError(message="lost", type="server_error", code="request_lost", status=503)
-    await env.svc._on_abort(AbortRequests(request_ids=["r0", "gone"], reason="error", error=lost))
+    await env.svc._on_fail(FailRequests(request_ids=["r0", "gone"], error=lost))
     assert [(d.request_id, d.finish_reason, d.error) for d in env.errors] == [("r0", "error", lost)]
     assert list(env.svc.scheduler.requests) == ["r1"]
 
@@ -315,7 +317,7 @@ async def test_requests_finished_here_release_their_detokenizer_state(env):
         env.svc.scheduler.requests[rid].sent_to_detokenizer = True
     await env.svc._on_abort(AbortRequests(request_ids=["sent", "unsent"]))
     lost = ServiceError(message="lost", type="server_error", code="request_lost", status=503)
-    await env.svc._on_abort(AbortRequests(request_ids=["failed"], reason="error", error=lost))
+    await env.svc._on_fail(FailRequests(request_ids=["failed"], error=lost))
     assert [rid for s in steps for rid in s.released] == ["sent", "failed"]
     assert not [u for s in steps for u in s.updates]
     assert not env.svc.scheduler.requests
@@ -350,3 +352,35 @@ async def test_the_peer_watch_survives_a_failed_round(nats_url, monkeypatch):
     finally:
         await bus.close()
         await svc.stop()
+
+
+async def test_a_group_of_another_model_or_context_length_is_refused(env, nats_url, monkeypatch):
+    """The scheduler refuses a group that serves another model or max_model_len than its own
+    (its requests are validated and sized for those), naming both values; the executor raises
+    on the refusal instead of serving."""
+    from services.executor import service as executor_service
+
+    svc = env.svc
+    name = svc.model_info.name
+    for model, max_model_len in ((name, 2048), ("other-model", 4096)):
+        ack = await svc._on_register(RegisterGroup(group_id="g", model=model, num_blocks=256, block_size=16,
+                                                   max_model_len=max_model_len))
+        assert not ack.accepted and ack.error.code == "group_mismatch" and ack.error.status == 500
+        assert (f"executor group 'g' serves model {model!r} with max_model_len {max_model_len}, but this "
+                f"scheduler serves {name!r} with max_model_len 4096") in ack.error.message
+    assert not svc.scheduler.groups
+
+    class StubRunner:
+        num_blocks, block_size = 64, 16
+
+    executor = executor_service.ExecutorService(Settings(nats_url=nats_url, group_id="g-short"),
+                                                dataclasses.replace(svc.model_info, max_model_len=2048))
+    executor.runner = StubRunner()
+    executor.bus = await Bus.connect(nats_url, name="test-executor")
+    try:
+        with pytest.raises(RuntimeError, match="scheduler refused group g-short: .*with max_model_len 2048, but "
+                                               "this scheduler serves .* with max_model_len 4096"):
+            await asyncio.wait_for(executor._register(), 5)
+        assert executor.state is executor_service.ExecutorState.REGISTERING and not svc.scheduler.groups
+    finally:
+        await executor.stop()

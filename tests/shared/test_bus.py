@@ -1,15 +1,18 @@
 """The bus's ordering guarantee that services rely on (after ``subscribe`` then ``flush``, a
-message published from another connection is delivered), and how it logs NATS errors."""
+message published from another connection is delivered), how it logs NATS errors, and how a
+failing request handler answers."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import nats.errors
+import pytest
 
 from shared import bus as bus_module
-from shared.bus import Bus, ConnectionEvents
-from shared.messages import Ping
+from shared.bus import ERROR_CODE_HEADER, ERROR_HEADER, Bus, ConnectionEvents, RemoteError
+from shared.messages import Ping, Pong, ServiceError
 
 
 async def test_a_flushed_subscription_gets_every_later_publish(nats_url):
@@ -65,3 +68,41 @@ async def test_a_handshake_without_info_is_a_connection_error(monkeypatch):
     assert events[-1] == ("info:nats_reconnected", {"connection": "test", "url": "nats://127.0.0.1:1", "errors": 4})
     await conn.on_error(nats.errors.Error("nats: info message, json parse error"))
     assert events[-1][0] == "warning:nats_connection_error" and events[-1][1]["errors"] == 1
+
+
+async def test_a_failing_request_handler_answers_at_once_with_a_typed_error(nats_url):
+    """A request/reply handler that raises answers with nats micro's error headers
+    (``Nats-Service-Error``, ``Nats-Service-Error-Code`` 500) instead of leaving the caller to
+    wait out its timeout; ``Bus.request`` raises them as a ``RemoteError``. A request that does
+    not decode gets 400. The subscription goes on serving."""
+    bus = await Bus.connect(nats_url, name="bus-errors")
+    calls: list[str] = []
+
+    async def handler(ping: Ping) -> Pong:
+        calls.append("called")
+        if len(calls) == 1:
+            raise RuntimeError("broken\nhandler")
+        return Pong(service="fine")
+
+    try:
+        await bus.subscribe("bus-test.errors", Ping, handler)
+        await bus.flush()
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as raised:
+            await bus.request("bus-test.errors", Ping(), Pong, timeout=10.0)
+        assert time.monotonic() - started < 2.0  # at once, not after the 10 s timeout
+        assert raised.value.subject == "bus-test.errors"
+        assert raised.value.error == ServiceError(message="RuntimeError: broken handler",
+                                                  type="internal_server_error", status=500)
+        assert (await bus.request("bus-test.errors", Ping(), Pong, timeout=10.0)).service == "fine"
+
+        raw = await bus.nc.request("bus-test.errors", b"\xc1", timeout=10.0)  # not msgpack
+        assert raw.data == b"" and raw.headers[ERROR_CODE_HEADER] == "400"
+        assert raw.headers[ERROR_HEADER] == "FormatError"  # msgpack's, without a message
+        with pytest.raises(RemoteError) as raised:
+            await bus.request("bus-test.errors", Pong(service="not a ping"), Pong, timeout=10.0)
+        assert raised.value.error.status == 400 and raised.value.error.type == "invalid_request_error"
+        assert "ValidationError" in raised.value.error.message
+        assert calls == ["called", "called"]
+    finally:
+        await bus.close()

@@ -23,6 +23,7 @@ from shared.messages import (
     AbortRequests,
     DetokNewRequest,
     DetokStep,
+    FailRequests,
     GatewayStep,
     SamplingParams,
     SubmitRequest,
@@ -236,13 +237,14 @@ async def test_context_length_message(env):
 
 
 async def detok_steps(env: Env, steps: list[DetokStep], gateway_ids: list[str]
-                      ) -> tuple[dict[str, list[GatewayStep]], list[AbortRequests]]:
-    """Publish DetokSteps in order; every GatewayStep per gateway and every AbortRequests the
-    service sent for them."""
+                      ) -> tuple[dict[str, list[GatewayStep]], list[AbortRequests], list[FailRequests]]:
+    """Publish DetokSteps in order; every GatewayStep per gateway, and every AbortRequests and
+    FailRequests the service sent for them."""
     marker = f"marker-{uuid.uuid4().hex[:6]}"
     marker_sub = await env.bus.nc.subscribe(subj.gateway(marker))
     subs = {g: await env.bus.nc.subscribe(subj.gateway(g)) for g in gateway_ids}
     abort_sub = await env.bus.nc.subscribe(env.subjects.abort)
+    fail_sub = await env.bus.nc.subscribe(env.subjects.fail)
     try:
         for step in steps:
             await env.bus.publish(env.subjects.detok(0), step)
@@ -259,16 +261,16 @@ async def detok_steps(env: Env, steps: list[DetokStep], gateway_ids: list[str]
             return [decode((await sub.next_msg(timeout=1)).data, message_type) for _ in range(sub.pending_msgs)]
 
         out = {g: await queued(sub, GatewayStep) for g, sub in subs.items()}
-        return out, await queued(abort_sub, AbortRequests)
+        return out, await queued(abort_sub, AbortRequests), await queued(fail_sub, FailRequests)
     finally:
-        for sub in [*subs.values(), abort_sub, marker_sub]:
+        for sub in [*subs.values(), abort_sub, fail_sub, marker_sub]:
             await sub.unsubscribe()
 
 
 async def detok_round(env: Env, step: DetokStep, gateway_ids: list[str], abort: bool = False):
     """Publish one DetokStep; return the one GatewayStep per gateway (and the abort if asked),
     then how many more each gateway and the abort subject got."""
-    out, aborts = await detok_steps(env, [step], gateway_ids)
+    out, aborts, _ = await detok_steps(env, [step], gateway_ids)
     first = {g: steps[0] for g, steps in out.items()}  # IndexError: no output for g
     aborted = aborts[0] if abort else None
     return first, aborted, {g: len(steps) - 1 for g, steps in out.items()}, len(aborts) - abort
@@ -385,9 +387,9 @@ async def test_a_released_request_is_dropped_without_output(env):
         updates=[TokenUpdate(request_id="rel", new_token_ids=[28])],
     )
     await detok_round(env, step, [gw])
-    out, aborts = await detok_steps(env, [DetokStep(released=["rel"]), DetokStep(updates=[
+    out, aborts, fails = await detok_steps(env, [DetokStep(released=["rel"]), DetokStep(updates=[
         TokenUpdate(request_id="rel", new_token_ids=[29])])], [gw])
-    assert out == {gw: []} and aborts == []
+    assert out == {gw: []} and aborts == [] and fails == []
 
 
 async def test_an_update_for_a_request_never_registered_here_fails_it(env):
@@ -405,9 +407,9 @@ async def test_an_update_for_a_request_never_registered_here_fails_it(env):
                               TokenUpdate(request_id="ghost", new_token_ids=[28, 29]),
                               TokenUpdate(request_id="ghost-last", new_token_ids=[28], finish_reason="length")])
     later = DetokStep(updates=[TokenUpdate(request_id="ghost", new_token_ids=[30])])  # reported once
-    _, (lost, *more) = await detok_steps(env, [step, later], [])
-    assert more == []
-    assert lost.request_ids == ["ghost"] and lost.reason == "error"
+    _, aborts, (lost, *more) = await detok_steps(env, [step, later], [])
+    assert more == [] and aborts == []
+    assert lost.request_ids == ["ghost"]
     assert lost.error.code == "request_lost" and lost.error.status == 503
 
 
