@@ -1,13 +1,21 @@
-"""Typed publish/subscribe over NATS: pydantic models encoded with msgpack (no pickle)."""
+"""Typed publish/subscribe over NATS: messages encoded with msgpack (no pickle).
+
+Control messages are pydantic models (``model_dump`` / ``model_validate``); the four per-step
+messages are msgspec structs (``shared/messages/steps.py``), encoded and decoded by msgspec,
+with the pydantic models they embed (``SamplingParams``, ``ServiceError``) carried as their
+fields and validated on decode.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgpack
+import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client
@@ -18,13 +26,38 @@ from pydantic import BaseModel
 from shared.logging import get_logger
 from shared.messages import ServiceError
 
-M = TypeVar("M", bound=BaseModel)
-R = TypeVar("R", bound=BaseModel)
+AnyMessage = BaseModel | msgspec.Struct
+M = TypeVar("M", bound=AnyMessage)
+R = TypeVar("R", bound=AnyMessage)
 log = get_logger(__name__)
 
 
-def encode(message: BaseModel) -> bytes:
-    """A message as msgpack bytes."""
+def _enc_hook(obj: Any) -> Any:
+    """A pydantic model inside a struct (``SamplingParams``, ``ServiceError``): its fields."""
+    if isinstance(obj, BaseModel):
+        return obj.model_dump(mode="python", exclude_defaults=True)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(type_: type, obj: Any) -> Any:
+    """A pydantic model inside a struct, validated from its fields."""
+    if isinstance(type_, type) and issubclass(type_, BaseModel):
+        return type_.model_validate(obj)
+    raise NotImplementedError(f"cannot decode {type_}")
+
+
+_struct_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+@functools.cache
+def _struct_decoder(message_type: type[msgspec.Struct]) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(message_type, dec_hook=_dec_hook)
+
+
+def encode(message: AnyMessage) -> bytes:
+    """A message as msgpack bytes (fields equal to their defaults left out)."""
+    if isinstance(message, msgspec.Struct):
+        return _struct_encoder.encode(message)
     return msgpack.packb(message.model_dump(mode="python", exclude_defaults=True), use_bin_type=True)
 
 
@@ -32,12 +65,17 @@ def decode(data: bytes, message_type: type[M]) -> M:
     """msgpack bytes as a validated message of ``message_type``.
 
     Raises:
-        pydantic.ValidationError: the bytes are not a valid ``message_type``.
+        pydantic.ValidationError: the bytes are not a valid ``message_type`` (a pydantic
+            model, or a pydantic model inside a struct).
+        msgspec.ValidationError: the bytes are not a valid ``message_type`` (a struct).
+        msgspec.DecodeError: the bytes are not msgpack (a struct).
     """
+    if issubclass(message_type, msgspec.Struct):
+        return _struct_decoder(message_type).decode(data)
     return message_type.model_validate(msgpack.unpackb(data, raw=False, strict_map_key=False))
 
 
-Handler = Callable[[M], Awaitable[BaseModel | None]]
+Handler = Callable[[M], Awaitable[AnyMessage | None]]
 
 #: nats micro's error reply: these headers on an empty reply (``Nats-Service-Error-Code`` an
 #: HTTP-like status as a string)
@@ -175,10 +213,10 @@ class Bus:
         events.on_connected()
         return cls(nc)
 
-    async def publish(self, subject: str, message: BaseModel) -> None:
+    async def publish(self, subject: str, message: AnyMessage) -> None:
         await self.nc.publish(subject, encode(message))
 
-    async def request(self, subject: str, message: BaseModel, reply_type: type[R], timeout: float = 30.0) -> R:
+    async def request(self, subject: str, message: AnyMessage, reply_type: type[R], timeout: float = 30.0) -> R:
         """Send a request and wait for its typed reply.
 
         Raises:

@@ -77,12 +77,11 @@ class TokenTexts:
 
     def token(self, token_id: int, logprob: float | None, rank: int | None) -> TokenLogprob:
         text, raw = self.text_and_bytes(token_id)
-        # built without validation: the values are the executor's and this class's own
-        return TokenLogprob.model_construct(token_id=token_id, token=text, bytes=raw, logprob=logprob, rank=rank)
+        return TokenLogprob(token_id=token_id, token=text, bytes=raw, logprob=logprob, rank=rank)
 
     def decode(self, token_id: int, lp: SampleLogprobs) -> DecodedLogprobs:
         """The log probabilities at one sampled token ``token_id``, with each token's text."""
-        return DecodedLogprobs.model_construct(
+        return DecodedLogprobs(
             sampled=self.token(token_id, lp.logprob, lp.rank),
             top=[self.token(t, v, r) for r, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs,
                                                                      strict=True), start=1)],

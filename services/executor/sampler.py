@@ -136,8 +136,8 @@ def compute_logprobs(
     top_lp_list, top_id_list = (top_logit[:, :k] - lse).tolist(), top_ids[:, :k].tolist()
     for j, i in enumerate(rows):
         n = num_top[i] or 0
-        out[i] = SampleLogprobs.model_construct(logprob=sampled_list[j], rank=rank_list[j],
-                                                top_token_ids=top_id_list[j][:n], top_logprobs=top_lp_list[j][:n])
+        out[i] = SampleLogprobs(logprob=sampled_list[j], rank=rank_list[j],
+                                top_token_ids=top_id_list[j][:n], top_logprobs=top_lp_list[j][:n])
     return out
 
 

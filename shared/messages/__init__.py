@@ -1,0 +1,71 @@
+"""Every message between services (subjects in shared/subjects.py; encoding in shared/bus.py).
+
+Flow of one request:
+  gateway/LLM --TokenizeRequest--> tokenizer --SubmitRequest--> scheduler
+  scheduler --StepPlan--> executor group --StepResult--> scheduler
+  scheduler --DetokStep--> detokenizer shard --GatewayStep--> gateway/LLM
+  gateway/detokenizer --AbortRequests--> scheduler
+  detokenizer --FailRequests--> scheduler
+A prompt's token ids cross each hop once; per step only changes travel (vLLM V1's
+``SchedulerOutput`` style: new requests in full, then appended block ids and counts).
+
+Modules: ``common`` (the pydantic base, ``ServiceError``, limits), ``sampling``
+(``SamplingParams``), ``control`` (request/reply and control messages, pydantic) and
+``steps`` (the four per-step messages and their parts, msgspec structs). Import from here.
+"""
+
+from shared.messages.common import (
+    GREEDY_TEMPERATURE,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_N,
+    FinishReason,
+    Message,
+    ServiceError,
+)
+from shared.messages.control import (
+    AbortRequests,
+    FailRequests,
+    GroupStats,
+    Heartbeat,
+    HeartbeatAck,
+    Ping,
+    Pong,
+    RegisterAck,
+    RegisterGroup,
+    RequestsKnown,
+    RequestsQuery,
+    SchedulerStats,
+    StatsQuery,
+    SubmitRequest,
+    TokenizeReply,
+    TokenizeRequest,
+)
+from shared.messages.sampling import SamplingParams
+from shared.messages.steps import (
+    CachedRequestData,
+    DecodedLogprobs,
+    DetokNewRequest,
+    DetokStep,
+    GatewayStep,
+    NewRequestData,
+    PromptLogprobs,
+    RequestDelta,
+    SampleLogprobs,
+    StepMessage,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+    TokenUpdate,
+)
+
+__all__ = [
+    "GREEDY_TEMPERATURE", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_N", "AbortRequests",
+    "CachedRequestData", "DecodedLogprobs", "DetokNewRequest", "DetokStep", "FailRequests", "FinishReason",
+    "GatewayStep", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
+    "PromptLogprobs", "RegisterAck", "RegisterGroup", "RequestDelta", "RequestsKnown", "RequestsQuery",
+    "SampleLogprobs", "SamplingParams", "SchedulerStats", "ServiceError", "StatsQuery", "StepMessage",
+    "StepPlan", "StepResult", "SubmitRequest", "TokenLogprob", "TokenUpdate", "TokenizeReply",
+    "TokenizeRequest",
+]

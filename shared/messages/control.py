@@ -1,0 +1,171 @@
+"""The control messages: requests, registrations, heartbeats, statistics and pings (pydantic,
+validated on decode; none of them is sent per step)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from shared.messages.common import FinishReason, Message, ServiceError
+from shared.messages.sampling import SamplingParams
+
+# ---------------------------------------------------------------- gateway -> tokenizer
+
+
+class TokenizeRequest(Message):
+    """A completion (``prompt``) or chat (``messages``) request, before tokenization."""
+
+    request_id: str
+    gateway_id: str
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0  # unix seconds
+    cache_salt: str | None = None  # requests with different salts never share cached blocks
+    # prompt + max_tokens may exceed max_model_len: the request then stops at max_model_len with
+    # finish_reason "length" (vLLM's offline LLM); False: refused, as the OpenAI server does
+    cap_at_max_model_len: bool = False
+    return_prompt: bool = False  # reply with the prompt text (chat: as rendered; token ids: decoded)
+    # the scheduler tells the gateway when it accepts the request (RequestDelta.accepted), so
+    # that a streaming HTTP response starts only once it cannot be refused any more
+    notify_accepted: bool = False
+
+
+class TokenizeReply(Message):
+    """The tokenizer's answer: accepted (and submitted to the scheduler) or an error."""
+
+    request_id: str
+    error: ServiceError | None = None
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    prompt: str | None = None  # the prompt text, when asked (return_prompt)
+
+
+# ---------------------------------------------------------------- tokenizer -> scheduler
+
+
+class SubmitRequest(Message):
+    request_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+    cache_salt: str | None = None
+    notify_accepted: bool = False  # send the gateway a RequestDelta(accepted=True) once queued
+
+
+class AbortRequests(Message):
+    """Stop these requests and free their blocks (client gone, or stop string matched)."""
+
+    request_ids: list[str]
+    reason: FinishReason = "abort"
+
+
+class FailRequests(Message):
+    """End these requests with ``error`` (a detokenizer lost their state): the scheduler frees
+    their blocks and sends the error to the gateway of each one it still holds (the sender does
+    not know the gateways)."""
+
+    request_ids: list[str]
+    error: ServiceError
+
+
+# ---------------------------------------------------------------- scheduler <-> executor
+
+
+class RegisterGroup(Message):
+    """An executor group announces itself (request/reply; answered by ``RegisterAck``). The
+    scheduler refuses a group whose served ``model`` or ``max_model_len`` differs from its own."""
+
+    group_id: str
+    model: str  # the served model name
+    num_blocks: int
+    block_size: int  # tokens
+    max_model_len: int
+
+
+class RegisterAck(Message):
+    group_id: str
+    accepted: bool
+    error: ServiceError | None = None
+    # the first step id planned for this registration: a re-registering executor drops the
+    # plans of its previous registration still queued (async scheduling keeps two in flight)
+    next_step_id: int = 0
+
+
+class Heartbeat(Message):
+    """An executor group is alive (request/reply: answered by ``HeartbeatAck``).
+
+    ``idle``: no plan is queued or running on the executor; ``last_step_id``: the newest plan
+    it has received. An idle executor that never received the scheduler's oldest step in
+    flight, in two heartbeats in a row with the step sent before the first, lost its plan; one
+    that received it lost its result if the scheduler has not had it for
+    ``heartbeat_timeout_s`` (a NATS reconnect drops messages in transit). The scheduler then
+    drops the group, which registers again. ``stopping``: the executor is shutting down; its
+    requests go elsewhere now.
+    """
+
+    group_id: str
+    idle: bool = False
+    last_step_id: int = 0
+    stopping: bool = False
+
+
+class HeartbeatAck(Message):
+    """``known`` False: the scheduler has dropped the group (a step timed out, or the
+    scheduler restarted); the executor registers again."""
+
+    group_id: str
+    known: bool
+
+
+# ---------------------------------------------------------------- statistics
+
+
+class GroupStats(Message):
+    group_id: str
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of them, served from the cache
+
+
+class SchedulerStats(Message):
+    """Published every second and answered on request (``stats_get`` subject)."""
+
+    num_running: int
+    num_waiting: int
+    groups: list[GroupStats]
+    num_preemptions: int = 0
+    num_finished: int = 0
+    time: float = 0.0
+
+
+class StatsQuery(Message):
+    pass
+
+
+class RequestsQuery(Message):
+    """Which of these client request ids does the scheduler still hold? (request/reply)"""
+
+    request_ids: list[str]
+
+
+class RequestsKnown(Message):
+    """The ids of a ``RequestsQuery`` that the scheduler holds (a request, or samples of it)."""
+
+    known: list[str] = Field(default_factory=list)
+
+
+class Ping(Message):
+    """Liveness probe of a service (request/reply on ``Subjects.ping(service)``)."""
+
+
+class Pong(Message):
+    service: str

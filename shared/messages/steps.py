@@ -1,0 +1,192 @@
+"""The four messages sent every step, and their parts: msgspec structs (as vLLM's engine core
+messages), not pydantic models.
+
+``StepPlan`` (scheduler -> executor group), ``StepResult`` (executor -> scheduler),
+``DetokStep`` (scheduler -> detokenizer shard) and ``GatewayStep`` (detokenizer / scheduler ->
+gateway) carry one entry per running request every step. msgspec encodes and decodes them
+about ten times faster than pydantic's ``model_dump`` / ``model_validate`` (see
+``benchmarks/messages.py``) while the decoder still checks every field's type and refuses
+unknown fields. Unlike a pydantic model, a struct does not check its values when built in
+code: the code that builds one is the check. The two pydantic models they embed,
+``SamplingParams`` and ``ServiceError``, travel as their fields and are validated on decode
+(``shared/bus.py``'s hooks).
+"""
+
+from __future__ import annotations
+
+import builtins
+
+from msgspec import Struct, field
+
+from shared.messages.common import FinishReason, ServiceError
+from shared.messages.sampling import SamplingParams
+
+
+class StepMessage(Struct, omit_defaults=True, forbid_unknown_fields=True, gc=False):
+    """Base of the per-step structs: defaults stay off the wire, unknown fields are refused,
+    and instances are not tracked by the cyclic garbage collector (they hold no cycles)."""
+
+
+# ---------------------------------------------------------------- scheduler <-> executor
+
+
+class NewRequestData(StepMessage, kw_only=True):
+    """A request the executor has not seen (or must recompute after preemption).
+
+    ``prompt_token_ids`` holds every token known so far (prompt, plus the outputs of a
+    preempted request being recomputed); ``num_computed_tokens`` of them are already in
+    the KV cache (prefix cache hit).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_output_tokens: int = 0  # of prompt_token_ids, how many are generated (resumed)
+
+
+class CachedRequestData(StepMessage, kw_only=True):
+    """A running request the executor knows: only the blocks appended this step, and the one
+    entry a copy-on-write changed in place (``(position in the block table, new block id)``;
+    the K/V copy itself is in ``StepPlan.block_copies``)."""
+
+    request_id: str
+    new_block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int
+    replaced_block: tuple[int, int] | None = None
+
+
+class StepPlan(StepMessage, kw_only=True):
+    """One step for one executor group (vLLM V1's ``SchedulerOutput``).
+
+    ``num_scheduled_tokens[request_id]`` tokens of each listed request are computed this
+    step, starting at its ``num_computed_tokens``. A request whose computed tokens reach
+    its known tokens gets one token sampled.
+    """
+
+    step_id: int
+    group_id: str
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_request_ids: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block ids
+    # n > 1: when a parent's prefill completes this step, the executor forks these children
+    # (same tokens and blocks) and samples each one's first token from the parent's logits.
+    forks: dict[str, list[str]] = field(default_factory=dict)
+
+
+class SampleLogprobs(StepMessage, kw_only=True):
+    """The log probabilities (natural log, float32 log-softmax of the raw logits) at one
+    sampled token, for a request with ``SamplingParams.logprobs``."""
+
+    logprob: float  # of the sampled token
+    rank: int  # of the sampled token: the number of tokens at least as likely (1 = the most likely)
+    top_token_ids: list[int] = field(default_factory=list)  # the logprobs most likely, most likely first
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+class PromptLogprobs(StepMessage, kw_only=True):
+    """The log probabilities of prompt tokens ``start``, ``start + 1``, ... (each under the
+    distribution after the tokens before it; the first prompt token has none)."""
+
+    start: int  # >= 1: the prompt position of the first entry
+    token_ids: list[int]  # the prompt tokens they are of
+    logprobs: list[SampleLogprobs]
+
+
+class StepResult(StepMessage, kw_only=True):
+    """The executor's answer to a ``StepPlan``: one sampled token per request that got one,
+    and its log probabilities where the request asked for them."""
+
+    step_id: int
+    group_id: str
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
+    # the prompt positions this step computed, of the requests with prompt_logprobs
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    error: ServiceError | None = None
+
+
+# ---------------------------------------------------------------- scheduler -> detokenizer
+
+
+class DetokNewRequest(StepMessage, kw_only=True):
+    request_id: str
+    gateway_id: str
+    prompt_tail_ids: list[int]  # last few prompt tokens: context for the first output token
+    num_prompt_tokens: int
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0  # stop strings are matched only in text after this many output tokens
+    prompt_logprobs: PromptLogprobs | None = None  # all of them (start 1), if asked
+    first_prompt_token_id: int | None = None  # with prompt_logprobs: the prompt token they start after
+    parent_request_id: str | None = None  # n > 1: the client's request id of this sample
+    index: int = 0  # n > 1: which sample (choice index)
+
+
+class TokenUpdate(StepMessage, kw_only=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended the request
+    num_cached_tokens: int = 0
+    logprobs: list[SampleLogprobs] = field(default_factory=list)  # one per new token, if asked
+
+
+class DetokStep(StepMessage, kw_only=True):
+    """One message per detokenizer shard per scheduler step."""
+
+    new_requests: list[DetokNewRequest] = field(default_factory=list)
+    updates: list[TokenUpdate] = field(default_factory=list)
+    # requests the scheduler ended without a last output (aborted, failed; their clients heard
+    # it elsewhere): drop their state, send nothing
+    released: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- detokenizer/scheduler -> gateway
+
+
+class TokenLogprob(StepMessage, kw_only=True):
+    """One token and its log probability, decoded (OpenAI's ``token``, ``bytes``, ``logprob``)."""
+
+    token_id: int
+    token: str  # the token's own text (special tokens included; "\ufffd" for part of a character)
+    bytes: builtins.bytes  # its UTF-8 bytes (a byte-level BPE token's own bytes, even a partial character)
+    logprob: float | None  # None: the first prompt token (nothing before it)
+    rank: int | None
+
+
+class DecodedLogprobs(StepMessage, kw_only=True):
+    """The log probabilities at one output token: the sampled token's and the most likely ones."""
+
+    sampled: TokenLogprob
+    top: list[TokenLogprob] = field(default_factory=list)  # most likely first
+
+
+class RequestDelta(StepMessage, kw_only=True):
+    """What one request produced in one step, as the client sees it."""
+
+    request_id: str
+    index: int = 0  # the choice index, for n > 1
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far
+    num_cached_tokens: int = 0
+    error: ServiceError | None = None
+    logprobs: list[DecodedLogprobs] = field(default_factory=list)  # one per token id, if asked
+    # the first delta of a request with prompt_logprobs: one per prompt token (the first's logprob None)
+    prompt_logprobs: list[DecodedLogprobs] = field(default_factory=list)
+    accepted: bool = False  # only this: the scheduler queued the request (SubmitRequest.notify_accepted)
+
+
+class GatewayStep(StepMessage, kw_only=True):
+    """One message per gateway per step."""
+
+    outputs: list[RequestDelta]
