@@ -15,11 +15,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from gateway.client import EngineClient
 from pagedllm.launcher import InProcessServices, pinned_settings
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from shared.bus import Bus
 from shared.config import Settings
+from shared.engine_client import EngineClient
 from shared.logging import configure_logging
 from shared.messages import DecodedLogprobs, RequestDelta, SamplingParams, SchedulerStats, StatsQuery
 from shared.model_source import load_model_info

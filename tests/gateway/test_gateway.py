@@ -615,7 +615,7 @@ async def test_vllm_fields_not_served_are_refused_by_name(gw, field, value):
 async def test_other_refusals_as_vllm(gw, monkeypatch):
     """tool_choice without tools, an empty cache_salt, a completions response_format and a
     boolean token id are 400s; unknown fields are ignored and logged, as vLLM does."""
-    from gateway import protocol
+    from gateway.protocol import base as protocol
 
     chat = {"model": gw.model, "messages": [{"role": "user", "content": "x"}]}
     for tool_choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
@@ -662,7 +662,7 @@ async def test_streaming_disconnect_aborts(gw):
     await gw.backend.wait_aborted(request_id)
     assert request_id.startswith("cmpl-") and request_id in gw.backend.aborted
     await asyncio.sleep(0.05)
-    assert request_id not in gw.service.client._queues
+    assert request_id not in gw.service.client._pending
     assert await _aborts_counted(gw) == aborts_before + 1  # vLLM's finished_reason="abort"
 
 
@@ -1002,7 +1002,7 @@ def test_completion_top_logprobs_keep_the_likeliest_of_tokens_with_one_text():
     """Tokens holding parts of characters all read U+FFFD: in a completion's top_logprobs (keyed
     by text) the likeliest of them stays, so its maximum is the true one (a sampled byte token
     first used to hide a likelier one); return_tokens_as_token_ids keeps them apart."""
-    from gateway.app import completion_logprobs
+    from gateway.completion import completion_logprobs
 
     def tok(token_id: int, logprob: float, rank: int) -> TokenLogprob:
         return TokenLogprob(token_id=token_id, token="\ufffd", bytes=bytes([0xE4 + rank]), logprob=logprob, rank=rank)
