@@ -1,6 +1,9 @@
 """The OpenAI-compatible gateway: HTTP, Server-Sent Events and WebSocket over FastAPI.
 
-``gateway.client.EngineClient`` talks to the services over NATS (also used by the offline
-``LLM`` API; it does not import FastAPI), ``gateway.app.create_app`` builds the FastAPI app,
-``gateway.service.GatewayService`` runs it with uvicorn as a pagedllm service.
+``shared.engine_client.EngineClient`` talks to the services over NATS (the offline ``LLM``
+uses it too). Here: ``protocol/`` (request and response shapes), ``errors`` (OpenAI error
+bodies), ``generation`` with ``completion`` and ``chat`` (deltas folded into chunks and
+responses, no I/O), ``serving`` (submit, stream, abort), ``websocket`` (``/v1/stream``),
+``app`` (``create_app``: the routes), ``metrics`` (``GET /metrics``) and ``service``
+(``GatewayService``: the app under uvicorn as a pagedllm service).
 """

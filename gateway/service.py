@@ -15,10 +15,11 @@ from types import TracebackType
 
 import uvicorn
 
-from gateway.app import OpenAIServing, create_app
-from gateway.client import EngineClient
+from gateway.app import create_app
+from gateway.serving import OpenAIServing
 from shared.bus import Bus
 from shared.config import Settings
+from shared.engine_client import EngineClient
 from shared.logging import get_logger
 from shared.messages import ServiceError
 from shared.model_source import ModelInfo

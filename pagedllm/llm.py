@@ -2,7 +2,9 @@
 
 It runs the same services as ``pagedllm serve`` (tokenizer, scheduler, executor,
 detokenizer) on an embedded NATS server, in one background event loop of this process, and
-talks to them through the gateway's ``EngineClient`` over the same subjects.
+talks to them through ``shared.engine_client.EngineClient`` over the same subjects. Each
+request's deltas are folded by the gateway's ``RequestState`` (``gateway/generation.py``),
+then given vLLM's ``RequestOutput`` shape.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from gateway.client import EngineClient
+from gateway.generation import RequestState
 from pagedllm.launcher import InProcessServices, pinned_settings
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import RequestOutput, request_output
 from shared.bus import Bus
 from shared.config import Settings
+from shared.engine_client import EngineClient
 from shared.logging import configure_logging
-from shared.messages import DecodedLogprobs, RequestDelta, SamplingParams, SchedulerStats, StatsQuery
+from shared.messages import SamplingParams, SchedulerStats, StatsQuery
 from shared.model_source import load_model_info
 from shared.nats_server import EmbeddedNats
 from shared.service import wait_engine_ready
@@ -152,7 +155,6 @@ class LLM:
 
     async def _generate_all(self, items, params, priority, bar) -> list[RequestOutput]:
         ids = [f"llm-{uuid.uuid4().hex}" for _ in items]
-        outputs: list[RequestOutput] = []
         try:
             # all submitted at once, in input order (tasks start in creation order)
             replies = await asyncio.gather(*(
@@ -160,50 +162,29 @@ class LLM:
                                    cap_at_max_model_len=True, return_prompt="messages" in item, **item)
                 for i, (rid, item, sp) in enumerate(zip(ids, items, params, strict=True))
             ))
-            for rid, item, sp, reply in zip(ids, items, params, replies, strict=True):
+            for reply in replies:
                 if reply.error is not None:
                     raise ValueError(reply.error.message)
-                prompt = item.get("prompt")
-                outputs.append(
-                    RequestOutput(
-                        request_id=rid,
-                        # chat: the rendered text; token ids: None, as vLLM's LLM
-                        prompt=reply.prompt if "messages" in item else prompt if isinstance(prompt, str) else None,
-                        prompt_token_ids=list(reply.prompt_token_ids),
-                        outputs=[CompletionOutput(index=i, text="", token_ids=[],
-                                                  logprobs=None if sp.logprobs is None else [])
-                                 for i in range(sp.n)],
-                    )
-                )
+            states = [RequestState.new(rid, sp.n) for rid, sp in zip(ids, params, strict=True)]
 
-            async def collect(out: RequestOutput) -> None:
-                async for delta in self._client.stream(out.request_id):
-                    self._apply(out, out.outputs[delta.index], delta)
-                out.finished = all(c.finish_reason is not None for c in out.outputs)
+            async def collect(state: RequestState) -> None:
+                async for delta in self._client.stream(state.request_id):
+                    if delta.error is not None:
+                        raise ValueError(delta.error.message)
+                    state.add(delta)
                 bar.update(1)
 
-            await asyncio.gather(*(collect(o) for o in outputs))
+            await asyncio.gather(*(collect(state) for state in states))
         except BaseException:
             await self._client.abort(ids)
             raise
+        outputs = []
+        for state, item, sp, reply in zip(states, items, params, replies, strict=True):
+            prompt = item.get("prompt")
+            # chat: the rendered text; token ids: None, as vLLM's LLM
+            text = reply.prompt if "messages" in item else prompt if isinstance(prompt, str) else None
+            outputs.append(request_output(state, text, list(reply.prompt_token_ids), sp.logprobs is not None))
         return outputs
-
-    @staticmethod
-    def _apply(out: RequestOutput, comp: CompletionOutput, delta: RequestDelta) -> None:
-        if delta.error is not None:
-            raise ValueError(delta.error.message)
-        comp.text += delta.text
-        comp.token_ids.extend(delta.token_ids)
-        if comp.logprobs is not None:
-            comp.logprobs.extend(_logprob_dict(lp) for lp in delta.logprobs)
-            comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + sum(
-                lp.sampled.logprob or 0.0 for lp in delta.logprobs)
-        if delta.prompt_logprobs and out.prompt_logprobs is None:
-            out.prompt_logprobs = [None, *(_logprob_dict(lp) for lp in delta.prompt_logprobs[1:])]
-        out.num_cached_tokens = delta.num_cached_tokens
-        if delta.finished:
-            comp.finish_reason = delta.finish_reason
-            comp.stop_reason = delta.stop_reason
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -239,10 +220,3 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _logprob_dict(lp: DecodedLogprobs) -> dict[int, Logprob]:
-    """vLLM's per-token dict: the sampled token first, then the most likely ones."""
-    out = {lp.sampled.token_id: Logprob(lp.sampled.logprob, lp.sampled.rank, lp.sampled.token)}
-    for t in lp.top:
-        out.setdefault(t.token_id, Logprob(t.logprob, t.rank, t.token))
-    return out

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # not imported at run time: ``import pagedllm`` stays light for the CLI
+    from gateway.generation import RequestState
+    from shared.messages import DecodedLogprobs
 
 
 @dataclass
@@ -50,3 +55,45 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs, as vLLM: None for the first prompt token, then one
     # dict per prompt token (the token first, then the most likely ones)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+def request_output(state: RequestState, prompt: str | None, prompt_token_ids: list[int],
+                   logprobs: bool) -> RequestOutput:
+    """The ``RequestOutput`` of one finished engine request, from its folded deltas.
+
+    Args:
+        state: its deltas folded.
+        prompt: the prompt text to report (None for token ids, as vLLM's ``LLM``).
+        prompt_token_ids: the prompt's token ids, from the tokenizer.
+        logprobs: whether ``SamplingParams.logprobs`` asked for log probabilities.
+    """
+    outputs = [
+        CompletionOutput(
+            index=i,
+            text=s.text,
+            token_ids=s.token_ids,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+            logprobs=[_logprob_dict(lp) for lp in s.logprobs] if logprobs else None,
+            cumulative_logprob=s.cumulative_logprob if logprobs else None,
+        )
+        for i, s in enumerate(state.samples)
+    ]
+    return RequestOutput(
+        request_id=state.request_id,
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        outputs=outputs,
+        finished=all(c.finish_reason is not None for c in outputs),
+        num_cached_tokens=state.num_cached_tokens,
+        prompt_logprobs=([None, *(_logprob_dict(lp) for lp in state.prompt_logprobs[1:])]
+                         if state.prompt_logprobs else None),
+    )
+
+
+def _logprob_dict(lp: DecodedLogprobs) -> dict[int, Logprob]:
+    """vLLM's per-token dict: the sampled token first, then the most likely ones."""
+    out = {lp.sampled.token_id: Logprob(lp.sampled.logprob, lp.sampled.rank, lp.sampled.token)}
+    for t in lp.top:
+        out.setdefault(t.token_id, Logprob(t.logprob, t.rank, t.token))
+    return out

@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from gateway.client import EngineClient
 from shared.bus import Bus
+from shared.engine_client import EngineClient
 from shared.messages import SamplingParams, SchedulerStats, StatsQuery
 from shared.service import wait_engine_ready
 from shared.subjects import Subjects

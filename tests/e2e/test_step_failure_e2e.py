@@ -244,9 +244,9 @@ def test_a_request_whose_outputs_or_detokenizer_state_are_lost_ends_with_a_503(s
       which knows its gateway) and frees its blocks, instead of generating to max_tokens for
       nobody.
     The engine then serves as before."""
-    from gateway.client import EngineClient
     from pagedllm import LLM, SamplingParams
     from services.detokenizer.service import DetokenizerService
+    from shared.engine_client import EngineClient
 
     monkeypatch.setattr(EngineClient, "liveness_idle_s", 0.5)
     monkeypatch.setattr(EngineClient, "liveness_check_s", 0.25)

@@ -1,11 +1,8 @@
-"""The gateway against a real nats-server and a fake backend (tokenizer + detokenizer).
-
-The fake backend answers ``TokenizeRequest`` (one token per prompt word) and then
-publishes ``GatewayStep`` deltas that spell "The capital of France is Paris." (one word
-per token, cut at ``max_tokens``). Prompts containing "slow" produce one delta and then
-wait for an abort; with "children first" the samples of n > 1 come last to first; prompts containing "fail" end with an engine error; ``max_tokens``
-above 100 is refused by the fake tokenizer.
-"""
+"""The gateway's HTTP and SSE endpoints against a real nats-server and a fake backend
+(tokenizer + detokenizer stand-in: ``gateway_fakes.FakeBackend``, the ``gw`` fixture in
+``conftest.py``): request mapping, errors and their status codes, aborts when a client
+leaves, shutdown, health, metrics. The shapes of chunks and responses are tested without
+NATS in ``test_generation.py``, the WebSocket protocol in ``test_websocket.py``."""
 
 from __future__ import annotations
 
@@ -13,196 +10,20 @@ import asyncio
 import json
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import pytest_asyncio
+from gateway_fakes import ANSWER, FULL, PROMPT, FakeBackend, assert_openai_error
 from websockets.asyncio.client import connect as ws_connect
 
 from gateway.service import GatewayService
-from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
-from shared.messages import (
-    AbortRequests,
-    DecodedLogprobs,
-    GatewayStep,
-    GroupStats,
-    RequestDelta,
-    SchedulerStats,
-    ServiceError,
-    StatsQuery,
-    TokenizeReply,
-    TokenizeRequest,
-    TokenLogprob,
-)
+from shared.messages import GroupStats, SchedulerStats, StatsQuery
 from shared.model_source import ModelInfo
 from shared.service import answer_pings, engine_ping_names
-from shared.subjects import TOKENIZER_QUEUE, Subjects
-
-ANSWER = ["The", " capital", " of", " France", " is", " Paris."]
-FULL = "".join(ANSWER)
-PROMPT = "What is the capital of France?"  # 6 words = 6 prompt tokens
-
-
-def fake_logprobs(i: int, piece: str, num_top: int) -> DecodedLogprobs:
-    """Output token ``i`` (text ``piece``): log probability -i / 10 (the first is -inf: JSON
-    has none), rank 1; alternatives "alt0", "alt1", ... at -1, -2, ..."""
-    sampled = TokenLogprob(token_id=100 + i, token=piece, bytes=piece.encode(),
-                           logprob=-i / 10 if i else float("-inf"), rank=1)
-    alts = [TokenLogprob(token_id=900 + k, token=f"alt{k}", bytes=f"alt{k}".encode(), logprob=-1.0 - k,
-                         rank=k + 1) for k in range(num_top)]
-    return DecodedLogprobs(sampled=sampled, top=alts)
-
-
-def fake_prompt_logprobs(text: str, num_top: int) -> list[DecodedLogprobs]:
-    """Prompt word ``i`` (text " word" but the first): log probability -i, the first None."""
-    words = text.split()
-    out = []
-    for i, w in enumerate(words):
-        piece = w if i == 0 else " " + w
-        token = TokenLogprob(token_id=i, token=piece, bytes=piece.encode(), logprob=-float(i) if i else None,
-                             rank=1 if i else None)
-        alts = [] if not i else [TokenLogprob(token_id=900 + k, token=f"alt{k}", bytes=f"alt{k}".encode(),
-                                              logprob=-10.0 - k, rank=k + 1) for k in range(num_top)]
-        out.append(DecodedLogprobs(sampled=token, top=alts))
-    return out
-
-
-class FakeBackend:
-    """Tokenizer + detokenizer stand-in that records what the gateway sends."""
-
-    def __init__(self, bus: Bus, model: str) -> None:
-        self.bus = bus
-        self.model = model
-        self.subjects = Subjects(model)
-        self.requests: dict[str, TokenizeRequest] = {}
-        self.aborted: list[str] = []
-        self._abort_events: dict[str, asyncio.Event] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> None:
-        await self.bus.subscribe(
-            self.subjects.tokenize, TokenizeRequest, self._on_tokenize, queue=TOKENIZER_QUEUE
-        )
-        await self.bus.subscribe(self.subjects.abort, AbortRequests, self._on_abort)
-        await self.bus.subscribe(self.subjects.stats_get, StatsQuery, self._on_stats)
-        for service in engine_ping_names(1):
-            await answer_pings(self.bus, self.model, service)
-        await self.bus.flush()
-
-    async def _on_stats(self, _: StatsQuery) -> SchedulerStats:
-        group = GroupStats(group_id="g0", num_blocks=8, num_free_blocks=8, block_size=16, num_running=0)
-        return SchedulerStats(num_running=0, num_waiting=0, groups=[group])
-
-    async def _on_abort(self, message: AbortRequests) -> None:
-        for request_id in message.request_ids:
-            self.aborted.append(request_id)
-            self._abort_events.setdefault(request_id, asyncio.Event()).set()
-
-    async def wait_aborted(self, request_id: str, timeout: float = 5.0) -> None:
-        await asyncio.wait_for(self._abort_events.setdefault(request_id, asyncio.Event()).wait(), timeout)
-
-    async def _on_tokenize(self, req: TokenizeRequest) -> TokenizeReply:
-        self.requests[req.request_id] = req
-        params = req.sampling_params
-        if params.max_tokens is not None and params.max_tokens > 100:
-            error = ServiceError(
-                message=f"max_tokens={params.max_tokens} is too large: prompt + max_tokens exceeds max_model_len=106",
-                param="max_tokens",
-            )
-            return TokenizeReply(request_id=req.request_id, error=error)
-        if isinstance(req.prompt, list):
-            text, prompt_ids = "", req.prompt
-        else:
-            text = req.prompt if req.prompt is not None else str(req.messages[-1]["content"])
-            prompt_ids = list(range(len(text.split())))
-        task = asyncio.create_task(self._generate(req, text, len(prompt_ids)))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return TokenizeReply(request_id=req.request_id, prompt_token_ids=prompt_ids,
-                             prompt=text if req.return_prompt else None)
-
-    async def _send(self, req: TokenizeRequest, **fields: Any) -> None:
-        delta = RequestDelta(request_id=req.request_id, **fields)
-        await self.bus.publish(subjects.gateway(req.gateway_id), GatewayStep(outputs=[delta]))
-
-    async def _generate(self, req: TokenizeRequest, text: str, num_prompt: int) -> None:
-        await asyncio.sleep(0.01)
-        if "refuse" in text:  # as the scheduler refuses (priority, KV cache too small) after tokenizing
-            error = ServiceError(message="priority=-1 needs --scheduling-policy priority", param="priority")
-            await self._send(req, finished=True, finish_reason="error", error=error)
-            return
-        if req.notify_accepted:  # as the scheduler, once queued
-            await self._send(req, accepted=True)
-        if "slow" in text:
-            await self._send(
-                req, text="Hello", token_ids=[7], num_prompt_tokens=num_prompt, num_output_tokens=1
-            )
-            await self.wait_aborted(req.request_id, timeout=10)
-            return
-        if "fail" in text:
-            await self._send(
-                req, text="Oops", token_ids=[7], num_prompt_tokens=num_prompt, num_output_tokens=1
-            )
-            error = ServiceError(message="executor group g0 failed", type="internal_error", status=500)
-            await self._send(req, finished=True, finish_reason="error", error=error)
-            return
-        params = req.sampling_params
-        limit = params.max_tokens or len(ANSWER)
-        pieces = ANSWER[:limit]
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            order = range(params.n)[::-1] if "children first" in text else range(params.n)
-            for index in order:  # every sample the same answer (the prompt's logprobs with sample 0's)
-                await self._send(
-                    req,
-                    index=index,
-                    text=piece,
-                    token_ids=[100 + i],
-                    logprobs=[] if params.logprobs is None else [fake_logprobs(i, piece, params.logprobs)],
-                    prompt_logprobs=(fake_prompt_logprobs(text, params.prompt_logprobs)
-                                     if params.prompt_logprobs is not None and i == 0 and index == 0 else []),
-                    finished=last,
-                    finish_reason=("stop" if len(pieces) == len(ANSWER) else "length") if last else None,
-                    num_prompt_tokens=num_prompt,
-                    num_output_tokens=i + 1,
-                )
-            await asyncio.sleep(0.005)
-
-
-@pytest_asyncio.fixture(scope="module")
-async def gw(nats_url: str):
-    model = f"gwtest-{uuid.uuid4().hex[:8]}"
-    bus = await Bus.connect(nats_url, name="fake-backend")
-    backend = FakeBackend(bus, model)
-    await backend.start()
-    info = ModelInfo(
-        path=Path("/models") / model, name=model, max_model_len=106, eos_token_ids=(2,), vocab_size=1000
-    )
-    service = GatewayService(Settings(nats_url=nats_url, host="127.0.0.1", port=0), info)
-    await service.start()
-    base = service.url
-    oai = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=10)
-    async with httpx.AsyncClient(base_url=base, timeout=10) as http:
-        yield SimpleNamespace(model=model, backend=backend, service=service, base=base, oai=oai, http=http)
-    await oai.close()
-    await service.stop()
-    await bus.close()
-
-
-def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    if param is not None:
-        assert body["error"]["param"] == param, body
-    return body["error"]
 
 
 async def test_health_is_503_until_the_engine_is_ready(nats_url):
@@ -282,21 +103,6 @@ async def test_completion_defaults_and_forms(gw):
     assert out.choices[0].text == "The capital"
     assert out.choices[0].finish_reason == "length"
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 2)
-
-
-async def test_completion_stream_equals_non_stream(gw):
-    full = await gw.oai.completions.create(model=gw.model, prompt=PROMPT, max_tokens=20)
-    stream = await gw.oai.completions.create(
-        model=gw.model, prompt=PROMPT, max_tokens=20, stream=True, stream_options={"include_usage": True}
-    )
-    chunks = [chunk async for chunk in stream]
-    text_chunks = [c for c in chunks if c.choices]
-    assert len(text_chunks) == len(ANSWER)
-    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text == FULL
-    assert [c.choices[0].finish_reason for c in text_chunks] == [None] * 5 + ["stop"]
-    assert all(c.usage is None for c in text_chunks)
-    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 12
-    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
 
 
 async def test_chat(gw):
@@ -509,16 +315,14 @@ async def test_engine_error_mid_stream(gw):
     assert out.choices[0].text == FULL
 
 
-async def test_a_batch_of_prompts_gives_n_choices_per_prompt_with_echo(gw):
-    """A list of prompts is one engine request each: choice p * n + i is sample i of prompt
-    p, usage sums the prompts, streamed and not; echo starts each choice with its prompt."""
+async def test_a_batch_of_prompts_is_one_engine_request_each_merged_into_one_answer(gw):
+    """A list of prompts is one engine request each: their streams are merged into one
+    response (choice p * n + i is sample i of prompt p; shapes in test_generation.py), the
+    same streamed and not; a batch of token-id prompts too."""
     prompts = ["one two", "three four five", "six seven"]
     body = {"model": gw.model, "prompt": prompts, "n": 2, "max_tokens": 3, "echo": True}
     out = (await gw.http.post("/v1/completions", json=body)).json()
-    assert [c["index"] for c in out["choices"]] == list(range(6))
     assert [c["text"] for c in out["choices"]] == [p + "The capital of" for p in prompts for _ in range(2)]
-    assert out["usage"] == {"prompt_tokens": 2 + 3 + 2, "completion_tokens": 3 * 6, "total_tokens": 25,
-                            "prompt_tokens_details": None}
     async with gw.http.stream("POST", "/v1/completions", json={**body, "stream": True,
                                                                "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200
@@ -533,23 +337,6 @@ async def test_a_batch_of_prompts_gives_n_choices_per_prompt_with_echo(gw):
                                                        "max_tokens": 1})).json()
     assert [c["text"] for c in ids["choices"]] == ["The", "The"] and ids["usage"]["prompt_tokens"] == 3
     assert gw.service.client.num_in_flight == 0
-
-
-async def test_continuous_usage_stats_put_the_usage_in_every_chunk(gw):
-    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far of
-    its own choice (its prompt's tokens, its own output); the last chunk the whole usage."""
-    body = {"model": gw.model, "prompt": ["one two", "three four five"], "n": 2, "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    async with gw.http.stream("POST", "/v1/completions", json=body) as r:
-        events = [json.loads(e.removeprefix("data: ")) for e in (await r.aread()).decode().split("\n\n")
-                  if e and e != "data: [DONE]"]
-    seen = [0, 0, 0, 0]
-    for event in events[:-1]:
-        index = event["choices"][0]["index"]
-        seen[index] += 1
-        assert event["usage"]["completion_tokens"] == seen[index]
-        assert event["usage"]["prompt_tokens"] == (2 if index < 2 else 3)
-    assert seen == [3, 3, 3, 3] and events[-1]["usage"]["completion_tokens"] == 12
 
 
 async def test_a_batch_with_a_refused_prompt_runs_none(gw):
@@ -615,7 +402,7 @@ async def test_vllm_fields_not_served_are_refused_by_name(gw, field, value):
 async def test_other_refusals_as_vllm(gw, monkeypatch):
     """tool_choice without tools, an empty cache_salt, a completions response_format and a
     boolean token id are 400s; unknown fields are ignored and logged, as vLLM does."""
-    from gateway import protocol
+    from gateway.protocol import base as protocol
 
     chat = {"model": gw.model, "messages": [{"role": "user", "content": "x"}]}
     for tool_choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
@@ -662,7 +449,7 @@ async def test_streaming_disconnect_aborts(gw):
     await gw.backend.wait_aborted(request_id)
     assert request_id.startswith("cmpl-") and request_id in gw.backend.aborted
     await asyncio.sleep(0.05)
-    assert request_id not in gw.service.client._queues
+    assert request_id not in gw.service.client._pending
     assert await _aborts_counted(gw) == aborts_before + 1  # vLLM's finished_reason="abort"
 
 
@@ -729,87 +516,6 @@ async def test_non_streaming_disconnect_aborts(gw):
     (request_id,) = set(gw.backend.requests) - before
     await gw.backend.wait_aborted(request_id)
     assert request_id.startswith("chatcmpl-")
-
-
-async def test_websocket_two_concurrent_requests(gw):
-    async with ws_connect(f"ws://127.0.0.1:{gw.service.port}/v1/stream") as ws:
-        await ws.send(
-            json.dumps({"type": "completion", "id": "a", "request": {"model": gw.model, "prompt": PROMPT}})
-        )
-        await ws.send(
-            json.dumps(
-                {
-                    "type": "chat",
-                    "id": 2,
-                    "request": {
-                        "model": gw.model,
-                        "messages": [{"role": "user", "content": PROMPT}],
-                        "max_tokens": 4,
-                        "stream_options": {"include_usage": True},
-                    },
-                }
-            )
-        )
-        await ws.send(
-            json.dumps({"type": "chat", "id": "bad", "request": {"model": gw.model, "messages": []}})
-        )
-        await ws.send("not json")
-        chunks: dict[Any, list[dict]] = {"a": [], 2: []}
-        done: dict[Any, dict] = {}
-        errors: dict[Any, dict] = {}
-        while len(done) < 2 or len(errors) < 2:
-            msg = json.loads(await asyncio.wait_for(ws.recv(), 5))
-            if msg["type"] == "chunk":
-                chunks[msg["id"]].append(msg["chunk"])
-            elif msg["type"] == "done":
-                done[msg["id"]] = msg["response"]
-            else:
-                assert msg["type"] == "error"
-                errors[msg["id"]] = msg["error"]
-        assert done["a"]["object"] == "text_completion"
-        assert (
-            "".join(c["choices"][0]["text"] for c in chunks["a"]) == done["a"]["choices"][0]["text"] == FULL
-        )
-        assert done[2]["object"] == "chat.completion"
-        assert done[2]["choices"][0]["message"] == {
-            "role": "assistant",
-            "content": "The capital of France",
-            "refusal": None,
-            "tool_calls": [],
-        }
-        assert done[2]["choices"][0]["finish_reason"] == "length"
-        assert chunks[2][0]["choices"][0]["delta"]["role"] == "assistant"
-        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[2] if c["choices"]) == (
-            "The capital of France"
-        )
-        assert chunks[2][-1]["usage"]["completion_tokens"] == 4 and "usage" not in chunks["a"][-1]
-        assert errors["bad"]["param"] == "messages" and errors["bad"]["type"] == "invalid_request_error"
-        assert set(errors[None]) == {"message", "type", "param", "code"}
-
-        # the connection is still open after errors
-        await ws.send(json.dumps({"type": "completion", "request": {"model": "nope", "prompt": "x"}}))
-        msg = json.loads(await asyncio.wait_for(ws.recv(), 5))
-        assert msg == {
-            "type": "error",
-            "id": None,
-            "error": {
-                "message": "The model `nope` does not exist.",
-                "type": "invalid_request_error",
-                "param": "model",
-                "code": "model_not_found",
-            },
-        }
-
-
-async def test_websocket_disconnect_aborts(gw):
-    async with ws_connect(f"ws://127.0.0.1:{gw.service.port}/v1/stream") as ws:
-        await ws.send(
-            json.dumps({"type": "completion", "id": 1, "request": {"model": gw.model, "prompt": "slow"}})
-        )
-        msg = json.loads(await asyncio.wait_for(ws.recv(), 5))
-        assert msg["type"] == "chunk" and msg["chunk"]["choices"][0]["text"] == "Hello"
-        request_id = msg["chunk"]["id"]
-    await gw.backend.wait_aborted(request_id)
 
 
 async def test_port_in_use_and_stop_aborts_in_flight(gw, nats_url):
@@ -879,58 +585,6 @@ async def test_cors_preflight_is_answered_as_vllm(gw):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
 
 
-async def test_chat_logprobs_as_openai_shapes_them(gw):
-    """``logprobs`` with ``top_logprobs``: one entry per generated token (text, log probability,
-    bytes, the most likely tokens), whole in the response and per token in the stream; the
-    engine asked for ``top_logprobs`` alternatives; -inf is reported as -9999 (JSON has no
-    infinity). Without ``logprobs`` the choice's logprobs is null."""
-    messages = [{"role": "user", "content": PROMPT}]
-    r = await gw.oai.chat.completions.create(model=gw.model, messages=messages, logprobs=True, top_logprobs=2)
-    assert gw.backend.requests[r.id].sampling_params.logprobs == 2
-    content = r.choices[0].logprobs.content
-    assert [t.token for t in content] == ANSWER and r.choices[0].message.content == FULL
-    assert [t.logprob for t in content] == [-9999.0] + [-i / 10 for i in range(1, len(ANSWER))]
-    assert [bytes(t.bytes) for t in content] == [a.encode() for a in ANSWER]
-    assert all([(x.token, x.logprob) for x in t.top_logprobs] == [("alt0", -1.0), ("alt1", -2.0)] for t in content)
-
-    r = await gw.oai.chat.completions.create(model=gw.model, messages=messages, logprobs=True, max_tokens=3)
-    assert gw.backend.requests[r.id].sampling_params.logprobs == 0
-    assert [(t.token, t.top_logprobs) for t in r.choices[0].logprobs.content] == [(a, []) for a in ANSWER[:3]]
-
-    stream = await gw.oai.chat.completions.create(model=gw.model, messages=messages, logprobs=True, top_logprobs=1,
-                                                  stream=True)
-    streamed = [t for chunk in [c async for c in stream] if chunk.choices and chunk.choices[0].logprobs
-                for t in chunk.choices[0].logprobs.content]
-    assert [(t.token, [x.token for x in t.top_logprobs]) for t in streamed] == [(a, ["alt0"]) for a in ANSWER]
-
-    r = await gw.oai.chat.completions.create(model=gw.model, messages=messages)
-    assert r.choices[0].logprobs is None and gw.backend.requests[r.id].sampling_params.logprobs is None
-
-
-async def test_completion_logprobs_as_openai_shapes_them(gw):
-    """Completions' legacy shape: tokens, token_logprobs, text_offset (cumulative over the
-    token texts, continued across stream chunks) and, per token, the sampled and the
-    ``logprobs`` most likely tokens by text."""
-    offsets = [sum(len(a) for a in ANSWER[:i]) for i in range(len(ANSWER))]
-    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "logprobs": 1})
-    choice = r.json()["choices"][0]
-    assert choice["text"] == FULL
-    assert choice["logprobs"] == {
-        "tokens": ANSWER,
-        "token_logprobs": [-9999.0] + [-i / 10 for i in range(1, len(ANSWER))],
-        "text_offset": offsets,
-        "top_logprobs": [{a: (-i / 10 if i else -9999.0), "alt0": -1.0} for i, a in enumerate(ANSWER)],
-    }
-    stream = await gw.oai.completions.create(model=gw.model, prompt=PROMPT, logprobs=0, stream=True)
-    chunks = [c.choices[0].logprobs for c in [c async for c in stream] if c.choices and c.choices[0].logprobs]
-    assert [t for lp in chunks for t in lp.tokens] == ANSWER
-    assert [o for lp in chunks for o in lp.text_offset] == offsets
-    assert [d for lp in chunks for d in lp.top_logprobs] == [{a: (-i / 10 if i else -9999.0)}
-                                                             for i, a in enumerate(ANSWER)]
-    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT})
-    assert r.json()["choices"][0]["logprobs"] is None
-
-
 async def test_penalties_min_p_min_tokens_and_logit_bias_reach_the_engine(gw):
     """OpenAI's presence/frequency penalties and logit_bias (string token-id keys) and vLLM's
     repetition_penalty, min_p and min_tokens travel in the request's SamplingParams (biases
@@ -946,84 +600,6 @@ async def test_penalties_min_p_min_tokens_and_logit_bias_reach_the_engine(gw):
                                                     "repetition_penalty": None, "logit_bias": None})
     sent = gw.backend.requests[r.json()["id"]].sampling_params
     assert (sent.presence_penalty, sent.repetition_penalty, sent.logit_bias, sent.has_penalties) == (0, 1, {}, False)
-
-
-async def test_echo_with_logprobs_scores_the_prompt(gw):
-    """``echo`` with ``logprobs`` puts the prompt tokens' log probabilities first (the first
-    token's null), then the completion's, with text offsets running over the echoed text; with
-    ``max_tokens`` 0 the prompt alone comes back, no completion token counted (how
-    lm-evaluation-harness scores a text). Streamed, the echo waits for the prompt's log
-    probabilities and the completion's offsets go on after it."""
-    words = [w if i == 0 else " " + w for i, w in enumerate(PROMPT.split())]
-    offsets = [sum(len(t) for t in (words + ANSWER)[:i]) for i in range(len(words) + len(ANSWER))]
-    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "echo": True, "logprobs": 1})
-    body = r.json()
-    sent = gw.backend.requests[body["id"]].sampling_params
-    assert (sent.logprobs, sent.prompt_logprobs, sent.max_tokens) == (1, 1, 16)
-    lp = body["choices"][0]["logprobs"]
-    assert body["choices"][0]["text"] == PROMPT + FULL
-    assert lp["tokens"] == words + ANSWER and lp["text_offset"] == offsets
-    assert lp["token_logprobs"][:len(words)] == [None] + [-float(i) for i in range(1, len(words))]
-    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {" is": -1.0, "alt0": -10.0}
-
-    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "echo": True,
-                                                    "logprobs": 0, "max_tokens": 0})
-    body = r.json()
-    assert gw.backend.requests[body["id"]].sampling_params.max_tokens == 1  # the engine generates one, unseen
-    choice = body["choices"][0]
-    assert (choice["text"], choice["finish_reason"], body["usage"]["completion_tokens"]) == (PROMPT, "length", 0)
-    assert choice["logprobs"]["tokens"] == words and choice["logprobs"]["top_logprobs"][1] == {" is": -1.0}
-
-    stream = await gw.oai.completions.create(model=gw.model, prompt=PROMPT, echo=True, logprobs=0, stream=True)
-    chunks = [c.choices[0] for c in [c async for c in stream] if c.choices]
-    assert chunks[0].text == PROMPT and chunks[0].logprobs.tokens == words
-    assert "".join(c.text for c in chunks) == PROMPT + FULL
-    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == offsets
-
-
-async def test_streamed_echo_of_n_samples_waits_for_the_prompt_logprobs(gw):
-    """With n=2 the prompt's log probabilities come with sample 0's first delta; when sample 1's
-    comes first (another detokenizer shard), its echo waits for them: both choices stream the
-    prompt with its log probabilities, then their text, offsets going on after the prompt."""
-    prompt = "children first please"
-    words = ["children", " first", " please"]
-    stream = await gw.oai.completions.create(model=gw.model, prompt=prompt, echo=True, logprobs=0, n=2, max_tokens=2,
-                                             stream=True)
-    chunks = [c.choices[0] for c in [c async for c in stream] if c.choices]
-    for index in (0, 1):
-        mine = [c for c in chunks if c.index == index]
-        assert mine[0].text == prompt and mine[0].logprobs.tokens == words
-        assert mine[0].logprobs.token_logprobs == [None, -1.0, -2.0]
-        assert "".join(c.text for c in mine) == prompt + "".join(ANSWER[:2])
-        assert [o for c in mine for o in c.logprobs.text_offset] == [0, 8, 14, 21, 24]
-
-
-def test_completion_top_logprobs_keep_the_likeliest_of_tokens_with_one_text():
-    """Tokens holding parts of characters all read U+FFFD: in a completion's top_logprobs (keyed
-    by text) the likeliest of them stays, so its maximum is the true one (a sampled byte token
-    first used to hide a likelier one); return_tokens_as_token_ids keeps them apart."""
-    from gateway.app import completion_logprobs
-
-    def tok(token_id: int, logprob: float, rank: int) -> TokenLogprob:
-        return TokenLogprob(token_id=token_id, token="\ufffd", bytes=bytes([0xE4 + rank]), logprob=logprob, rank=rank)
-
-    items = [DecodedLogprobs(sampled=tok(7, -5.5, 3), top=[tok(8, -2.8, 1), tok(9, -3.0, 2)])]
-    out = completion_logprobs(items, 0)
-    assert out.tokens == ["\ufffd"] and out.token_logprobs == [-5.5] and out.top_logprobs == [{"\ufffd": -2.8}]
-    out = completion_logprobs(items, 0, as_ids=True)
-    assert out.tokens == ["token_id:7"]
-    assert out.top_logprobs == [{"token_id:7": -5.5, "token_id:8": -2.8, "token_id:9": -3.0}]
-
-
-async def test_return_tokens_as_token_ids_names_tokens_by_id(gw):
-    body = {"model": gw.model, "messages": [{"role": "user", "content": PROMPT}], "logprobs": True, "top_logprobs": 1,
-            "max_tokens": 2, "return_tokens_as_token_ids": True}
-    content = (await gw.http.post("/v1/chat/completions", json=body)).json()["choices"][0]["logprobs"]["content"]
-    assert [(t["token"], [x["token"] for x in t["top_logprobs"]]) for t in content] == [
-        ("token_id:100", ["token_id:900"]), ("token_id:101", ["token_id:900"])]
-    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "logprobs": 0, "max_tokens": 2,
-                                                    "return_tokens_as_token_ids": True})
-    assert r.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:100", "token_id:101"]
 
 
 async def test_min_tokens_above_the_limit_names_the_limit_the_request_has(gw):

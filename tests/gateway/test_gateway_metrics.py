@@ -1,6 +1,6 @@
 """``GET /metrics``: engine metrics from the scheduler's ``SchedulerStats`` and request
 metrics measured by the gateway, against a real nats-server and a fake backend
-(tokenizer + detokenizer stand-in, as in tests/gateway/test_gateway.py)."""
+(tokenizer + detokenizer stand-in: ``gateway_fakes.FakeBackend``)."""
 
 from __future__ import annotations
 
@@ -13,75 +13,23 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest_asyncio
+from gateway_fakes import PROMPT, FakeBackend
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import STALE_AFTER_S, GatewayMetrics
 from gateway.service import GatewayService
-from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
-    GatewayStep,
     GroupStats,
     RequestDelta,
     SchedulerStats,
     ServiceError,
-    TokenizeReply,
-    TokenizeRequest,
 )
 from shared.model_source import ModelInfo
-from shared.service import answer_pings, engine_ping_names
-from shared.subjects import TOKENIZER_QUEUE, Subjects
+from shared.subjects import Subjects
 
-ANSWER = ["The", " capital", " of", " France", " is", " Paris."]
-PROMPT = "What is the capital of France?"  # 6 words = 6 prompt tokens
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-class FakeBackend:
-    """Answers ``TokenizeRequest`` (one token per prompt word), then publishes one delta per
-    word of ``ANSWER`` (cut at ``max_tokens``); prompts with "fail" end with an engine error."""
-
-    def __init__(self, bus: Bus, model: str) -> None:
-        self.bus = bus
-        self.subjects = Subjects(model)
-        self.model = model
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> None:
-        await self.bus.subscribe(self.subjects.tokenize, TokenizeRequest, self._on_tokenize, queue=TOKENIZER_QUEUE)
-        for service in engine_ping_names(1):
-            await answer_pings(self.bus, self.model, service)
-        await self.bus.flush()
-
-    async def _on_tokenize(self, req: TokenizeRequest) -> TokenizeReply:
-        text = req.prompt if isinstance(req.prompt, str) else str(req.messages[-1]["content"])
-        prompt_ids = list(range(len(text.split())))
-        task = asyncio.create_task(self._generate(req, text, len(prompt_ids)))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return TokenizeReply(request_id=req.request_id, prompt_token_ids=prompt_ids)
-
-    async def _send(self, req: TokenizeRequest, **fields) -> None:
-        delta = RequestDelta(request_id=req.request_id, **fields)
-        await self.bus.publish(subjects.gateway(req.gateway_id), GatewayStep(outputs=[delta]))
-
-    async def _generate(self, req: TokenizeRequest, text: str, num_prompt: int) -> None:
-        await asyncio.sleep(0.01)
-        if "fail" in text:
-            await self._send(req, text="Oops", token_ids=[7], num_prompt_tokens=num_prompt, num_output_tokens=1)
-            error = ServiceError(message="executor group g0 failed", type="internal_error", status=500)
-            await self._send(req, finished=True, finish_reason="error", error=error)
-            return
-        pieces = ANSWER[: req.sampling_params.max_tokens or len(ANSWER)]
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            await self._send(
-                req, text=piece, token_ids=[100 + i], finished=last,
-                finish_reason=("stop" if len(pieces) == len(ANSWER) else "length") if last else None,
-                num_prompt_tokens=num_prompt, num_output_tokens=i + 1,
-            )
-            await asyncio.sleep(0.005)
 
 
 @pytest_asyncio.fixture
@@ -263,7 +211,6 @@ def test_a_refused_request_counts_nothing_and_an_abandoned_one_counts_aborts():
     """A request the engine refused (4xx: the scheduler's checks) was never served: no
     success, no latency, as vLLM. A client that leaves counts each unfinished sample as
     ``abort`` (vLLM's finished_reason), once."""
-    from shared.messages import ServiceError
 
     metrics = GatewayMetrics("m")
     get = metrics.registry.get_sample_value

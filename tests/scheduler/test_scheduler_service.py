@@ -196,7 +196,7 @@ async def test_requests_of_a_gateway_gone_are_aborted(nats_url):
     """A gateway that died without aborting its requests (no responder on its ping subject,
     twice in a row) has them aborted; those of a live gateway (an EngineClient) run on, and so
     do those of one that missed one ping (reconnecting after a NATS blip)."""
-    from gateway.client import EngineClient
+    from shared.engine_client import EngineClient
 
     name = f"sched-{uuid.uuid4().hex[:8]}"
     info = ModelInfo(path=Path("/models") / name, name=name, max_model_len=4096, eos_token_ids=(2,), vocab_size=50000)

@@ -3,7 +3,7 @@
 Used by the HTTP gateway and by the offline ``LLM`` API, so it knows nothing of HTTP.
 One client is one gateway id: the detokenizer publishes one ``GatewayStep`` per step to
 ``pagedllm.gw.<gateway_id>``, and the client routes each ``RequestDelta`` in it to the
-queue of its request::
+queue of its request (one ``_Pending`` per request in flight, as SGLang's ``ReqState``)::
 
     client = EngineClient(bus, model_info.name)
     await client.start()
@@ -19,12 +19,14 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.subscription import Subscription
 
 from shared import subjects
 from shared.bus import Bus
+from shared.liveness import MissCounter
 from shared.logging import get_logger
 from shared.messages import (
     AbortRequests,
@@ -48,6 +50,18 @@ log = get_logger(__name__)
 def new_request_id(kind: str) -> str:
     """A fresh request id: ``cmpl-<uuid hex>`` for ``kind="cmpl"``, ``chatcmpl-<uuid hex>`` for chat."""
     return f"{kind}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class _Pending:
+    """One request in flight: submitted, its stream not ended yet."""
+
+    queue: asyncio.Queue[RequestDelta]  # its deltas, for ``stream``
+    num_samples: int  # n: the stream ends when all n are finished
+    last_output: float  # time.monotonic() of its last delta (of its submission before any)
+    # the scheduler's verdict (None: accepted), for submit(notify_accepted=True); None when
+    # not asked for, or once ``wait_accepted`` has it
+    verdict: asyncio.Future[ServiceError | None] | None = None
 
 
 class EngineClient:
@@ -76,12 +90,8 @@ class EngineClient:
         self.subjects = Subjects(model)
         self.gateway_id = gateway_id or uuid.uuid4().hex
         self.tokenize_timeout_s = tokenize_timeout_s
-        self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
-        self._num_samples: dict[str, int] = {}  # request id -> n
-        self._last_output: dict[str, float] = {}  # request id -> monotonic time of its last delta
-        self._misses: dict[str, int] = {}  # request id -> liveness checks in a row it was missing
-        # request id -> the scheduler's verdict (None: accepted), for submit(notify_accepted=True)
-        self._verdicts: dict[str, asyncio.Future[ServiceError | None]] = {}
+        self._pending: dict[str, _Pending] = {}  # request id -> its state
+        self._misses: MissCounter[str] = MissCounter(limit=2)  # liveness checks it was missing in a row
         self._sub: Subscription | None = None
         self._ping_sub: Subscription | None = None
         self._watch: asyncio.Task | None = None
@@ -100,7 +110,7 @@ class EngineClient:
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
-        pending = list(self._queues)
+        pending = list(self._pending)
         if pending:
             try:
                 await self.abort(pending)
@@ -125,7 +135,7 @@ class EngineClient:
     @property
     def num_in_flight(self) -> int:
         """Requests submitted whose stream has not ended."""
-        return len(self._queues)
+        return len(self._pending)
 
     async def _on_step(self, step: GatewayStep) -> None:
         now = time.monotonic()
@@ -135,24 +145,22 @@ class EngineClient:
     def _deliver(self, delta: RequestDelta, now: float) -> None:
         """Queue one delta for ``stream``; an acceptance, or the first output or error, is
         also the scheduler's verdict for ``wait_accepted`` (the acceptance is not queued)."""
-        queue = self._queues.get(delta.request_id)
-        if queue is None:  # unknown ids: finished, aborted or someone else's
+        pending = self._pending.get(delta.request_id)
+        if pending is None:  # unknown ids: finished, aborted or someone else's
             return
-        self._last_output[delta.request_id] = now
-        verdict = self._verdicts.get(delta.request_id)
-        if verdict is not None and not verdict.done():
-            verdict.set_result(delta.error)
+        pending.last_output = now
+        if pending.verdict is not None and not pending.verdict.done():
+            pending.verdict.set_result(delta.error)
         if not delta.accepted:
-            queue.put_nowait(delta)
+            pending.queue.put_nowait(delta)
 
     async def _watch_liveness(self) -> None:
         """End requests the engine lost (see the class docstring)."""
         while True:
             await asyncio.sleep(self.liveness_check_s)
             now = time.monotonic()
-            idle = [rid for rid in self._queues if now - self._last_output.get(rid, now) > self.liveness_idle_s]
-            for rid in set(self._misses) - set(idle):  # output since: "in a row" starts again
-                del self._misses[rid]
+            idle = [rid for rid, p in self._pending.items() if now - p.last_output > self.liveness_idle_s]
+            self._misses.retain(idle)  # output since: "in a row" starts again
             if not idle:
                 continue
             try:
@@ -163,17 +171,14 @@ class EngineClient:
                 known = set()
             for rid in idle:
                 if rid in known:
-                    self._misses.pop(rid, None)
-                    continue
-                self._misses[rid] = self._misses.get(rid, 0) + 1
-                if self._misses[rid] >= 2 and rid in self._queues:
+                    self._misses.hit(rid)
+                elif self._misses.miss(rid) and rid in self._pending:
                     log.warning("request_lost", request_id=rid)
                     self._deliver(RequestDelta(
                         request_id=rid, finished=True, finish_reason="error",
                         error=ServiceError(message="the engine lost this request (a scheduler or detokenizer "
                                                    "restarted or is unreachable); send it again",
                                            type="server_error", code="request_lost", status=503)), now)
-                    self._misses.pop(rid, None)
 
     async def submit(
         self,
@@ -208,7 +213,7 @@ class EngineClient:
             nats.errors.NoRespondersError: no tokenizer serves this model.
             ValueError: ``request_id`` is already in flight.
         """
-        if request_id in self._queues:
+        if request_id in self._pending:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         message = TokenizeRequest(
             request_id=request_id,
@@ -224,34 +229,31 @@ class EngineClient:
             return_prompt=return_prompt,
             notify_accepted=notify_accepted,
         )
-        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        self._queues[request_id] = queue
-        if notify_accepted:
-            self._verdicts[request_id] = asyncio.get_running_loop().create_future()
-        self._num_samples[request_id] = sampling_params.n
-        self._last_output[request_id] = time.monotonic()
+        pending = self._pending[request_id] = _Pending(
+            queue=asyncio.Queue(), num_samples=sampling_params.n, last_output=time.monotonic(),
+            verdict=asyncio.get_running_loop().create_future() if notify_accepted else None)
         try:
             reply = await self.bus.request(
                 self.subjects.tokenize, message, TokenizeReply, timeout=self.tokenize_timeout_s
             )
         except BaseException:
-            self._drop(request_id, queue)
+            self._drop(request_id, pending)
             raise
         if reply.error is not None:
-            self._drop(request_id, queue)
+            self._drop(request_id, pending)
         return reply
 
     async def wait_accepted(self, request_id: str) -> ServiceError | None:
         """Wait for the scheduler's verdict on a request submitted with ``notify_accepted``:
         None once it is queued (or has output), else the error it was refused with (its
         queue is then dropped). Returns None at once for a request submitted without it."""
-        verdict = self._verdicts.get(request_id)
-        if verdict is None:
+        pending = self._pending.get(request_id)
+        if pending is None or pending.verdict is None:
             return None
         try:
-            error = await verdict
+            error = await pending.verdict
         finally:
-            self._verdicts.pop(request_id, None)
+            pending.verdict = None
         if error is not None:
             self._forget(request_id)
         return error
@@ -267,30 +269,29 @@ class EngineClient:
         Raises:
             KeyError: ``request_id`` was not submitted, or has already ended.
         """
-        queue = self._queues.get(request_id)
-        if queue is None:
+        pending = self._pending.get(request_id)
+        if pending is None:
             raise KeyError(f"request {request_id!r} is not in flight")
-        remaining = self._num_samples.get(request_id, 1)
+        remaining = pending.num_samples
         try:
             while True:
-                delta = await queue.get()
+                delta = await pending.queue.get()
                 yield delta
                 if delta.finished:
                     remaining -= 1
                     if remaining <= 0 or delta.error is not None:
                         return
         finally:
-            self._drop(request_id, queue)
+            self._drop(request_id, pending)
 
     async def abort(self, request_ids: list[str], reason: FinishReason = "abort") -> None:
         """Tell the scheduler to stop these requests; their streams end with an abort delta."""
         for request_id in request_ids:
-            queue = self._queues.get(request_id)
-            n = self._num_samples.get(request_id, 1)
+            pending = self._pending.get(request_id)
             self._forget(request_id)
-            if queue is not None:
-                for index in range(n):
-                    queue.put_nowait(
+            if pending is not None:
+                for index in range(pending.num_samples):
+                    pending.queue.put_nowait(
                         RequestDelta(request_id=request_id, index=index, finished=True, finish_reason="abort")
                     )
         if request_ids:
@@ -299,23 +300,24 @@ class EngineClient:
     async def fail_all(self, error: ServiceError) -> None:
         """End every request in flight with ``error`` (each stream yields it and ends) and
         abort them at the scheduler: a gateway shutting down answers its clients."""
-        pending = list(self._queues)
+        pending = list(self._pending)
         now = time.monotonic()
         for request_id in pending:
             self._deliver(RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error), now)
         if pending:
             await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=pending))
 
-    def _drop(self, request_id: str, queue: asyncio.Queue[RequestDelta]) -> None:
-        if self._queues.get(request_id) is queue:
+    def _drop(self, request_id: str, pending: _Pending) -> None:
+        """Forget ``request_id`` if ``pending`` is still its state (not a later request's)."""
+        if self._pending.get(request_id) is pending:
             self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
-        """Drop every piece of the client's state about ``request_id`` (a ``wait_accepted``
-        still waiting gets an error)."""
-        for state in (self._queues, self._num_samples, self._last_output, self._misses):
-            state.pop(request_id, None)
-        verdict = self._verdicts.pop(request_id, None)
+        """Drop the client's state about ``request_id`` (a ``wait_accepted`` still waiting
+        gets an error)."""
+        pending = self._pending.pop(request_id, None)
+        self._misses.hit(request_id)  # its row of misses ends with it
+        verdict = pending.verdict if pending is not None else None
         if verdict is not None and not verdict.done():
             verdict.set_result(ServiceError(message="the request was aborted before the scheduler accepted it",
                                             type="server_error", code="request_aborted", status=503))

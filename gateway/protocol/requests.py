@@ -1,170 +1,23 @@
-"""OpenAI-compatible request and response shapes: the subset pagedllm serves.
-
-Field names and defaults follow the OpenAI API reference and vLLM's OpenAI server
-(``top_k``, ``priority``, ``stop_token_ids``, ``ignore_eos`` ... are vLLM extensions).
-Unknown request fields are ignored and logged, as vLLM does. A field that is known (to
-OpenAI or vLLM) but whose value this engine cannot honour (``prompt_logprobs``, ``best_of``,
-guided decoding, a chat's ``echo``, ...) fails validation with a message that starts with the
-field's name, so the error's ``param`` names it: ignoring it would change what the output
-means.
-"""
+"""The request bodies of ``POST /v1/completions`` and ``POST /v1/chat/completions``, and
+the ``SamplingParams`` each becomes (OpenAI names plus vLLM extensions, vLLM's defaults)."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import time
-from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_serializer,
-    model_validator,
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from gateway.protocol.base import (
+    UNSERVED_NAMES,
+    OpenAIRequest,
+    Unsupported,
+    is_false,
+    is_none,
+    one_or_none,
 )
-
-from shared.logging import get_logger
-from shared.messages import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
-
-log = get_logger(__name__)
-
-# ---------------------------------------------------------------- errors
-
-
-class ErrorInfo(BaseModel):
-    """The inner object of an OpenAI error body."""
-
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """An OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: ErrorInfo
-
-
-# ---------------------------------------------------------------- requests
-
-
-#: (field, accepts(value), what is supported) for known fields with unsupported values
-Unsupported = tuple[tuple[str, Callable[[Any], bool], str], ...]
-
-
-def _int_out_of_range(value: Any) -> int | None:
-    """The first integer in ``value``, at any depth of lists and dicts, outside int64; else None."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, int) and not isinstance(item, bool):
-            if not (INT64_MIN <= item <= INT64_MAX):
-                return item
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return None
-
-
-#: the fields that travel to the services (msgpack and torch take int64 at most); a chat
-#: message's extra keys go to the chat template with it
-_ENGINE_INT_FIELDS = ("prompt", "messages", "n", "max_tokens", "max_completion_tokens", "seed", "top_k",
-                      "priority", "stop_token_ids")
-
-
-class OpenAIRequest(BaseModel):
-    """Base of request bodies: unknown fields are ignored (as in vLLM). Every integer that
-    reaches the engine must fit a signed 64-bit integer (the services' messages carry int64)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    unsupported_values: ClassVar[Unsupported] = ()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _ints_fit_int64(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in _ENGINE_INT_FIELDS:
-                if name in data and (bad := _int_out_of_range(data[name])) is not None:
-                    raise ValueError(f"{name}: {bad} is out of range; integers must be between {INT64_MIN} "
-                                     f"and {INT64_MAX}")
-        return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unserved_fields(cls, data: Any) -> Any:
-        """Refuse the OpenAI / vLLM fields this server does not implement when they ask for
-        something (``_UNSERVED_FIELDS``); log the unknown ones it ignores, as vLLM does."""
-        if not isinstance(data, dict):
-            return data
-        for name, is_noop, what in _UNSERVED_FIELDS:
-            if name in data and not is_noop(data[name]):
-                raise ValueError(f"{name} is not supported by this server ({what})")
-        ignored = sorted(k for k in data if k not in cls.model_fields and k not in _UNSERVED_NAMES)
-        if ignored:
-            log.warning("request_fields_ignored", fields=ignored)
-        return data
-
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> OpenAIRequest:
-        for name, accepts, supported in self.unsupported_values:
-            value = getattr(self, name)
-            if not accepts(value):
-                raise ValueError(f"{name}={json.dumps(value, default=str)} is not supported; {supported}")
-        return self
-
-
-def _is_none(v: Any) -> bool:
-    return v is None
-
-
-def _is_false(v: Any) -> bool:
-    return not v
-
-
-def _one_or_none(v: Any) -> bool:
-    return v is None or v == 1
-
-
-def _is_empty(v: Any) -> bool:
-    return v is None or v is False or v == [] or v == {} or v == ""
-
-
-def _is_true_or_none(v: Any) -> bool:
-    return v is None or v is True
-
-
-#: (field, is_noop(value), what it does) of OpenAI and vLLM request fields not implemented
-#: here: refused when present with a value other than their no-op one
-_UNSERVED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    *((name, _is_empty, "guided decoding") for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern", "structured_outputs")),
-    ("bad_words", _is_empty, "banned words"),
-    ("allowed_token_ids", _is_empty, "restricting the vocabulary"),
-    ("prompt_logprobs", _is_empty, "log probabilities of the prompt"),
-    ("use_beam_search", _is_empty, "beam search"),
-    ("length_penalty", lambda v: v is None or v == 1, "beam search"),
-    ("truncate_prompt_tokens", _is_empty, "prompt truncation"),
-    ("chat_template_kwargs", _is_empty, "the model's chat template is rendered with its defaults"),
-    ("mm_processor_kwargs", _is_empty, "multimodal inputs"),
-    ("documents", _is_empty, "documents for the chat template"),
-    ("logits_processors", _is_empty, "custom logits processors"),
-    ("prompt_embeds", _is_empty, "prompt embeddings"),
-    ("functions", _is_empty, "tools and function calling"),
-    ("function_call", lambda v: _is_empty(v) or v == "none", "tools and function calling"),
-    ("audio", _is_empty, "audio output"),
-    ("modalities", lambda v: _is_empty(v) or v == ["text"], "only text output"),
-    ("spaces_between_special_tokens", _is_true_or_none, "special tokens are always decoded with spaces"),
-)
-_UNSERVED_NAMES = frozenset(name for name, _, _ in _UNSERVED_FIELDS)
+from shared.messages import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -308,8 +161,8 @@ class CompletionRequest(_SamplingFields):
     unsupported_values: ClassVar[Unsupported] = (
         ("add_special_tokens", bool, "the tokenizer's special tokens are always added to a prompt"),
         ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
-        ("best_of", _one_or_none, "only best_of=1 is supported"),
-        ("suffix", _is_none, "suffix is not supported"),
+        ("best_of", one_or_none, "only best_of=1 is supported"),
+        ("suffix", is_none, "suffix is not supported"),
     )
 
     @field_validator("prompt", mode="before")
@@ -411,10 +264,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # vLLM extension: the chat template adds them
 
     unsupported_values: ClassVar[Unsupported] = (
-        ("add_special_tokens", _is_false, "the chat template's text is tokenized without adding special tokens"),
-        ("echo", _is_false, "only echo=false is supported"),
-        ("continue_final_message", _is_false, "only continue_final_message=false is supported"),
-        ("chat_template", _is_none, "the model's own chat template is always used"),
+        ("add_special_tokens", is_false, "the chat template's text is tokenized without adding special tokens"),
+        ("echo", is_false, "only echo=false is supported"),
+        ("continue_final_message", is_false, "only continue_final_message=false is supported"),
+        ("chat_template", is_none, "the model's own chat template is always used"),
         ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
     )
 
@@ -456,169 +309,7 @@ class ChatCompletionRequest(_SamplingFields):
 #: Every request field name (for naming the ``param`` of an error from its message).
 KNOWN_PARAMS: frozenset[str] = frozenset(
     {*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields, *SamplingParams.model_fields,
-     *_UNSERVED_NAMES}
+     *UNSERVED_NAMES}
 )
 
-
-# ---------------------------------------------------------------- responses
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    """Token counts of one request."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-#: the floor of a reported log probability: JSON has no -inf (vLLM's value)
-MIN_LOGPROB = -9999.0
-
-
-def json_logprob(value: float) -> float:
-    """``value`` as a JSON-safe log probability: -inf, and NaN (from a broken logits row),
-    become ``MIN_LOGPROB``."""
-    return value if value >= MIN_LOGPROB else MIN_LOGPROB
-
-
-class CompletionLogprobs(BaseModel):
-    """A completion choice's ``logprobs`` (OpenAI's legacy shape): per token its text, its
-    offset in the choice's text, its log probability and the most likely tokens' (the
-    sampled one included, so up to ``logprobs`` + 1 entries)."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
-
-
-class CompletionResponse(BaseModel):
-    """A non-streaming ``text_completion``."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-
-
-class CompletionStreamResponse(BaseModel):
-    """One SSE chunk of a streaming completion (``usage`` only with ``include_usage``)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    refusal: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class TopLogprob(BaseModel):
-    """One of the most likely tokens at a position (chat ``top_logprobs``)."""
-
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    """The sampled token at one position of a chat choice, and the most likely tokens there."""
-
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    """A chat choice's ``logprobs``: one entry per generated token."""
-
-    content: list[ChatTokenLogprob] | None = None
-    refusal: list[ChatTokenLogprob] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    """A non-streaming ``chat.completion``."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(BaseModel):
-    """The ``delta`` of a chat chunk; unset (None) keys are left out."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(BaseModel):
-    """One SSE chunk of a streaming chat completion."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    """One entry of ``GET /v1/models``."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pagedllm"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int
-    permission: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class ModelList(BaseModel):
-    """``GET /v1/models``."""
-
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
+AnyRequest = CompletionRequest | ChatCompletionRequest

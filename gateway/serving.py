@@ -1,0 +1,321 @@
+"""``OpenAIServing``: the request logic behind the endpoints, shared by HTTP, SSE and
+WebSocket: validate a request, submit it to the engine (one engine request per prompt),
+feed its deltas to its ``Generation`` (``gateway/generation.py``), send what that makes, and
+abort what the client no longer waits for.
+
+A streaming request is answered ``200`` only once the scheduler can no longer refuse it
+(it is submitted with ``notify_accepted``), so a refusal is a plain 400. A client that
+disconnects before its request finished has the request aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import nats.errors
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
+
+from gateway.chat import ChatGeneration
+from gateway.completion import CompletionGeneration
+from gateway.errors import APIError, prompt_error, validation_error
+from gateway.generation import Generation
+from gateway.metrics import GatewayMetrics, RequestTimer
+from gateway.protocol.requests import AnyRequest, ChatCompletionRequest
+from gateway.protocol.responses import ModelCard
+from shared.config import Settings
+from shared.engine_client import EngineClient, new_request_id
+from shared.logging import get_logger
+from shared.messages import RequestDelta, SamplingParams, TokenizeReply
+from shared.model_source import ModelInfo
+
+log = get_logger(__name__)
+T = TypeVar("T")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ServedRequest:
+    """One request this gateway serves: its output so far, and the metrics timer of each of
+    its engine requests (by engine request id)."""
+
+    gen: Generation
+    timers: dict[str, RequestTimer]
+
+
+class OpenAIServing:
+    """The request logic behind the endpoints, shared by HTTP, SSE and WebSocket."""
+
+    def __init__(self, settings: Settings, model_info: ModelInfo, client: EngineClient) -> None:
+        self.settings = settings
+        self.model_info = model_info
+        self.client = client
+        self.model_names = {model_info.name, "HuggingFaceTB/" + model_info.name}
+        self._background: set[asyncio.Task[None]] = set()
+        self.metrics = GatewayMetrics(model_info.name)
+        self.draining = False  # set by GatewayService.stop: new requests get a 503
+
+    def check_model(self, name: str | None) -> None:
+        """Raises: APIError(404) for a model this gateway does not serve (None: the served one)."""
+        if name is not None and name not in self.model_names:
+            raise APIError.of(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(
+            id=self.model_info.name,
+            root=str(self.model_info.path),
+            max_model_len=self.model_info.max_model_len,
+        )
+
+    def abort_soon(self, request_ids: list[str]) -> None:
+        """Abort without awaiting (safe inside a cancelled task or a ``finally``)."""
+        task = asyncio.get_running_loop().create_task(self._abort(request_ids))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def wait_background(self) -> None:
+        """Wait for the aborts still being published."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        log.info("requests_aborted", request_ids=request_ids)
+        try:
+            await self.client.abort(request_ids)
+        except Exception:
+            log.exception("abort_failed", request_ids=request_ids)
+
+    async def begin(self, body: AnyRequest) -> ServedRequest:
+        """Validate ``body`` and submit it: one engine request per prompt (a completions
+        batch has several), all accepted or none (the others are aborted).
+
+        Raises:
+            APIError: unknown model (404), invalid parameters or a refused prompt (400; a
+                streaming request also once the scheduler refused it), no tokenizer or the
+                gateway shutting down (503), or no answer from the tokenizer (504).
+        """
+        arrival = time.perf_counter()
+        if self.draining:
+            raise APIError.of(503, "the server is shutting down; send the request to another replica",
+                              code="server_shutting_down")
+        self.check_model(body.model)
+        try:
+            params = body.sampling_params()
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+        chat = isinstance(body, ChatCompletionRequest)
+        request_id = new_request_id("chatcmpl" if chat else "cmpl")
+        inputs: list[dict[str, Any]]
+        if isinstance(body, ChatCompletionRequest):
+            inputs = [dict(messages=body.messages_input(), add_generation_prompt=body.add_generation_prompt)]
+        else:
+            inputs = [dict(prompt=prompt, return_prompt=body.echo) for prompt in body.prompt_inputs()]
+        # one prompt: the engine request has the response's id; a batch: one id per prompt
+        engine_ids = [request_id] if len(inputs) == 1 else [f"{request_id}-{p}" for p in range(len(inputs))]
+        # a stream: no 200 before the scheduler can no longer refuse it (priority, KV cache
+        # size); a batch: every prompt accepted before any output counts
+        notify = body.stream or len(inputs) > 1
+        running = engine_ids  # those that may run: aborted if the request fails here
+        try:
+            outcomes = await asyncio.gather(  # a batch's prompts tokenized concurrently
+                *(self._submit(engine_id, fields, params, body, notify)
+                  for engine_id, fields in zip(engine_ids, inputs, strict=True)),
+                return_exceptions=True)
+            running = [engine_id for engine_id, outcome in zip(engine_ids, outcomes, strict=True)
+                       if not (isinstance(outcome, TokenizeReply) and outcome.error is not None)]
+            replies: list[TokenizeReply] = []
+            for p, outcome in enumerate(outcomes):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                if outcome.error is not None:
+                    raise prompt_error(outcome.error, p, len(inputs))
+                replies.append(outcome)
+            if notify:
+                for p, engine_id in enumerate(engine_ids):
+                    error = await self.client.wait_accepted(engine_id)
+                    if error is not None:
+                        raise prompt_error(error, p, len(inputs))
+        except BaseException:  # refused, cancelled (client gone) or connection lost: none runs
+            if running:
+                self.abort_soon(running)
+            raise
+        prompts = list(zip(engine_ids, replies, strict=True))
+        cls = ChatGeneration if chat else CompletionGeneration
+        gen = cls(request_id, self.model_info.name, body, prompts)  # type: ignore[arg-type]
+        timers = {engine_id: self.metrics.timer(params.n, len(reply.prompt_token_ids), arrival)
+                  for engine_id, reply in prompts}
+        log.debug("request_submitted", request_id=request_id, num_prompts=len(prompts),
+                  num_prompt_tokens=gen.num_prompt_tokens)
+        return ServedRequest(gen, timers)
+
+    async def _submit(self, engine_id: str, fields: dict[str, Any], params: SamplingParams,
+                      body: AnyRequest, notify_accepted: bool) -> TokenizeReply:
+        """Send one engine request to the tokenizer; its reply.
+
+        Raises:
+            APIError: no tokenizer (503), too large for NATS (413), no answer in time (504).
+        """
+        try:
+            return await self.client.submit(engine_id, sampling_params=params, priority=body.priority,
+                                            cache_salt=body.cache_salt, notify_accepted=notify_accepted, **fields)
+        except nats.errors.NoRespondersError:
+            raise APIError.of(
+                503, f"no tokenizer is serving the model `{self.model_info.name}`", code="service_unavailable"
+            ) from None
+        except nats.errors.MaxPayloadError:  # refused before sending: nothing to abort
+            raise APIError.of(413, f"the request is larger than the {self.client.bus.nc.max_payload} bytes a "
+                                   "NATS message may carry here (the NATS server's max_payload)",
+                              code="request_too_large") from None
+        except nats.errors.TimeoutError:  # it may have been accepted: the caller aborts it
+            raise APIError.of(504, "the tokenizer did not answer in time", code="timeout") from None
+
+    def finish(self, served: ServedRequest) -> None:
+        """The client is done with ``served``: abort (and count aborted) what the engine has not ended."""
+        unfinished = served.gen.unfinished_parts()
+        for part in unfinished:
+            served.timers[part.request_id].aborted()
+        if unfinished:
+            self.abort_soon([part.request_id for part in unfinished])
+
+    async def _deltas(self, served: ServedRequest) -> AsyncIterator[RequestDelta]:
+        """The deltas of every part of the request, as they come (merged when several), each
+        observed by its timer."""
+        parts = served.gen.parts
+        if len(parts) == 1:
+            async with aclosing(self.client.stream(parts[0].request_id)) as deltas:
+                async for delta in deltas:
+                    served.timers[delta.request_id].observe(delta)
+                    yield delta
+            return
+        merged: asyncio.Queue[RequestDelta | BaseException | None] = asyncio.Queue()
+
+        async def pump(engine_id: str) -> None:
+            try:
+                async with aclosing(self.client.stream(engine_id)) as deltas:
+                    async for delta in deltas:
+                        merged.put_nowait(delta)
+            except Exception as exc:  # raised to the consumer, as the one-prompt path would
+                merged.put_nowait(exc)
+            finally:
+                merged.put_nowait(None)
+
+        pumps = [asyncio.create_task(pump(part.request_id)) for part in parts]
+        try:
+            remaining = len(pumps)
+            while remaining:
+                item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    served.timers[item.request_id].observe(item)
+                    yield item
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def events(self, served: ServedRequest) -> AsyncIterator[BaseModel]:
+        """The request's streaming chunks, then its usage chunk if asked for.
+
+        Raises:
+            APIError: the engine reported an error mid-stream.
+        """
+        gen = served.gen
+        for chunk in gen.first_chunks():
+            yield chunk
+        async with aclosing(self._deltas(served)) as deltas:
+            async for delta in deltas:
+                for chunk in gen.chunks(delta):
+                    yield chunk
+        for chunk in gen.last_chunks():
+            yield chunk
+
+    async def collect(self, served: ServedRequest) -> BaseModel:
+        """Wait for the request to finish; its full response."""
+        async with aclosing(self._deltas(served)) as deltas:
+            async for delta in deltas:
+                served.gen.update(delta)
+        return served.gen.response()
+
+    async def sse(self, served: ServedRequest) -> AsyncIterator[str]:
+        """Server-Sent Events: ``data: {chunk}`` lines, an error event if any, ``data: [DONE]``."""
+        try:
+            async for chunk in self.events(served):
+                yield f"data: {served.gen.dump_json(chunk)}\n\n"
+        except APIError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        except Exception:
+            log.exception("stream_failed", request_id=served.gen.request_id)
+            yield f"data: {json.dumps(APIError.of(500, 'internal error while streaming').body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def handle_http(self, body: AnyRequest, request: Request) -> Response:
+        """One HTTP request: JSON, or SSE when ``body.stream``; aborted if the client leaves."""
+        served = await self.begin(body)
+        headers = {"X-Request-Id": served.gen.request_id}
+        if body.stream:
+            return _AbortingStreamingResponse(
+                self.sse(served),
+                on_close=lambda: self.finish(served),
+                media_type="text/event-stream",
+                headers={**SSE_HEADERS, **headers},
+            )
+        try:
+            response = await _unless_disconnected(request, self.collect(served))
+        finally:
+            self.finish(served)
+        if response is None:
+            log.info("client_disconnected", request_id=served.gen.request_id)
+            return Response(status_code=499)
+        return JSONResponse(response.model_dump(mode="json"), headers=headers)
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that calls ``on_close`` however the response ends."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """``await work``, or None (work cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    return None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return when the HTTP client disconnects (the body has already been read)."""
+    try:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+            await asyncio.sleep(0.1)  # a server that repeats body messages: do not spin
+    except Exception:  # cannot tell: never report a disconnect
+        await asyncio.Future()
