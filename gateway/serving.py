@@ -31,6 +31,7 @@ from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.protocol.requests import AnyRequest, ChatCompletionRequest
 from gateway.protocol.responses import ModelCard
+from shared.bus import RemoteError
 from shared.config import Settings
 from shared.engine_client import EngineClient, new_request_id
 from shared.logging import get_logger
@@ -161,7 +162,8 @@ class OpenAIServing:
         """Send one engine request to the tokenizer; its reply.
 
         Raises:
-            APIError: no tokenizer (503), too large for NATS (413), no answer in time (504).
+            APIError: no tokenizer (503), too large for NATS (413), no answer in time (504), the
+                tokenizer failed on it (its error's status: 500, or 400 when it could not read it).
         """
         try:
             return await self.client.submit(engine_id, sampling_params=params, priority=body.priority,
@@ -176,6 +178,9 @@ class OpenAIServing:
                               code="request_too_large") from None
         except nats.errors.TimeoutError:  # it may have been accepted: the caller aborts it
             raise APIError.of(504, "the tokenizer did not answer in time", code="timeout") from None
+        except RemoteError as exc:  # its handler raised (maybe after submitting: the caller aborts it)
+            raise APIError.of(exc.error.status, f"the tokenizer failed on this request: {exc.error.message}",
+                              code="tokenizer_error") from None
 
     def finish(self, served: ServedRequest) -> None:
         """The client is done with ``served``: abort (and count aborted) what the engine has not ended."""

@@ -106,7 +106,7 @@ def remote_error(subject: str, headers: dict[str, str] | None) -> RemoteError | 
         return None
     code = headers.get(ERROR_CODE_HEADER, "")
     status = int(code) if code.isdigit() else 500
-    kind = "invalid_request_error" if 400 <= status < 500 else "internal_server_error"
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
     return RemoteError(subject, ServiceError(message=headers[ERROR_HEADER], type=kind, status=status))
 
 

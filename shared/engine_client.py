@@ -139,20 +139,31 @@ class EngineClient:
 
     async def _on_step(self, step: GatewayStep) -> None:
         now = time.monotonic()
+        for request_id in step.accepted:
+            self._accept(request_id, now)
         for delta in step.outputs:
             self._deliver(delta, now)
 
+    def _accept(self, request_id: str, now: float) -> None:
+        """The scheduler queued the request: the verdict for ``wait_accepted`` (nothing is queued
+        for ``stream``)."""
+        pending = self._pending.get(request_id)
+        if pending is None:  # unknown ids: finished, aborted or someone else's
+            return
+        pending.last_output = now
+        if pending.verdict is not None and not pending.verdict.done():
+            pending.verdict.set_result(None)
+
     def _deliver(self, delta: RequestDelta, now: float) -> None:
-        """Queue one delta for ``stream``; an acceptance, or the first output or error, is
-        also the scheduler's verdict for ``wait_accepted`` (the acceptance is not queued)."""
+        """Queue one delta for ``stream``; the first output or error is also the scheduler's
+        verdict for ``wait_accepted``."""
         pending = self._pending.get(delta.request_id)
         if pending is None:  # unknown ids: finished, aborted or someone else's
             return
         pending.last_output = now
         if pending.verdict is not None and not pending.verdict.done():
             pending.verdict.set_result(delta.error)
-        if not delta.accepted:
-            pending.queue.put_nowait(delta)
+        pending.queue.put_nowait(delta)
 
     async def _watch_liveness(self) -> None:
         """End requests the engine lost (see the class docstring)."""
@@ -211,6 +222,8 @@ class EngineClient:
         Raises:
             nats.errors.TimeoutError: no tokenizer replied within ``tokenize_timeout_s``.
             nats.errors.NoRespondersError: no tokenizer serves this model.
+            shared.bus.RemoteError: the tokenizer's handler failed on the request (it may have
+                submitted it: abort it).
             ValueError: ``request_id`` is already in flight.
         """
         if request_id in self._pending:

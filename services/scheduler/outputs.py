@@ -77,10 +77,10 @@ class Outputs:
     @staticmethod
     def accepted(reqs: list[Request]) -> dict[str, GatewayStep]:
         """Tell the gateways these requests can no longer be refused (``notify_accepted``)."""
-        by_gateway: dict[str, list[RequestDelta]] = defaultdict(list)
+        by_gateway: dict[str, list[str]] = defaultdict(list)
         for req in reqs:
-            by_gateway[req.gateway_id].append(RequestDelta(request_id=req.request_id, accepted=True))
-        return {subj.gateway(gateway_id): GatewayStep(outputs=deltas) for gateway_id, deltas in by_gateway.items()}
+            by_gateway[req.gateway_id].append(req.request_id)
+        return {subj.gateway(gateway_id): GatewayStep(accepted=ids) for gateway_id, ids in by_gateway.items()}
 
     @staticmethod
     def error(req: Request, error: ServiceError) -> dict[str, GatewayStep]:

@@ -29,7 +29,7 @@ class TokenizeRequest(Message):
     # finish_reason "length" (vLLM's offline LLM); False: refused, as the OpenAI server does
     cap_at_max_model_len: bool = False
     return_prompt: bool = False  # reply with the prompt text (chat: as rendered; token ids: decoded)
-    # the scheduler tells the gateway when it accepts the request (RequestDelta.accepted), so
+    # the scheduler tells the gateway when it accepts the request (GatewayStep.accepted), so
     # that a streaming HTTP response starts only once it cannot be refused any more
     notify_accepted: bool = False
 
@@ -54,7 +54,7 @@ class SubmitRequest(Message):
     priority: int = 0
     arrival_time: float = 0.0
     cache_salt: str | None = None
-    notify_accepted: bool = False  # send the gateway a RequestDelta(accepted=True) once queued
+    notify_accepted: bool = False  # name it in the gateway's GatewayStep.accepted once queued
 
 
 class AbortRequests(Message):

@@ -183,10 +183,11 @@ class RequestDelta(StepMessage, kw_only=True):
     logprobs: list[DecodedLogprobs] = field(default_factory=list)  # one per token id, if asked
     # the first delta of a request with prompt_logprobs: one per prompt token (the first's logprob None)
     prompt_logprobs: list[DecodedLogprobs] = field(default_factory=list)
-    accepted: bool = False  # only this: the scheduler queued the request (SubmitRequest.notify_accepted)
 
 
 class GatewayStep(StepMessage, kw_only=True):
-    """One message per gateway per step."""
+    """One message per gateway per step: what its requests produced, and which requests
+    submitted with ``notify_accepted`` the scheduler has queued (they can no longer be refused)."""
 
-    outputs: list[RequestDelta]
+    outputs: list[RequestDelta] = field(default_factory=list)
+    accepted: list[str] = field(default_factory=list)

@@ -140,6 +140,8 @@ class FakeBackend:
 
     async def _on_tokenize(self, req: TokenizeRequest) -> TokenizeReply:
         self.requests[req.request_id] = req
+        if req.prompt == "tokenizer-bug":  # a tokenizer whose handler fails on this request
+            raise RuntimeError("tokenizer bug")
         params = req.sampling_params
         if params.max_tokens is not None and params.max_tokens > 100:
             error = ServiceError(
@@ -166,7 +168,7 @@ class FakeBackend:
             await self._send(req, finished=True, finish_reason="error", error=error)
             return
         if req.notify_accepted:  # as the scheduler, once queued
-            await self._send(req, accepted=True)
+            await self.bus.publish(subjects.gateway(req.gateway_id), GatewayStep(accepted=[req.request_id]))
         if "slow" in text:
             await self._send(
                 req, text="Hello", token_ids=[7], num_prompt_tokens=num_prompt, num_output_tokens=1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -276,6 +277,24 @@ async def test_internal_error_is_500_and_server_keeps_serving(gw, monkeypatch):
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT})
     assert assert_openai_error(r, 500)["type"] == "server_error"
     monkeypatch.undo()
+    out = await gw.oai.completions.create(model=gw.model, prompt=PROMPT)
+    assert out.choices[0].text == FULL
+
+
+async def test_a_tokenizer_that_fails_on_a_request_is_a_500_at_once_and_it_is_aborted(gw, monkeypatch):
+    """The tokenizer's handler raising answers at once (an error reply, not the 30 s timeout):
+    a 500 naming the failure; the request, which may have been submitted, is aborted; the
+    server keeps serving."""
+    started = time.monotonic()
+    r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": "tokenizer-bug"})
+    assert time.monotonic() - started < 5.0
+    error = assert_openai_error(r, 500)
+    assert error == {"message": "the tokenizer failed on this request: RuntimeError: tokenizer bug",
+                     "type": "server_error", "param": None, "code": "tokenizer_error"}
+    request_id = next(reversed(gw.backend.requests))
+    assert gw.backend.requests[request_id].prompt == "tokenizer-bug"
+    await gw.backend.wait_aborted(request_id)
+    assert gw.service.client.num_in_flight == 0
     out = await gw.oai.completions.create(model=gw.model, prompt=PROMPT)
     assert out.choices[0].text == FULL
 

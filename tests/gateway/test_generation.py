@@ -10,6 +10,7 @@ import json
 from itertools import zip_longest
 from typing import Any
 
+import msgspec
 import pytest
 from gateway_fakes import ANSWER, FULL, PROMPT, answer_steps, fake_logprobs, fake_tokenize
 
@@ -300,7 +301,7 @@ def test_the_offline_llm_folds_the_same_deltas_into_vllm_shapes():
     state = RequestState.new("llm-1", params.n)
     for step in answer_steps("llm-1", PROMPT, 6, params):
         for delta in step:
-            state.add(delta.model_copy(update={"num_cached_tokens": 4 if delta.index else 2}))
+            state.add(msgspec.structs.replace(delta, num_cached_tokens=4 if delta.index else 2))
     out = request_output(state, PROMPT, list(range(6)), logprobs=True)
     assert (out.request_id, out.prompt, out.prompt_token_ids, out.finished) == ("llm-1", PROMPT, list(range(6)), True)
     assert out.num_cached_tokens == 4

@@ -281,7 +281,7 @@ async def test_acceptance_waits_for_a_group_that_may_refuse(env):
     async def recording(subject, message):
         await publish(subject, message)
         if isinstance(message, GatewayStep):
-            accepted.extend(d.request_id for d in message.outputs if d.accepted)
+            accepted.extend(message.accepted)
 
     env.svc.bus.publish = recording
     for rid, num_prompt in (("fits", 20), ("too-big", 900)):

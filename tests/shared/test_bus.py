@@ -93,7 +93,7 @@ async def test_a_failing_request_handler_answers_at_once_with_a_typed_error(nats
         assert time.monotonic() - started < 2.0  # at once, not after the 10 s timeout
         assert raised.value.subject == "bus-test.errors"
         assert raised.value.error == ServiceError(message="RuntimeError: broken handler",
-                                                  type="internal_server_error", status=500)
+                                                  type="server_error", status=500)
         assert (await bus.request("bus-test.errors", Ping(), Pong, timeout=10.0)).service == "fine"
 
         raw = await bus.nc.request("bus-test.errors", b"\xc1", timeout=10.0)  # not msgpack

@@ -136,9 +136,8 @@ async def test_a_refusal_ends_the_wait_for_acceptance_and_forgets_the_request(en
     for request_id in ("ok", "refused"):
         await env.client.submit(request_id, prompt="hi", sampling_params=SamplingParams(), notify_accepted=True)
     refusal = ServiceError(message="priority=-1 needs --scheduling-policy priority", param="priority")
-    step = GatewayStep(outputs=[RequestDelta(request_id="ok", accepted=True),
-                                RequestDelta(request_id="refused", finished=True, finish_reason="error",
-                                             error=refusal)])
+    step = GatewayStep(accepted=["ok"], outputs=[RequestDelta(request_id="refused", finished=True,
+                                                              finish_reason="error", error=refusal)])
     await env.bus.publish(subjects.gateway(env.client.gateway_id), step)
     assert await asyncio.wait_for(env.client.wait_accepted("ok"), 5) is None
     assert await asyncio.wait_for(env.client.wait_accepted("refused"), 5) == refusal
