@@ -2,7 +2,8 @@
 
 It runs uvicorn in-process (a task on the running event loop) on ``settings.host`` and
 ``settings.port`` (``port=0`` picks a free port; see ``GatewayService.port``), with one
-``EngineClient`` on the NATS bus. Signals are left to ``shared.service.run_service``.
+``EngineClient`` on the NATS bus. The bus lifecycle is ``shared.service.BusService``'s; signals
+are left to ``shared.service.run_service``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Generator
-from types import TracebackType
 
 import uvicorn
 
@@ -23,6 +23,7 @@ from shared.engine_client import EngineClient
 from shared.logging import get_logger
 from shared.messages import ServiceError
 from shared.model_source import ModelInfo
+from shared.service import BusService
 
 log = get_logger(__name__)
 
@@ -39,8 +40,9 @@ class _UvicornServer(uvicorn.Server):
         yield
 
 
-class GatewayService:
-    """The gateway: FastAPI app + uvicorn + ``EngineClient``.
+class GatewayService(BusService):
+    """The gateway: FastAPI app + uvicorn + ``EngineClient``. It answers no engine ping name
+    (the scheduler pings its ``EngineClient`` on the gateway's own subject).
 
     Args:
         settings: ``host``, ``port``, ``nats_url`` (used when ``bus`` is None), ``log_level``,
@@ -58,14 +60,14 @@ class GatewayService:
         model_info: ModelInfo,
         bus: Bus | None = None,
     ) -> None:
-        self.settings = settings
-        self.model_info = model_info
-        self.bus = bus
-        self._owns_bus = bus is None
+        super().__init__(settings, model_info, bus)
         self.client: EngineClient | None = None
         self._server: _UvicornServer | None = None
         self._task: asyncio.Task[None] | None = None
         self._serving: OpenAIServing | None = None
+
+    def ping_names(self) -> tuple[str, ...]:
+        return ()
 
     async def start(self) -> None:
         """Connect, subscribe, and listen; returns once the socket accepts connections.
@@ -74,10 +76,8 @@ class GatewayService:
             ValueError: no bus was given and ``settings.nats_url`` is None.
             OSError: the address is in use or cannot be bound.
         """
-        if self.bus is None and not self.settings.nats_url:
-            raise ValueError("GatewayService needs settings.nats_url (or a connected bus)")
         try:
-            await self._start()
+            await super().start()
         except BaseException:
             await self.stop()  # releases the client and the bus it opened
             raise
@@ -85,10 +85,8 @@ class GatewayService:
             "gateway_started", url=self.url, model=self.model_info.name, gateway_id=self.client.gateway_id
         )
 
-    async def _start(self) -> None:
-        if self.bus is None:
-            assert self.settings.nats_url
-            self.bus = await Bus.connect(self.settings.nats_url, name=self.name)
+    async def serve(self) -> None:
+        assert self.bus is not None
         self.client = EngineClient(self.bus, self.model_info.name)
         await self.client.start()
         app = create_app(self.settings, self.model_info, self.client)
@@ -153,7 +151,7 @@ class GatewayService:
         )
 
     async def stop(self) -> None:
-        """Drain, then stop listening and close the bus if this service opened it.
+        """Drain, stop listening, stop the client, then close the bus if this service opened it.
 
         Draining: new requests get a 503 ``server_shutting_down`` (``/health`` too), those in
         flight, HTTP and WebSocket, may finish for up to ``settings.gateway_drain_timeout_s``;
@@ -173,10 +171,7 @@ class GatewayService:
                 self._server.force_exit = True
                 self._task.cancel()
                 await asyncio.wait({self._task})
-        await self._cleanup_client()
-        if self._owns_bus and self.bus is not None:
-            await self.bus.close()
-            self.bus = None
+        await super().stop()  # on_stop: the client ends what is left
         self._server = None
         self._task = None
         self._serving = None
@@ -202,7 +197,9 @@ class GatewayService:
         while client.num_in_flight and loop.time() < deadline and not self._task.done():
             await asyncio.sleep(0.02)
 
-    async def _cleanup_client(self) -> None:
+    async def on_stop(self) -> None:
+        """Wait for the aborts of closed responses, stop the metrics and the client (it aborts
+        what is still in flight), the bus still up."""
         if self._serving is not None:
             await asyncio.sleep(0)  # let responses closed by the shutdown spawn their aborts
             await self._serving.wait_background()
@@ -213,8 +210,3 @@ class GatewayService:
     async def __aenter__(self) -> GatewayService:
         await self.start()
         return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
