@@ -54,7 +54,7 @@ class Settings(BaseSettings):
         None, ge=1, description="Intra-op threads of a CPU executor; None = torch's default (one per core)"
     )
     native_cpu_kernels: bool = Field(
-        True, description="CPU: attention and bf16 RMSNorm in the C kernels built on first use (kernels/cpu_kernels.py)"
+        True, description="CPU: attention and bf16 RMSNorm in the C kernels built on first use (kernels/cpu/)"
     )
     adaptive_cpu_threads: bool = Field(
         True, description="CPU executor: use fewer threads while other processes keep cores busy"

@@ -5,7 +5,7 @@ attention layer calls ``backend.forward(query, key, value, key_cache, value_cach
 which writes the new tokens' K/V into that layer's paged cache and attends.
 
 Backends (:func:`get_attention_backend`):
-    "torch"     :class:`TorchBackend`, the fast CPU path (``kernels/torch_attention.py``); the
+    "torch"     :class:`TorchBackend`, the fast CPU path (``kernels/cpu/torch_attention.py``); the
                 default on CPU ("auto").
     "reference" :class:`ReferenceBackend`, ``kernels/reference.py`` (the oracle), slow.
     "triton"    hook: registered by ``kernels/triton_attention.py``'s owner through
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from kernels import reference
-from kernels import torch_attention as torch_attn
+from kernels.cpu import attention_plan, ops
+from kernels.cpu import torch_attention as torch_attn
 
 
 @dataclass
@@ -142,10 +143,10 @@ class ReferenceBackend(AttentionBackend):
 
 
 class TorchBackend(AttentionBackend):
-    """``kernels.torch_attention``: the CPU default.
+    """``kernels.cpu.torch_attention``: the CPU default.
 
     With ``native`` (and a C compiler to build it), decodes and short prefills / chunks run in
-    the native C kernel (``kernels.cpu_kernels``), the rest in torch ops (block gathers and
+    the native C kernel (``kernels.cpu.ops``), the rest in torch ops (block gathers and
     batched decode matmuls, batched prefill SDPA). The per-forward plan (indices, masks) is
     cached in ``meta.backend_state`` under ``("torch", num_kv_heads, block_size, native)``, so
     only the first layer builds it.
@@ -156,15 +157,13 @@ class TorchBackend(AttentionBackend):
     def __init__(self, native: bool = True) -> None:
         self.native = native
         if native:
-            from kernels import cpu_kernels
-
-            cpu_kernels.load()  # build the C kernel now, not during the first step
+            ops.load()  # build the C kernel now, not during the first step
 
     def forward(self, query, key, value, key_cache, value_cache, meta, scale):
         return torch_attn.paged_attention(query, key, value, key_cache, value_cache,
                                           self.plan(query, key_cache, meta), scale)
 
-    def plan(self, query, key_cache, meta) -> torch_attn.TorchAttentionPlan:
+    def plan(self, query, key_cache, meta) -> attention_plan.TorchAttentionPlan:
         """This step's plan for queries shaped like ``query`` ``[T, H, D]``: built by the
         first layer (or the model, to see whether the C kernel serves every row), then reused."""
         plan = meta.backend_state.get(("torch", key_cache.shape[2], key_cache.shape[1], self.native))
@@ -172,12 +171,10 @@ class TorchBackend(AttentionBackend):
             plan = self._first_plan(query, key_cache, meta)
         return plan
 
-    def _first_plan(self, query, key_cache, meta) -> torch_attn.TorchAttentionPlan:
+    def _first_plan(self, query, key_cache, meta) -> attention_plan.TorchAttentionPlan:
         """Build this step's plan (first layer), deciding once whether the C kernel serves it."""
-        from kernels import cpu_kernels
-
-        native = self.native and cpu_kernels.supports(query, key_cache)
-        plan = torch_attn.build_plan(
+        native = self.native and ops.supports(query, key_cache)
+        plan = attention_plan.build_plan(
             meta.query_lens, meta.seq_lens_list, meta.block_tables, meta.slot_mapping,
             key_cache.shape[1], key_cache.shape[2], native=native,
         )
@@ -191,14 +188,15 @@ class TorchBackend(AttentionBackend):
 
 
 class TritonBackend(AttentionBackend):
-    """``kernels.triton_cache`` + ``kernels.triton_attention``: one launch per layer for the
+    """``kernels.triton.cache`` + ``kernels.triton.attention``: one launch per layer for the
     mixed batch; the CUDA default. On CPU tensors it needs ``TRITON_INTERPRET=1`` set before
     triton is first imported (tests only). Triton is imported when the backend is built."""
 
     name = "triton"
 
     def __init__(self) -> None:
-        from kernels import triton_attention, triton_cache
+        from kernels.triton import attention as triton_attention
+        from kernels.triton import cache as triton_cache
 
         self._attention = triton_attention.paged_attention
         self._cache = triton_cache.reshape_and_cache

@@ -351,7 +351,7 @@ def test_missing_weights_are_reported(tmp_path):
         _ours(config, tmp_path / "nothing-here")
 
 
-@pytest.mark.skipif(__import__("kernels.cpu_kernels").cpu_kernels.load() is None, reason="no C compiler")
+@pytest.mark.skipif(__import__("kernels.cpu.native").cpu.native.load() is None, reason="no C compiler")
 @pytest.mark.parametrize("name", ["llama3", "qwen2"])
 def test_bf16_native_norms_match_torch_norms(name, tmp_path):
     """The C fused residual-add + RMSNorm gives the logits and greedy tokens of the torch norms
@@ -369,7 +369,7 @@ def test_bf16_native_norms_match_torch_norms(name, tmp_path):
     assert not _ours(config, tmp_path).use_native_norms(True)  # float32 keeps F.rms_norm (HF parity)
 
 
-@pytest.mark.skipif(__import__("kernels.cpu_kernels").cpu_kernels.load() is None, reason="no C compiler")
+@pytest.mark.skipif(__import__("kernels.cpu.native").cpu.native.load() is None, reason="no C compiler")
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "llama_bias"])
 def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     """Where prefer_native_gemm (AVX2 CPUs, AVX512-BF16 without AMX) every matmul runs in the
@@ -377,7 +377,7 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     one C call (NativeLayers, when the C attention kernel serves every row): the same greedy
     tokens and logits as torch's bf16 matmuls (prefill, chunk and decodes). Elsewhere, or in
     float32, it stays off."""
-    from kernels import cpu_kernels
+    from kernels.cpu import ops
     from services.executor.models.llama import NativeLayers
 
     config, _ = _tiny_checkpoint(name, tmp_path)
@@ -385,9 +385,9 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     model.unpack_weights()
     assert model.use_native_norms(True)  # as the runner sets it: NativeLayers runs the C norms
     new_t, logits_t = paged_greedy(model, PROMPTS, 6, chunk=5)
-    monkeypatch.setattr(cpu_kernels, "prefer_native_gemm", lambda: False)
+    monkeypatch.setattr(ops, "prefer_native_gemm", lambda: False)
     assert not model.use_native_matmuls(True)
-    monkeypatch.setattr(cpu_kernels, "prefer_native_gemm", lambda: True)
+    monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
     assert not _ours(config, tmp_path).use_native_matmuls(True)  # float32: torch's float32 matmuls
     assert not model.use_native_matmuls(False)
     weights = {n: t.clone() for n, t in model.named_parameters()}
@@ -401,8 +401,8 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     model.load_weights(tmp_path)  # a reload refills the parameters, then packs and releases them again
     assert model.native_matmuls and model.layers[0].gate_up_proj_weight.numel() == 0
     calls, fused = [], []
-    real_gemm, real_run = cpu_kernels.gemm_bf16w, NativeLayers.run
-    monkeypatch.setattr(cpu_kernels, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real_gemm(*a, **kw))
+    real_gemm, real_run = ops.gemm_bf16w, NativeLayers.run
+    monkeypatch.setattr(ops, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real_gemm(*a, **kw))
     monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
     monkeypatch.setattr(NativeLayers, "applies", staticmethod(lambda model, caches: False))  # layer by layer
     new_l, logits_l = paged_greedy(model, PROMPTS, 6, chunk=5)
@@ -412,8 +412,8 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     assert calls.count(qkv_out) == calls.count(2 * config.intermediate_size)  # every layer of every step
     assert not fused
     monkeypatch.undo()  # the C attention kernel serves every row: all layers in one C call (NativeLayers)
-    monkeypatch.setattr(cpu_kernels, "prefer_native_gemm", lambda: True)
-    monkeypatch.setattr(cpu_kernels, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real_gemm(*a, **kw))
+    monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
+    monkeypatch.setattr(ops, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real_gemm(*a, **kw))
     monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
     calls.clear()
     new_n, logits_n = paged_greedy(model, PROMPTS, 6, chunk=5)
@@ -425,9 +425,9 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)  # same kernels but for SiLU's exp
     # steps whose prompt chunks go to torch's SDPA (here: chunks over 3 tokens) run layer by
     # layer; the decode-only steps still run in NativeLayers
-    from kernels import torch_attention
+    from kernels.cpu import attention_plan
 
-    monkeypatch.setattr(torch_attention, "NATIVE_MAX_QUERY_LEN", 3)
+    monkeypatch.setattr(attention_plan, "NATIVE_MAX_QUERY_LEN", 3)
     steps = len(fused)  # every step of the run above
     fused.clear()
     new_m, logits_m = paged_greedy(model, PROMPTS, 6, chunk=5)
@@ -437,14 +437,14 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
         torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.skipif(__import__("kernels.cpu_kernels").cpu_kernels.load() is None, reason="no C compiler")
+@pytest.mark.skipif(__import__("kernels.cpu.native").cpu.native.load() is None, reason="no C compiler")
 def test_native_layers_refuse_bad_slots_and_lengths(tmp_path, monkeypatch):
     """NativeLayers checks what the C code would otherwise read unchecked: a slot outside the
     cache and slot / row arrays that do not have T rows raise ValueError, the cache intact."""
-    from kernels import cpu_kernels
+    from kernels.cpu import ops
     from services.executor.models.llama import NativeLayers
 
-    monkeypatch.setattr(cpu_kernels, "prefer_native_gemm", lambda: True)
+    monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
     config, _ = _tiny_checkpoint("llama3", tmp_path)
     model = _ours(config, tmp_path, torch.bfloat16)
     assert model.use_native_norms(True) and model.use_native_matmuls(True)

@@ -8,9 +8,9 @@ import platform
 
 import pytest
 
-from kernels import cpu_kernels
+from kernels.cpu import native
 
-NEEDS_KERNEL = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
+NEEDS_KERNEL = pytest.mark.skipif(native.load() is None, reason="no C compiler: the torch path is used")
 X86 = platform.machine() in ("x86_64", "AMD64")
 
 
@@ -27,9 +27,9 @@ def build_library(param: tuple[str, tuple[str, ...]], tmp_path_factory):
     """The library for one of :func:`library_params`' params (portable: built in a temporary cache)."""
     variant, flags = param
     if variant == "native":
-        return cpu_kernels.load()
+        return native.load()
     os.environ["PAGEDLLM_KERNEL_CACHE"] = str(tmp_path_factory.mktemp(variant))
     try:
-        return cpu_kernels.bind(cpu_kernels.build(extra_flags=flags))
+        return native.bind(native.build(extra_flags=flags))
     finally:
         del os.environ["PAGEDLLM_KERNEL_CACHE"]

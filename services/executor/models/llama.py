@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_kernels
+from kernels.cpu import native, ops
 from services.executor.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 
 
@@ -235,9 +235,9 @@ _PROJ_KEYS = {name: (f"{name}_proj_weight", f"{name}_proj_bias") for name in PAN
 
 
 class PanelWeights:
-    """bf16 weights ``[out, in]`` laid out once for :func:`kernels.cpu_kernels.gemm_bf16w`.
+    """bf16 weights ``[out, in]`` laid out once for :func:`kernels.cpu.ops.gemm_bf16w`.
 
-    Used where :func:`kernels.cpu_kernels.prefer_native_gemm`. On CPUs without bf16
+    Used where :func:`kernels.cpu.ops.prefer_native_gemm`. On CPUs without bf16
     arithmetic the native GEMM multiplies in float32 on AVX2 + FMA straight from the bf16
     weights; SmolLM2 shapes on a 2-core AVX2 EPYC (``benchmarks/cpu_gemm.py``): 51-72 GFLOP/s
     at 16-64 rows against 8-11 for torch's emulated bf16 and 5-59 for torch's float32, and
@@ -249,7 +249,7 @@ class PanelWeights:
     """
 
     def __init__(self, weights: dict[str, torch.Tensor]) -> None:
-        self.panels = {name: cpu_kernels.pack_bf16_weight(w) for name, w in weights.items()}
+        self.panels = {name: ops.pack_bf16_weight(w) for name, w in weights.items()}
         self.out_features = {name: w.shape[0] for name, w in weights.items()}
 
     def linear(
@@ -260,7 +260,7 @@ class PanelWeights:
         out_dtype: torch.dtype = torch.bfloat16,
     ) -> torch.Tensor:  # [T, out]
         """``F.linear(x, weight, bias)`` for the weight called ``name``."""
-        return cpu_kernels.gemm_bf16w(x, self.panels[name], self.out_features[name], bias, out_dtype, validate=False)
+        return ops.gemm_bf16w(x, self.panels[name], self.out_features[name], bias, out_dtype, validate=False)
 
 
 class NativeLayers:
@@ -273,7 +273,7 @@ class NativeLayers:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         layers = list(model.layers)
         first = layers[0]
-        a = cpu_kernels.LlamaLayersArgs()
+        a = native.LlamaLayersArgs()
         a.num_layers, a.hidden, a.inter = len(layers), model.hidden_size, first.intermediate_size
         a.num_heads, a.num_kv_heads, a.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         key_cache = kv_caches[0][0]
@@ -324,7 +324,7 @@ class NativeLayers:
         cos: torch.Tensor,  # [T, 1, D] bf16, dense
         sin: torch.Tensor,  # [T, 1, D] bf16, dense, sign-folded
         slots: torch.Tensor,  # [T] int64 cache slots (< 0: not written)
-        rows: Any,  # kernels.torch_attention.NativeRows covering every row in order
+        rows: Any,  # kernels.cpu.attention_plan.NativeRows covering every row in order
     ) -> torch.Tensor:  # h
         """Run every layer over the step's ``T`` tokens.
 
@@ -345,7 +345,7 @@ class NativeLayers:
         a.block_index, a.nblk = rows.block_index.data_ptr(), rows.num_blocks
         a.row_seq, a.row_len = rows.row_seq.data_ptr(), rows.row_len.data_ptr()
         a.num_threads = torch.get_num_threads()
-        status = cpu_kernels.load().pagedllm_llama_layers_bf16(ctypes.byref(a))
+        status = ops.load().pagedllm_llama_layers_bf16(ctypes.byref(a))
         if status == 2:
             raise ValueError(f"slot_mapping names a slot outside the cache's {a.num_slots} slots")
         if status:
@@ -386,13 +386,13 @@ def add_rms_norm(
     weight: torch.Tensor,  # [n]
     eps: float,
     ln_weight: torch.Tensor | None,  # see rms_norm()
-    native: bool,  # bf16 CPU: the C kernel (kernels.cpu_kernels.add_rms_norm)
+    native: bool,  # bf16 CPU: the C kernel (kernels.ops.add_rms_norm)
     delta: torch.Tensor | None = None,  # [T, n] added to h first (a sublayer's output)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (h + delta, RMSNorm(h + delta)), both [T, n]
     """The residual add (when ``delta``) and RMSNorm, in one C pass when ``native``, else
     ``h.add_(delta)`` then :func:`rms_norm`. ``h`` is updated in place either way."""
     if native:
-        return h, cpu_kernels.add_rms_norm(h, weight, eps, delta, validate=False)
+        return h, ops.add_rms_norm(h, weight, eps, delta, validate=False)
     if delta is not None:
         h = h.add_(delta)
     return h, rms_norm(h, weight, eps, ln_weight)
@@ -495,7 +495,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def prepare_norms(self, use_ln_trick: bool, native: bool = False) -> None:
         """Choose the norms' form: the C kernel with the residual add fused
-        (:func:`kernels.cpu_kernels.add_rms_norm`, bf16 on CPU), or the LayerNorm-form weights of
+        (:func:`kernels.cpu.ops.add_rms_norm`, bf16 on CPU), or the LayerNorm-form weights of
         :func:`rms_norm` (bf16/fp16), or ``F.rms_norm``."""
         p = self._parameters
         self.native_norms = native
@@ -538,7 +538,7 @@ class LlamaDecoderLayer(nn.Module):
         p = self._parameters
         for name, rows in self._released.items():
             param = p[f"{name}_proj_weight"]
-            param.data = cpu_kernels.unpack_bf16_weight(self.panels.panels[name], rows, param.shape[1])
+            param.data = ops.unpack_bf16_weight(self.panels.panels[name], rows, param.shape[1])
         self._released = {}
 
     def _linear(self, x: torch.Tensor, name: str, packed: PackedWeights | None) -> torch.Tensor:
@@ -575,7 +575,7 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
-        """One layer. With panels (where :func:`kernels.cpu_kernels.prefer_native_gemm`) every
+        """One layer. With panels (where :func:`kernels.cpu.ops.prefer_native_gemm`) every
         matmul runs in the native bf16-weight GEMM, rounded as in HF bf16 (each matmul output,
         SiLU and the product in bf16); else several rows use oneDNN's prepacked weights with
         the MLP's fused epilogues (:meth:`_mlp_packed`), and one row a GEMV on the parameters
@@ -767,12 +767,12 @@ class LlamaForCausalLM(nn.Module):
 
     def use_native_matmuls(self, enabled: bool) -> bool:
         """Run every matmul in the native bf16-weight GEMM (:class:`PanelWeights`) when
-        ``enabled``, the model is bf16 on a CPU and :func:`kernels.cpu_kernels.prefer_native_gemm`
+        ``enabled``, the model is bf16 on a CPU and :func:`kernels.cpu.ops.prefer_native_gemm`
         (torch emulates bf16 there, or our GEMM has AVX512-BF16 and the CPU no AMX). Returns
         whether they now do. SmolLM2 bf16 on 2-core EPYCs: see benchmarks/RESULTS.md
         (2026-12-01, third and fourth sessions)."""
         self.native_matmuls = bool(
-            enabled and self.dtype == torch.bfloat16 and self._on_cpu and cpu_kernels.prefer_native_gemm()
+            enabled and self.dtype == torch.bfloat16 and self._on_cpu and ops.prefer_native_gemm()
         )
         if self.native_matmuls:
             self._pack_panels()
@@ -796,11 +796,11 @@ class LlamaForCausalLM(nn.Module):
 
     def use_native_norms(self, enabled: bool) -> bool:
         """Run the norms (and the attention residual add) in the C kernel
-        (:func:`kernels.cpu_kernels.add_rms_norm`) when ``enabled``, the model is bf16 on CPU and
+        (:func:`kernels.cpu.ops.add_rms_norm`) when ``enabled``, the model is bf16 on CPU and
         the kernel library builds. Returns whether they now do. SmolLM2 bf16 decode step, 2
         cores, A/B in one process: batch 1 14.33 -> 13.65 ms, batch 64 83.2 -> 79.9 ms."""
         self.native_norms = bool(
-            enabled and self.dtype == torch.bfloat16 and self._on_cpu and cpu_kernels.load() is not None
+            enabled and self.dtype == torch.bfloat16 and self._on_cpu and ops.load() is not None
         )
         self._prepare_norms()
         return self.native_norms

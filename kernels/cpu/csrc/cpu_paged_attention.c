@@ -4,7 +4,7 @@
  * paged KV cache (no gathered copy), FlashAttention-style online softmax over one cache block
  * at a time, float32 accumulation. A decode is one row with row_len = seq_len; a prefill or
  * chunk of q_len rows over ctx cached tokens has rows with row_len = ctx + 1 .. ctx + q_len
- * (causal). Built and loaded by kernels/cpu_kernels.py (gcc -O3 -march=native -fopenmp);
+ * (causal). Built and loaded by kernels/cpu/native.py (gcc -O3 -march=native -fopenmp);
  * called through ctypes with the GIL released.
  *
  * Layouts (element offsets; all tensors dense except the query's token stride):

@@ -1,7 +1,7 @@
 /*
  * The decoder layers of a Llama-family model in bfloat16 on the CPU, in one call per forward
  * pass, where the model's matmuls run in the bf16-weight GEMM (cpu_gemm_bf16.c:
- * AVX512-BF16 or AVX2 CPUs; kernels/cpu_kernels.py: prefer_native_gemm). It strings together the library's kernels with the three small steps
+ * AVX512-BF16 or AVX2 CPUs; kernels/cpu/ops.py: prefer_native_gemm). It strings together the library's kernels with the three small steps
  * between them, so a step pays one ctypes call instead of ~25 torch / ctypes calls per layer
  * (each 4-15 us of Python on a 2-core EPYC: ~9 ms of a 23 ms single-token step).
  *
@@ -17,7 +17,7 @@
  *   h = h + m . Wdown^T (+ b)
  * The final norm and the logits stay with the caller. Layouts: h [T, hidden]; cos, sin [T, D]
  * (sin sign-folded: (-sin, +sin) halves); caches [num_blocks, block_size, Hkv, D]; weights as
- * packed by kernels/cpu_kernels.py (pack_bf16_weight); scratch buffers sized by the caller.
+ * packed by kernels/cpu/ops.py (pack_bf16_weight); scratch buffers sized by the caller.
  */
 #include <math.h>
 #include <stdint.h>

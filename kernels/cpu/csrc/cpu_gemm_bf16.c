@@ -22,7 +22,7 @@
  *   wp    [P, K, 16] bf16, P = ceil(N / 16): the weight [N, K] in panels of 16 output columns,
  *         k-major, padded with zero columns; inside a panel the columns are stored in the order
  *         0-3, 8-11, 4-7, 12-15 so that AVX2's unpacklo / unpackhi of one 256-bit load against
- *         zero give float32 columns 0-7 and 8-15 (kernels/cpu_kernels.py: pack_bf16_weight);
+ *         zero give float32 columns 0-7 and 8-15 (kernels/cpu/ops.py: pack_bf16_weight);
  *         with AVX512-BF16 instead [P, ceil(K / 2), 16, 2], k-pairs side by side (see gemm_dp).
  *   bias  [N] bf16 or NULL
  *   out   [M, N]   out[m * ldo + n], bf16 (out_dtype 1) or float32 (0)
@@ -35,7 +35,7 @@
  * 8 floats; 6 x 4 accumulators of 16 floats with AVX512-BF16) over the whole K, so a panel group is read from
  * memory once per chunk and from cache for every tile. One row (decode at batch 1) streams the
  * weights once: the bf16 layout halves the bytes of a float32 GEMV.
- * Built and loaded by kernels/cpu_kernels.py (gcc -O3 -march=native -fopenmp); called through
+ * Built and loaded by kernels/cpu/native.py (gcc -O3 -march=native -fopenmp); called through
  * ctypes with the GIL released. Without AVX2 + FMA a portable C tile of the same shape is used.
  */
 #include <pthread.h>
