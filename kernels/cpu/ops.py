@@ -32,29 +32,33 @@ import ctypes
 
 import torch
 
-from kernels.cpu.native import MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, cpu_flags, load
+from kernels.cpu.native import PANEL, cpu_flags, load
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether :func:`paged_attention_rows` handles these tensors (CPU, float32 or bfloat16,
-    head_dim <= 256, at most 16 query heads per KV head, block size <= 128, dense cache, query
-    heads dense) and the library is available."""
+    dense cache, query heads dense) and the library is available, within its limits
+    (``lib.abi``: head_dim <= 256, at most 16 query heads per KV head, block size <= 128)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    return (
+    if not (
         query.device.type == "cpu"
         and query.dtype in _DTYPES
         and key_cache.dtype == query.dtype
-        and head_dim <= MAX_HEAD_DIM
-        and block_size <= MAX_BLOCK
         and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads <= MAX_GROUP
         and key_cache.is_contiguous()
         and query.stride(2) == 1
         and query.stride(1) == head_dim
-        and load() is not None
+    ):
+        return False
+    lib = load()
+    return (
+        lib is not None
+        and head_dim <= lib.abi.max_head_dim
+        and block_size <= lib.abi.max_block
+        and num_heads // num_kv_heads <= lib.abi.max_group
     )
 
 
@@ -171,7 +175,6 @@ def add_rms_norm(
     return out
 
 
-PANEL = 16  # output columns per weight panel (cpu_gemm_bf16.c)
 # Storage slot of each column inside a panel: AVX2's unpacklo / unpackhi of one 256-bit load
 # then give columns 0-7 and 8-15 (see cpu_gemm_bf16.c).
 _PANEL_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])

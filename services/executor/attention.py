@@ -8,8 +8,9 @@ Backends (:func:`get_attention_backend`):
     "torch"     :class:`TorchBackend`, the fast CPU path (``kernels/cpu/torch_attention.py``); the
                 default on CPU ("auto").
     "reference" :class:`ReferenceBackend`, ``kernels/reference.py`` (the oracle), slow.
-    "triton"    hook: registered by ``kernels/triton_attention.py``'s owner through
-                :func:`register_attention_backend`; until then it raises ValueError.
+    "triton"    :class:`TritonBackend`, ``kernels/triton/`` (one launch per layer for the mixed
+                batch); the default on CUDA ("auto"). On CPU tensors only under
+                ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
@@ -218,12 +219,6 @@ _BACKENDS: dict[str, BackendFactory] = {
 }
 
 
-def register_attention_backend(name: str, factory: BackendFactory) -> None:
-    """Make ``get_attention_backend(name, device, native)`` return ``factory(device, native)``
-    (the Triton hook)."""
-    _BACKENDS[name] = factory
-
-
 def get_attention_backend(
     name: str, device: torch.device | str, native_cpu_kernels: bool = True
 ) -> AttentionBackend:
@@ -233,11 +228,11 @@ def get_attention_backend(
     keeps the torch backend on torch ops (no C kernel).
 
     Raises:
-        ValueError: unknown (or not yet available) backend name.
+        ValueError: unknown backend name.
     """
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" and "triton" in _BACKENDS else "torch"
+        name = "triton" if device.type == "cuda" else "torch"
     factory = _BACKENDS.get(name)
     if factory is None:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")

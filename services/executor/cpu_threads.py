@@ -22,10 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import structlog
 import torch
 
-log = structlog.get_logger("executor")
+from shared.logging import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)

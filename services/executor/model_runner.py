@@ -19,12 +19,13 @@ import numpy as np
 import torch
 from transformers import AutoConfig
 
+from kernels.cpu import native
 from services.executor.attention import AttentionMetadata, get_attention_backend
 from services.executor.cpu_threads import CpuThreadGovernor
 from services.executor.device import resolve_device
 from services.executor.models import get_model_class
 from services.executor.sampler import Sampler, compute_logprobs
-from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings
+from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings, kernel_cache_dir
 from shared.logging import get_logger
 from shared.messages import PromptLogprobs, SampleLogprobs, SamplingParams, StepPlan, StepResult
 from shared.model_source import ModelInfo
@@ -66,6 +67,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(settings.dtype, model_info.path)
         self.block_size = settings.block_size
         self.hf_config = AutoConfig.from_pretrained(model_info.path)
+        if settings.native_cpu_kernels and self.device.type == "cpu":  # prepare-model built it, else now
+            native.load(kernel_cache_dir(settings.cache_dir))
         model_cls = get_model_class(self.hf_config)
         t0 = time.perf_counter()
         with torch.device(self.device):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from native_builds import NEEDS_KERNEL
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from services.executor.attention import AttentionMetadata
@@ -351,7 +352,7 @@ def test_missing_weights_are_reported(tmp_path):
         _ours(config, tmp_path / "nothing-here")
 
 
-@pytest.mark.skipif(__import__("kernels.cpu.native").cpu.native.load() is None, reason="no C compiler")
+@NEEDS_KERNEL
 @pytest.mark.parametrize("name", ["llama3", "qwen2"])
 def test_bf16_native_norms_match_torch_norms(name, tmp_path):
     """The C fused residual-add + RMSNorm gives the logits and greedy tokens of the torch norms
@@ -369,7 +370,7 @@ def test_bf16_native_norms_match_torch_norms(name, tmp_path):
     assert not _ours(config, tmp_path).use_native_norms(True)  # float32 keeps F.rms_norm (HF parity)
 
 
-@pytest.mark.skipif(__import__("kernels.cpu.native").cpu.native.load() is None, reason="no C compiler")
+@NEEDS_KERNEL
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "llama_bias"])
 def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     """Where prefer_native_gemm (AVX2 CPUs, AVX512-BF16 without AMX) every matmul runs in the
@@ -437,7 +438,7 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
         torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.skipif(__import__("kernels.cpu.native").cpu.native.load() is None, reason="no C compiler")
+@NEEDS_KERNEL
 def test_native_layers_refuse_bad_slots_and_lengths(tmp_path, monkeypatch):
     """NativeLayers checks what the C code would otherwise read unchecked: a slot outside the
     cache and slot / row arrays that do not have T rows raise ValueError, the cache intact."""

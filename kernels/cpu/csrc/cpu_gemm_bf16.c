@@ -44,6 +44,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "pagedllm_abi.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -55,7 +56,6 @@
 #define PAGEDLLM_DPBF16 1
 #endif
 
-#define PANEL 16
 #ifndef PF_K
 #define PF_K 16 /* prefetch distance in k (16 x 32 bytes); one row, 30 SmolLM2 layers: 18.1 -> 19.2 GB/s */
 #endif

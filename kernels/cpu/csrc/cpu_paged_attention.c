@@ -29,14 +29,11 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "pagedllm_abi.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX512_BF16 1
 #endif
-
-#define MAX_GROUP 16   /* query heads per KV head */
-#define MAX_HEAD_DIM 256
-#define MAX_BLOCK 128  /* block size in tokens */
 
 static inline void load_row(int dtype, const void* base, int64_t offset, int64_t n, float* dst) {
   if (dtype == 0) {

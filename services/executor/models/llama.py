@@ -303,13 +303,13 @@ class NativeLayers:
     def applies(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether this model and cache can run here: bf16 panels and the C norms on every
         layer (the per-layer path's kernels), one dense bf16 cache pair per layer, all of one
-        shape, head_dim even and <= 512."""
+        shape, head_dim even and within the library's ``max_rope_dim``."""
         shape = kv_caches[0][0].shape if kv_caches else None
         return (
             model.native_matmuls and model.native_norms
             and len(kv_caches) == len(model.layers)
             and all(layer.panels is not None and layer.native_norms for layer in model.layers)
-            and model.head_dim % 2 == 0 and model.head_dim <= 512
+            and model.head_dim % 2 == 0 and model.head_dim <= ops.load().abi.max_rope_dim
             and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape == shape for kv in kv_caches for t in kv)
         )
 
