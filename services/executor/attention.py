@@ -131,6 +131,19 @@ class AttentionBackend(ABC):
         """Cache the new tokens' K/V at ``meta.slot_mapping`` and return the attention output."""
 
 
+    def native_rows(
+        self,
+        meta: AttentionMetadata,
+        key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], one layer's
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,  # the queries'
+    ) -> attention_plan.NativeRows | None:
+        """The step's rows when this backend's C kernel attends every one of them, in order
+        (the CPU fast path that runs every decoder layer in one C call needs that), else ``None``."""
+        return None
+
+
 class ReferenceBackend(AttentionBackend):
     """``kernels.reference``: one sequence at a time in float32. Slow; the oracle."""
 
@@ -164,9 +177,19 @@ class TorchBackend(AttentionBackend):
         return torch_attn.paged_attention(query, key, value, key_cache, value_cache,
                                           self.plan(query, key_cache, meta), scale)
 
+    def native_rows(self, meta, key_cache, num_heads, head_dim, dtype) -> attention_plan.NativeRows | None:
+        if not self.native:
+            return None
+        probe = torch.empty((1, num_heads, head_dim), dtype=dtype)  # the query's shape for the plan's checks
+        plan = self.plan(probe, key_cache, meta)
+        rows = plan.native
+        if rows is None or rows.rows is not None or plan.decode is not None or plan.prefills or plan.chunks:
+            return None
+        return rows
+
     def plan(self, query, key_cache, meta) -> attention_plan.TorchAttentionPlan:
         """This step's plan for queries shaped like ``query`` ``[T, H, D]``: built by the
-        first layer (or the model, to see whether the C kernel serves every row), then reused."""
+        first layer (or by :meth:`native_rows`), then reused."""
         plan = meta.backend_state.get(("torch", key_cache.shape[2], key_cache.shape[1], self.native))
         if plan is None:  # first layer of the step: decide and check once
             plan = self._first_plan(query, key_cache, meta)
