@@ -16,15 +16,13 @@ import torch
 
 # With the native kernel, prefills and chunks of at most this many new tokens run in it too
 # (each row reads its causal prefix: O(q_len ** 2) row visits, where SDPA's flash kernel
-# blocks the work). SmolLM2 bf16, 2 cores, whole prefill step, native vs torch path: 64 prompts
-# of 23-66 tokens 1.83 vs 2.00 s, of 400-512 tokens 24.9 vs 29.3 s; one prompt of 1,000
-# tokens 0.94 vs 1.01 s, of 3,000 tokens 4.41 vs 4.40 s (even).
+# blocks the work): faster up to about this length, even at 3,000 tokens (benchmarks/RESULTS.md, "Figures moved out of the code").
 NATIVE_MAX_QUERY_LEN = 2048
 # Short prefills are right-padded into batches of similar length: a prefill joins a batch
 # only if its length is at least this fraction of the batch's longest one (padding wastes at
 # most 1 / fraction ** 2 of the batch's attention work). Prompts longer than
-# PREFILL_BATCH_MAX_LEN run alone (their SDPA call is large enough on its own). SmolLM2,
-# 2 cores, per layer: 256 prompts of 8-16 tokens 11 -> 5.3 ms; 64 of 23-66 tokens ~8 ms either way.
+# PREFILL_BATCH_MAX_LEN run alone (their SDPA call is large enough on its own). Padding halves
+# the time of many short prompts and costs nothing for longer ones (benchmarks/RESULTS.md, "Figures moved out of the code").
 PREFILL_PAD_MIN_FRACTION = 0.8
 PREFILL_BATCH_MAX_LEN = 128
 

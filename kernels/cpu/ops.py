@@ -5,23 +5,20 @@ and the weight packing it reads (the C sources are in ``csrc/``).
 short prefills and chunks, causal) straight from the paged KV cache on
 ``torch.get_num_threads()`` OpenMP threads of the runtime torch already loaded (its bundled
 ``libgomp.so.1``). bf16 on AVX512-BF16 CPUs runs in tiles of up to 8 rows of one sequence
-(each K/V chunk read once per tile) with vdpbf16ps scores and P V and spread L2 prefetches:
-64 rows x 64-128 tokens of context in shuffled blocks, 30 SmolLM2 layers, 2-core Zen 4, 15.2 ->
-6.9 ms against one (row, KV head) per item (A/B in one process); 512 prefill rows over 1,500
-tokens 437 -> 273 ms. Elsewhere (float32, or CPUs without AVX512-BF16) work items are
-(row, KV head) pairs.
+(each K/V chunk read once per tile) with vdpbf16ps scores and P V and spread L2 prefetches,
+about twice as fast as one (row, KV head) per item. Elsewhere (float32, or CPUs without
+AVX512-BF16) work items are (row, KV head) pairs.
 
 :func:`add_rms_norm` runs ``cpu_rms_norm.c``: the residual add fused with RMSNorm in bf16
 (one pass instead of torch's add + norm; the model uses it on CPU in bf16).
 
 :func:`gemm_bf16w` runs ``cpu_gemm_bf16.c``: matmuls with bf16 weights (laid out once by
 :func:`pack_bf16_weight` in the layout of :func:`gemm_layout`). With AVX512-BF16, vdpbf16ps
-register tiles: on a 2-core Zen 4 (``benchmarks/cpu_gemm.py``) 340-440 GFLOP/s at 16-512 rows
-against oneDNN's 130-420, and 70-120 GB/s of weights for one row. Elsewhere float32 AVX2 + FMA
+register tiles, faster than oneDNN (several times at one row). Elsewhere float32 AVX2 + FMA
 tiles, for CPUs where torch emulates bf16 matmuls at a sixth of its float32 speed
-(:func:`native_bf16_matmul`): on a 2-core AVX2 EPYC 51-72 GFLOP/s at 16-64 rows (torch bf16:
-8-11, torch float32: 5-59) and 15-33 GB/s of weights for one row. :func:`prefer_native_gemm`
-says where the model uses it.
+(:func:`native_bf16_matmul`), faster there than torch's bf16 and float32 matmuls.
+:func:`prefer_native_gemm` says where the model uses it. Measurements (``benchmarks/cpu_gemm.py``):
+benchmarks/RESULTS.md, "Figures moved out of the code".
 
 The library is built and loaded by :mod:`kernels.cpu.native`.
 """
@@ -137,7 +134,7 @@ def paged_attention_rows(
 
 
 # Rows x hidden above which the norm runs on every thread (below, one thread: a parallel
-# region costs more than the work; SmolLM2's 64 x 576 decode rows take ~10 us on one).
+# region costs more than the work, e.g. for SmolLM2's 64 x 576 decode rows).
 NORM_PARALLEL_MIN_ELEMENTS = 1 << 16
 
 
@@ -183,8 +180,8 @@ _PANEL_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 1
 def native_bf16_matmul() -> bool:
     """Whether oneDNN serves bf16 matmuls on this CPU (``torch.ops.mkldnn._is_mkldnn_bf16_supported``:
     AVX512-BF16 / AMX, or AVX-512 alone, where oneDNN converts on the fly). Without it (AVX2
-    CPUs), bf16 ``F.linear`` is emulated (10 GFLOP/s against 60 for float32 on a 2-core
-    AVX2 EPYC) and :func:`gemm_bf16w` serves bf16 weights instead."""
+    CPUs), bf16 ``F.linear`` is emulated (a sixth of float32's speed) and :func:`gemm_bf16w`
+    serves bf16 weights instead."""
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -209,9 +206,8 @@ def hardware_bf16_gemm(lib: ctypes.CDLL | None = None) -> bool:
 def prefer_native_gemm() -> bool:
     """Whether a bf16 model on this CPU should run its matmuls in :func:`gemm_bf16w` rather than
     torch's: where torch emulates bf16 (no :func:`native_bf16_matmul`), and where our GEMM has
-    bf16 hardware (:func:`hardware_bf16_gemm`). On a 2-core Zen 4 (AVX512-BF16, no AMX) with
-    SmolLM2's shapes at 16-64 rows: 340-430 GFLOP/s against oneDNN's 130-315
-    (``benchmarks/cpu_gemm.py``, 2026-12-01)."""
+    bf16 hardware (:func:`hardware_bf16_gemm`), which beats oneDNN on CPUs with AVX512-BF16
+    and no AMX (``benchmarks/cpu_gemm.py``; benchmarks/RESULTS.md, "Figures moved out of the code")."""
     return load() is not None and (not native_bf16_matmul() or hardware_bf16_gemm())
 
 

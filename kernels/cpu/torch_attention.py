@@ -46,9 +46,9 @@ from kernels.cpu.attention_plan import ChunkSeq, DecodeGroup, PrefillGroup, Torc
 # query rows per KV head of a decode).
 SDPA_MAX_DECODE_SEQS = 4
 # With at most this many KV heads, large decode groups score every query head against every
-# KV head in one bmm (see _decode); SmolLM2 bf16 (Hkv 3), 64 sequences, 2 threads, whole step
-# at context 250: 121 ms against 144 ms for the exact product and 133 ms for SDPA (all equal
-# at context 80). With more KV heads the wasted work (Hkv x) outgrows the saved copies.
+# KV head in one bmm (see _decode): faster than the exact product and SDPA for SmolLM2 (Hkv 3)
+# at long contexts (benchmarks/RESULTS.md, "Figures moved out of the code"). With more KV heads the wasted work (Hkv x)
+# outgrows the saved copies.
 ALL_PAIRS_MAX_KV_HEADS = 4
 
 

@@ -5,12 +5,11 @@
  *
  * Two builds of the same blocking, chosen when the library is compiled for the machine:
  * - CPUs with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids): vdpbf16ps register tiles on
- *   the "pairs" weight layout (below). On a 2-core Zen 4 at SmolLM2's shapes: 340-440 GFLOP/s
- *   at 16-512 rows against oneDNN's 130-420, and 70-120 GB/s of weights for one row against
- *   oneDNN's 12-23 GFLOP/s (benchmarks/cpu_gemm.py, 2026-12-01).
+ *   the "pairs" weight layout (below); faster than oneDNN at SmolLM2's shapes, several times
+ *   at one row (benchmarks/cpu_gemm.py).
  * - other x86 CPUs: float32 AVX2 + FMA tiles on the weights widened in registers, where torch's
- *   bf16 matmuls fall back to slow emulation (10 GFLOP/s against 60 for float32 on a 2-core
- *   AVX2 EPYC); without AVX2, portable C tiles.
+ *   bf16 matmuls fall back to slow emulation; without AVX2, portable C tiles.
+ * Measurements: benchmarks/RESULTS.md, "Figures moved out of the code".
  *
  * Every product and sum is float32 (a product of two bf16 values is exact in float32), with one
  * rounding per output, as oneDNN's bf16 GEMM does; only the summation order differs (and the
@@ -57,7 +56,7 @@
 #endif
 
 #ifndef PF_K
-#define PF_K 16 /* prefetch distance in k (16 x 32 bytes); one row, 30 SmolLM2 layers: 18.1 -> 19.2 GB/s */
+#define PF_K 16 /* prefetch distance in k (16 x 32 bytes): a few % more weight bandwidth at one row */
 #endif
 #define CHUNK_FLOATS (96 * 1024 / 4) /* float32 elements of A per row chunk */
 

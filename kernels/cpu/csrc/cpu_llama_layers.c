@@ -1,12 +1,14 @@
 /*
  * The decoder layers of a Llama-family model in bfloat16 on the CPU, in one call per forward
- * pass, where the model's matmuls run in the bf16-weight GEMM (cpu_gemm_bf16.c:
- * AVX512-BF16 or AVX2 CPUs; kernels/cpu/ops.py: prefer_native_gemm). It strings together the library's kernels with the three small steps
- * between them, so a step pays one ctypes call instead of ~25 torch / ctypes calls per layer
- * (each 4-15 us of Python on a 2-core EPYC: ~9 ms of a 23 ms single-token step).
+ * pass, where the model's matmuls run in the bf16-weight GEMM (cpu_gemm_bf16.c: AVX512-BF16 or
+ * AVX2 CPUs; kernels/cpu/ops.py: prefer_native_gemm). It strings together the library's
+ * kernels with the three small steps between them, so a step pays one ctypes call instead of
+ * ~25 torch / ctypes calls per layer, whose Python overhead was over a third of a single-token
+ * step (benchmarks/RESULTS.md, "Figures moved out of the code").
  *
  * Per layer, with the roundings of the torch path (services/executor/models/llama.py,
- * LlamaDecoderLayer.forward with panels), every intermediate in bf16:
+ * LlamaDecoderLayer.forward with panels: see its numerics change checklist), every
+ * intermediate in bf16:
  *   x = RMSNorm(h)                      (cpu_rms_norm.c; fused with the previous layer's residual add)
  *   qkv = x . Wqkv^T (+ b)              (cpu_gemm_bf16.c)
  *   q, k = RoPE(q, k)                   rotate_half form: bf16(bf16(rot(x) * sin) + bf16(x * cos))

@@ -13,8 +13,9 @@ class FastModule(nn.Module):
 
     ``nn.Module.__call__`` (hook dispatch) and ``nn.Module.__getattr__`` (submodules and
     parameters live in ``_modules`` / ``_parameters``, found only after a failed attribute
-    lookup) cost about 1 us each; a decoder step makes a few hundred such calls and lookups,
-    which is measurable next to a CPU decode step of a small model. So:
+    lookup) each cost ten or more times a plain attribute read; a decoder step makes a few
+    hundred such calls and lookups, which is measurable next to a CPU decode step of a small
+    model (benchmarks/RESULTS.md, "Figures moved out of the code"). So:
 
     - calling the module runs its ``forward`` directly (``__call__`` is ``forward``): module
       hooks do not run (nothing here registers any);
