@@ -2,7 +2,9 @@
 FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEDLLM_CACHE_DIR=/models
 WORKDIR /app
-# gcc builds the native CPU kernels (paged attention, RMSNorm) on first start (kernels/cpu_kernels.py)
+# gcc builds the native CPU kernels (kernels/cpu/csrc: paged attention, RMSNorm, bf16 GEMM) in
+# `pagedllm prepare-model` below, for the build machine's CPU, into /models/kernels; an executor
+# started on a CPU with other features builds its own there at first load (kernels/cpu/native.py)
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./

@@ -1,4 +1,4 @@
-"""The native bf16-weight GEMM (``kernels/cpu_gemm_bf16.c``) against torch's matmuls, same run.
+"""The native bf16-weight GEMM (``kernels/cpu/csrc/cpu_gemm_bf16.c``) against torch's matmuls, same run.
 
     .venv/bin/python benchmarks/cpu_gemm.py [--rows 1,16,64,256] [--repeats 10]
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import cpu_kernels  # noqa: E402
+from kernels.cpu import ops  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -45,20 +45,20 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if cpu_kernels.load() is None:
+    if ops.load() is None:
         sys.exit("the native CPU kernels did not build (see the log)")
     print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"native bf16 matmul: {cpu_kernels.native_bf16_matmul()}, cpu capability {torch.backends.cpu.get_cpu_capability()}")
+          f"native bf16 matmul: {ops.native_bf16_matmul()}, cpu capability {torch.backends.cpu.get_cpu_capability()}")
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, generator=gen).bfloat16()
-        packed, w32 = cpu_kernels.pack_bf16_weight(w), w.float()
+        packed, w32 = ops.pack_bf16_weight(w), w.float()
         for m in [int(r) for r in args.rows.split(",")]:
             x = torch.randn(m, k, generator=gen).bfloat16()
             x32 = x.float()
             flop = 2 * m * n * k
             reps = max(1, args.repeats // (4 if flop > 2e9 else 1))
-            runs = {"ours (bf16 weights)": partial(cpu_kernels.gemm_bf16w, x, packed, n, validate=False),
+            runs = {"ours (bf16 weights)": partial(ops.gemm_bf16w, x, packed, n, validate=False),
                     "torch fp32": partial(F.linear, x32, w32)}
             if not args.skip_torch_bf16:
                 runs["torch bf16"] = partial(F.linear, x, w)

@@ -12,7 +12,7 @@ contiguous ``[B, H, S, D]`` layout (GQA through ``enable_gqa``) in the same run;
 the largest difference between the two outputs. GPU timing: CUDA events around each call,
 the L2 cache flushed before each, median of ``--iters``. Needs only torch and triton.
 
-``--sweep`` then times the launch options of :class:`kernels.triton_attention.AttentionTiles`
+``--sweep`` then times the launch options of :class:`kernels.triton.attention.AttentionTiles`
 (and the split-K factor) on the shapes of ``--sweep-decode`` / ``--sweep-prefill``, one
 parameter group at a time from the heuristic's choice (coordinate descent): a line per
 candidate with its time, ``max|diff|`` against SDPA and, on a GPU, its registers, spills and
@@ -143,7 +143,7 @@ class Case(NamedTuple):
     unit: str  # "TB/s" or "TFLOP/s": work / ms / 1e9
 
     def run(self, **options) -> torch.Tensor:  # [T, H, D]
-        from kernels.triton_attention import paged_attention
+        from kernels.triton.attention import paged_attention
 
         return paged_attention(*self.call, **self.call_kw, **options)
 
@@ -218,7 +218,7 @@ def describe(options: dict) -> str:
 
 def build_info(case: Case, options: dict) -> str:
     """Registers, spills and shared memory of each launch's build (on a GPU; '' elsewhere)."""
-    from kernels.triton_attention import plan_paged_attention
+    from kernels.triton.attention import plan_paged_attention
 
     _, launches = plan_paged_attention(*case.call, **case.call_kw, **options)
     info = []
@@ -277,7 +277,7 @@ def sweep(case: Case, stages: list[list[dict]], iters: int, device: torch.device
           ) -> None:
     """Coordinate descent: each stage's candidates extend the best options so far; those whose
     :func:`describe` is in ``exclude`` are skipped (they broke the CUDA context before)."""
-    from kernels.triton_attention import AttentionTiles
+    from kernels.triton.attention import AttentionTiles
 
     try:
         expected = case.sdpa()
@@ -314,7 +314,7 @@ def sweep(case: Case, stages: list[list[dict]], iters: int, device: torch.device
 
 def decode_stages(ctx: int, smoke: bool) -> list[list[dict]]:
     """Split-K factor x keys per iteration, then warps x pipelining stages."""
-    from kernels.triton_attention import AttentionTiles
+    from kernels.triton.attention import AttentionTiles
 
     splits = [1, 2] if smoke else [s for s in (1, 2, 4, 8, 16, 32) if s == 1 or ctx // s >= 256]
     tile_ns = [16, 32] if smoke else [32, 64, 128]
@@ -330,7 +330,7 @@ def decode_stages(ctx: int, smoke: bool) -> list[list[dict]]:
 
 def prefill_stages(smoke: bool) -> list[list[dict]]:
     """Rows per program x keys per iteration, then warps x pipelining stages."""
-    from kernels.triton_attention import AttentionTiles
+    from kernels.triton.attention import AttentionTiles
 
     block_ms, tile_ns = ([16, 32], [16]) if smoke else ([64, 128], [32, 64, 128])
     first = [{"path": "single", "tiles": AttentionTiles(block_m=m, tile_n=t)} for m in block_ms for t in tile_ns]

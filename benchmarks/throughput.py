@@ -106,11 +106,11 @@ def main() -> None:
           f"{f' after a {args.prefix_words}-word shared prefix' if args.prefix_words else ''}) x "
           f"{args.output_len} generated tokens, dtype={args.dtype}, torch threads={torch.get_num_threads()}"
           f"{f', pagedllm with {args.params}' if json.loads(args.params) else ''}")
-    from kernels import cpu_kernels
+    from kernels.cpu import ops
 
-    ours = ("kernels/cpu_gemm_bf16.c, " + ("AVX512-BF16 tiles" if cpu_kernels.hardware_bf16_gemm() else "FMA tiles")
-            if cpu_kernels.prefer_native_gemm() else "oneDNN")
-    print(f"# CPU: {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16: {cpu_kernels.native_bf16_matmul()} "
+    ours = ("kernels/cpu/csrc/cpu_gemm_bf16.c, " + ("AVX512-BF16 tiles" if ops.hardware_bf16_gemm() else "FMA tiles")
+            if ops.prefer_native_gemm() else "oneDNN")
+    print(f"# CPU: {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16: {ops.native_bf16_matmul()} "
           f"(False: HF's bf16 is emulated); pagedllm's bf16 matmuls: {ours}")
     t, n = bench_pagedllm(args, prompts)
     print(f"pagedllm  LLM.generate: {n} tokens in {t:.2f} s = {n / t:.1f} generated tokens/s"

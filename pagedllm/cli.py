@@ -1,4 +1,4 @@
-"""``pagedllm`` command line: ``serve``, ``service NAME``, ``prepare-model``.
+"""``pagedllm`` command line: ``serve``, ``service NAME``, ``prepare-model`` (the model and the CPU kernels).
 
 Every engine/service setting of :class:`shared.config.Settings` is a flag
 (``--max-model-len``, ``--block-size``, ...); unset flags fall back to ``PAGEDLLM_*``
@@ -92,8 +92,29 @@ def cmd_prepare_model(args: argparse.Namespace) -> None:
     from pagedllm.launcher import model_info_or_exit
 
     prefix = "pagedllm prepare-model"
-    info = model_info_or_exit(settings_from_args(args, prefix), prefix)
+    settings = settings_from_args(args, prefix)
+    info = model_info_or_exit(settings, prefix)
     print(f"model {info.name} ready at {info.path}")
+    print(prepare_cpu_kernels(settings))
+
+
+def prepare_cpu_kernels(settings: Settings) -> str:
+    """Build the native CPU kernels into ``Settings.cache_dir / "kernels"`` for a CPU executor
+    with ``native_cpu_kernels``, so that no executor compiles them at its first load (one that
+    starts on a CPU with other features still builds its own there). Returns a line to print;
+    a build that fails is not an error (the torch path serves; ``cpu_kernels_unavailable``
+    is logged with the reason)."""
+    from services.executor.device import resolve_device
+
+    if not settings.native_cpu_kernels or resolve_device(settings.device).type != "cpu":
+        return "native CPU kernels: not used with these settings"
+    from kernels.cpu import native
+    from shared.config import kernel_cache_dir
+
+    lib = native.load(kernel_cache_dir(settings.cache_dir))
+    if lib is None:
+        return "native CPU kernels unavailable (see the cpu_kernels_unavailable log): the torch path will serve"
+    return f"native CPU kernels ready at {lib._name}"
 
 
 def cmd_service(args: argparse.Namespace) -> None:
@@ -182,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(service)
     service.set_defaults(func=cmd_service)
 
-    prep = sub.add_parser("prepare-model", help="convert the default model once (or check a directory)")
+    prep = sub.add_parser("prepare-model", help="convert the default model once (or check a directory) and build the CPU kernels")
     prep.add_argument("model", nargs="?", default=None)
     add_settings_flags(prep)
     prep.set_defaults(func=cmd_prepare_model)

@@ -15,7 +15,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "pagedllm"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def kernel_cache_dir(cache_dir: Path | str = DEFAULT_CACHE_DIR) -> Path:
+    """Where the native CPU kernels are built and kept: ``<cache_dir>/kernels``."""
+    return Path(cache_dir).expanduser() / "kernels"
 
 
 class Settings(BaseSettings):
@@ -54,7 +60,7 @@ class Settings(BaseSettings):
         None, ge=1, description="Intra-op threads of a CPU executor; None = torch's default (one per core)"
     )
     native_cpu_kernels: bool = Field(
-        True, description="CPU: attention and bf16 RMSNorm in the C kernels built on first use (kernels/cpu_kernels.py)"
+        True, description="CPU: attention, bf16 RMSNorm and bf16 matmuls in the C kernels (kernels/cpu/; built by prepare-model, else at first use)"
     )
     adaptive_cpu_threads: bool = Field(
         True, description="CPU executor: use fewer threads while other processes keep cores busy"
@@ -69,7 +75,7 @@ class Settings(BaseSettings):
     )
     num_detokenizer_shards: int = Field(1, ge=1)
     detokenizer_shard: int = Field(0, ge=0)
-    cache_dir: Path = Field(Path.home() / ".cache" / "pagedllm", description="Converted-model cache")
+    cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Converted models and the built CPU kernels")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
     step_timeout_s: float = Field(600.0, gt=0, description="Max seconds one executor step may take")
     heartbeat_interval_s: float = Field(1.0, gt=0)

@@ -38,6 +38,20 @@ def smollm2_path() -> Path:
     return convert_default_model(CACHE_DIR)
 
 
+@pytest.fixture(scope="session")
+def kernel_library():
+    """The native CPU kernel library, built once per session into ``CACHE_DIR / "kernels"``
+    (found there when ``pagedllm prepare-model`` built it); skips the test when it cannot be
+    built (no C compiler: the torch path is used). Nothing builds it at collection."""
+    from kernels.cpu import native
+    from shared.config import kernel_cache_dir
+
+    lib = native.load(kernel_cache_dir(CACHE_DIR))
+    if lib is None:
+        pytest.skip("no C compiler: the torch path is used")
+    return lib
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test by its folder (``MARKER_OF_DIR``)."""
     for item in items:

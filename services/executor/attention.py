@@ -5,11 +5,12 @@ attention layer calls ``backend.forward(query, key, value, key_cache, value_cach
 which writes the new tokens' K/V into that layer's paged cache and attends.
 
 Backends (:func:`get_attention_backend`):
-    "torch"     :class:`TorchBackend`, the fast CPU path (``kernels/torch_attention.py``); the
+    "torch"     :class:`TorchBackend`, the fast CPU path (``kernels/cpu/torch_attention.py``); the
                 default on CPU ("auto").
     "reference" :class:`ReferenceBackend`, ``kernels/reference.py`` (the oracle), slow.
-    "triton"    hook: registered by ``kernels/triton_attention.py``'s owner through
-                :func:`register_attention_backend`; until then it raises ValueError.
+    "triton"    :class:`TritonBackend`, ``kernels/triton/`` (one launch per layer for the mixed
+                batch); the default on CUDA ("auto"). On CPU tensors only under
+                ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 
 from kernels import reference
-from kernels import torch_attention as torch_attn
+from kernels.cpu import attention_plan, ops
+from kernels.cpu import torch_attention as torch_attn
 
 
 @dataclass
@@ -129,6 +131,19 @@ class AttentionBackend(ABC):
         """Cache the new tokens' K/V at ``meta.slot_mapping`` and return the attention output."""
 
 
+    def native_rows(
+        self,
+        meta: AttentionMetadata,
+        key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], one layer's
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,  # the queries'
+    ) -> attention_plan.NativeRows | None:
+        """The step's rows when this backend's C kernel attends every one of them, in order
+        (the CPU fast path that runs every decoder layer in one C call needs that), else ``None``."""
+        return None
+
+
 class ReferenceBackend(AttentionBackend):
     """``kernels.reference``: one sequence at a time in float32. Slow; the oracle."""
 
@@ -142,10 +157,10 @@ class ReferenceBackend(AttentionBackend):
 
 
 class TorchBackend(AttentionBackend):
-    """``kernels.torch_attention``: the CPU default.
+    """``kernels.cpu.torch_attention``: the CPU default.
 
     With ``native`` (and a C compiler to build it), decodes and short prefills / chunks run in
-    the native C kernel (``kernels.cpu_kernels``), the rest in torch ops (block gathers and
+    the native C kernel (``kernels.cpu.ops``), the rest in torch ops (block gathers and
     batched decode matmuls, batched prefill SDPA). The per-forward plan (indices, masks) is
     cached in ``meta.backend_state`` under ``("torch", num_kv_heads, block_size, native)``, so
     only the first layer builds it.
@@ -156,28 +171,34 @@ class TorchBackend(AttentionBackend):
     def __init__(self, native: bool = True) -> None:
         self.native = native
         if native:
-            from kernels import cpu_kernels
-
-            cpu_kernels.load()  # build the C kernel now, not during the first step
+            ops.load()  # build the C kernel now, not during the first step
 
     def forward(self, query, key, value, key_cache, value_cache, meta, scale):
         return torch_attn.paged_attention(query, key, value, key_cache, value_cache,
                                           self.plan(query, key_cache, meta), scale)
 
-    def plan(self, query, key_cache, meta) -> torch_attn.TorchAttentionPlan:
+    def native_rows(self, meta, key_cache, num_heads, head_dim, dtype) -> attention_plan.NativeRows | None:
+        if not self.native:
+            return None
+        probe = torch.empty((1, num_heads, head_dim), dtype=dtype)  # the query's shape for the plan's checks
+        plan = self.plan(probe, key_cache, meta)
+        rows = plan.native
+        if rows is None or rows.rows is not None or plan.decode is not None or plan.prefills or plan.chunks:
+            return None
+        return rows
+
+    def plan(self, query, key_cache, meta) -> attention_plan.TorchAttentionPlan:
         """This step's plan for queries shaped like ``query`` ``[T, H, D]``: built by the
-        first layer (or the model, to see whether the C kernel serves every row), then reused."""
+        first layer (or by :meth:`native_rows`), then reused."""
         plan = meta.backend_state.get(("torch", key_cache.shape[2], key_cache.shape[1], self.native))
         if plan is None:  # first layer of the step: decide and check once
             plan = self._first_plan(query, key_cache, meta)
         return plan
 
-    def _first_plan(self, query, key_cache, meta) -> torch_attn.TorchAttentionPlan:
+    def _first_plan(self, query, key_cache, meta) -> attention_plan.TorchAttentionPlan:
         """Build this step's plan (first layer), deciding once whether the C kernel serves it."""
-        from kernels import cpu_kernels
-
-        native = self.native and cpu_kernels.supports(query, key_cache)
-        plan = torch_attn.build_plan(
+        native = self.native and ops.supports(query, key_cache)
+        plan = attention_plan.build_plan(
             meta.query_lens, meta.seq_lens_list, meta.block_tables, meta.slot_mapping,
             key_cache.shape[1], key_cache.shape[2], native=native,
         )
@@ -191,14 +212,15 @@ class TorchBackend(AttentionBackend):
 
 
 class TritonBackend(AttentionBackend):
-    """``kernels.triton_cache`` + ``kernels.triton_attention``: one launch per layer for the
+    """``kernels.triton.cache`` + ``kernels.triton.attention``: one launch per layer for the
     mixed batch; the CUDA default. On CPU tensors it needs ``TRITON_INTERPRET=1`` set before
     triton is first imported (tests only). Triton is imported when the backend is built."""
 
     name = "triton"
 
     def __init__(self) -> None:
-        from kernels import triton_attention, triton_cache
+        from kernels.triton import attention as triton_attention
+        from kernels.triton import cache as triton_cache
 
         self._attention = triton_attention.paged_attention
         self._cache = triton_cache.reshape_and_cache
@@ -220,12 +242,6 @@ _BACKENDS: dict[str, BackendFactory] = {
 }
 
 
-def register_attention_backend(name: str, factory: BackendFactory) -> None:
-    """Make ``get_attention_backend(name, device, native)`` return ``factory(device, native)``
-    (the Triton hook)."""
-    _BACKENDS[name] = factory
-
-
 def get_attention_backend(
     name: str, device: torch.device | str, native_cpu_kernels: bool = True
 ) -> AttentionBackend:
@@ -235,11 +251,11 @@ def get_attention_backend(
     keeps the torch backend on torch ops (no C kernel).
 
     Raises:
-        ValueError: unknown (or not yet available) backend name.
+        ValueError: unknown backend name.
     """
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" and "triton" in _BACKENDS else "torch"
+        name = "triton" if device.type == "cuda" else "torch"
     factory = _BACKENDS.get(name)
     if factory is None:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")

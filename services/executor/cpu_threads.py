@@ -4,10 +4,10 @@ torch's CPU kernels (and oneDNN's) run on an OpenMP team of ``torch.get_num_thre
 threads that spin-wait at the end of every parallel region. When another process needs one
 of those cores, the team's threads are descheduled in turn and each of the few hundred
 parallel regions of a decode step waits a scheduler time slice: on a 2-core machine with one
-busy process beside it, single-stream SmolLM2 bf16 decode falls from 65 to 20 tokens/s with
-2 threads, while 1 thread keeps 46 tokens/s (``benchmarks/single_stream.py``, 2026-12-01).
+busy process beside it, single-stream decode with 2 threads falls to a third of its speed,
+while 1 thread keeps two thirds (``benchmarks/single_stream.py``; benchmarks/RESULTS.md, "Figures moved out of the code").
 A passive wait policy (``OMP_WAIT_POLICY=PASSIVE``) avoids the collapse but costs a third of
-the quiet-machine speed (40 tokens/s), and libgomp reads it only at start-up.
+the quiet-machine speed, and libgomp reads it only at start-up.
 
 :class:`CpuThreadGovernor` therefore measures, between steps, how much CPU time other
 processes used on this process's allowed cores (``/proc/stat`` minus ``/proc/self/stat``)
@@ -22,10 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import structlog
 import torch
 
-log = structlog.get_logger("executor")
+from shared.logging import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,13 @@ import numpy as np
 import torch
 from transformers import AutoConfig
 
+from kernels.cpu import native
 from services.executor.attention import AttentionMetadata, get_attention_backend
 from services.executor.cpu_threads import CpuThreadGovernor
 from services.executor.device import resolve_device
-from services.executor.models import get_model_class
+from services.executor.models import get_model_class, kv_cache_bytes_per_block, kv_cache_shape
 from services.executor.sampler import Sampler, compute_logprobs
-from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings
+from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings, kernel_cache_dir
 from shared.logging import get_logger
 from shared.messages import PromptLogprobs, SampleLogprobs, SamplingParams, StepPlan, StepResult
 from shared.model_source import ModelInfo
@@ -66,18 +67,18 @@ class ModelRunner:
         self.dtype = resolve_dtype(settings.dtype, model_info.path)
         self.block_size = settings.block_size
         self.hf_config = AutoConfig.from_pretrained(model_info.path)
+        if settings.native_cpu_kernels and self.device.type == "cpu":  # prepare-model built it, else now
+            native.load(kernel_cache_dir(settings.cache_dir))
         model_cls = get_model_class(self.hf_config)
         t0 = time.perf_counter()
-        with torch.device(self.device):
-            self.model = model_cls(self.hf_config, dtype=self.dtype, device=self.device)
-        self.model.load_weights(model_info.path)
-        self.model.eval()
-        self.model.use_native_norms(settings.native_cpu_kernels)
-        self.model.use_native_matmuls(settings.native_cpu_kernels)
         self.attn_backend = get_attention_backend(
             settings.attention_backend, self.device, native_cpu_kernels=settings.native_cpu_kernels
         )
-        self.model.attn_backend = self.attn_backend
+        with torch.device(self.device):  # its kernels are chosen here, once (services/executor/layers/selection.py)
+            self.model = model_cls(self.hf_config, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
+                                   native_cpu_kernels=settings.native_cpu_kernels)
+        self.model.load_weights(model_info.path)
+        self.model.eval()
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(settings.seed, self.device, model_info.eos_token_ids)
@@ -115,8 +116,6 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
 
     def _num_blocks(self) -> int:
-        from services.executor.models.llama import kv_cache_bytes_per_block
-
         if self.settings.num_gpu_blocks_override is not None:
             return self.settings.num_gpu_blocks_override
         per_block = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype)
@@ -133,8 +132,6 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        from services.executor.models.llama import kv_cache_shape
-
         shape = kv_cache_shape(self.hf_config, num_blocks, self.block_size)
         return [
             (
@@ -209,7 +206,7 @@ class ModelRunner:
         """The step's flat inputs: input_ids [T] int64, positions [T] int64, the attention
         metadata, the token row that samples for each request that samples, and those requests.
 
-        Built in numpy (a few microseconds per array, against ~5 us per small torch op); a
+        Built in numpy (a few microseconds per array, cheaper than small torch ops); a
         pure decode step takes a shortcut (one token per request, all of them sampling).
         """
         bs = self.block_size

@@ -24,11 +24,11 @@ def greedy_argmax(
     logits: torch.Tensor,  # [N, V]
     chunk: int = 1024,
 ) -> torch.Tensor:  # [N] int64
-    """``logits.argmax(dim=-1)`` (first maximum, NaN counts as maximum), ~8x faster on CPU.
+    """``logits.argmax(dim=-1)`` (first maximum, NaN counts as maximum), faster on CPU.
 
-    torch's CPU argmax over a long row is not vectorised (1.3 ms for [64, 49152] float32);
-    this takes the vectorised max of each ``chunk``-wide slice, the first slice holding the
-    row's maximum, then the argmax inside that slice only (0.15 ms).
+    torch's CPU argmax over a long row is not vectorised; this takes the vectorised max of
+    each ``chunk``-wide slice, the first slice holding the row's maximum, then the argmax
+    inside that slice only (benchmarks/RESULTS.md, "Figures moved out of the code").
     """
     n, vocab = logits.shape
     if vocab % chunk or vocab <= chunk:

@@ -7,19 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from native_builds import NEEDS_KERNEL
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from services.executor.attention import AttentionMetadata
-from services.executor.models import LlamaForCausalLM, get_model_class
-from services.executor.models.llama import (
+from services.executor.layers.cpu.onednn import OneDNNLinearMethod, mkldnn_packing_supported
+from services.executor.layers.embedding import refine_top_logits
+from services.executor.layers.layernorm import ln_trick_weight, rms_norm
+from services.executor.layers.rotary_embedding import get_rope
+from services.executor.models import (
+    LlamaForCausalLM,
+    get_model_class,
     kv_cache_bytes_per_block,
     kv_cache_shape,
-    ln_trick_weight,
-    mkldnn_packing_supported,
-    refine_top_logits,
-    rms_norm,
-    rope_inv_freq,
 )
+from services.executor.models.hf_config import head_dim_of, rope_parameters
 from services.executor.sampler import greedy_argmax
 
 PROMPTS = [[5, 17, 301, 44, 9, 120, 77], [400, 3, 3, 18, 250, 11, 90, 64, 31, 7, 199, 2, 65, 8, 301, 42, 17, 5], [88, 12]]
@@ -67,6 +69,16 @@ CONFIGS = {
         architectures=["MistralForCausalLM"],
     ),
 }
+
+
+def rope_inv_freq(hf_config) -> torch.Tensor:  # [head_dim // 2] float32
+    return get_rope(head_dim_of(hf_config), rope_parameters(hf_config), torch.float32, "cpu").inv_freq
+
+
+def projections(model: LlamaForCausalLM) -> list:
+    """Every linear layer of the decoder (q/k/v, o, gate/up and down of each layer)."""
+    return [proj for layer in model.model.layers
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
 
 def paged_greedy(
@@ -211,13 +223,13 @@ def test_bf16_packed_weights_match_plain_linear(name, tmp_path):
     context (both packed) and single-token decodes (torch's GEMV on the parameters)."""
     config, _ = _tiny_checkpoint(name, tmp_path)
     model = _ours(config, tmp_path, torch.bfloat16)
-    assert model.use_packed_weights
+    assert isinstance(model.kernels.linear_method, OneDNNLinearMethod)
     prompt = [(7 * i + 3) % 500 + 1 for i in range(41)]
     steps = [(0, 30), (30, 33), (33, 34), (34, 35)]  # token ranges computed per step
     logits = []
     for packed in (True, False):
-        model.pack_weights() if packed else model.unpack_weights()
-        assert (model.layers[0].packed is not None) == packed
+        model.process_weights_after_loading() if packed else model.unpack_weights()
+        assert (model.model.layers[0].self_attn.qkv_proj.packed is not None) == packed
         caches = [(torch.zeros(kv_cache_shape(config, 4, 16), dtype=torch.bfloat16),
                    torch.zeros(kv_cache_shape(config, 4, 16), dtype=torch.bfloat16))
                   for _ in range(config.num_hidden_layers)]
@@ -320,7 +332,7 @@ def test_configs_without_architectures_go_by_model_type(tmp_path):
     config, hf_model = _tiny_checkpoint("qwen2", tmp_path)
     config.architectures = None
     model = _ours(config, tmp_path)
-    assert model.layers[0].qkv_proj_bias is not None
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None
     new, logits = paged_greedy(model, PROMPTS[:2], 4)
     for prompt, ours_new, ours_logits in zip(PROMPTS[:2], new, logits, strict=True):
         ref_new, ref_logits = hf_greedy(hf_model, prompt, 4)
@@ -351,7 +363,7 @@ def test_missing_weights_are_reported(tmp_path):
         _ours(config, tmp_path / "nothing-here")
 
 
-@pytest.mark.skipif(__import__("kernels.cpu_kernels").cpu_kernels.load() is None, reason="no C compiler")
+@NEEDS_KERNEL
 @pytest.mark.parametrize("name", ["llama3", "qwen2"])
 def test_bf16_native_norms_match_torch_norms(name, tmp_path):
     """The C fused residual-add + RMSNorm gives the logits and greedy tokens of the torch norms
@@ -361,7 +373,8 @@ def test_bf16_native_norms_match_torch_norms(name, tmp_path):
     assert not model.native_norms
     new_t, logits_t = paged_greedy(model, PROMPTS, 6, chunk=5)
     assert model.use_native_norms(True)
-    assert all(layer.native_norms for layer in model.layers) and model.norm.native
+    assert all(layer.input_layernorm.native and layer.post_attention_layernorm.native
+               for layer in model.model.layers) and model.model.norm.native
     new_n, logits_n = paged_greedy(model, PROMPTS, 6, chunk=5)
     assert new_n == new_t
     for a, b in zip(logits_n, logits_t, strict=True):
@@ -369,7 +382,7 @@ def test_bf16_native_norms_match_torch_norms(name, tmp_path):
     assert not _ours(config, tmp_path).use_native_norms(True)  # float32 keeps F.rms_norm (HF parity)
 
 
-@pytest.mark.skipif(__import__("kernels.cpu_kernels").cpu_kernels.load() is None, reason="no C compiler")
+@NEEDS_KERNEL
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "llama_bias"])
 def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     """Where prefer_native_gemm (AVX2 CPUs, AVX512-BF16 without AMX) every matmul runs in the
@@ -377,43 +390,44 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     one C call (NativeLayers, when the C attention kernel serves every row): the same greedy
     tokens and logits as torch's bf16 matmuls (prefill, chunk and decodes). Elsewhere, or in
     float32, it stays off."""
-    from kernels import cpu_kernels
-    from services.executor.models.llama import NativeLayers
+    from kernels.cpu import ops
+    from services.executor.layers.cpu.native_layers import NativeLayers
 
     config, _ = _tiny_checkpoint(name, tmp_path)
     model = _ours(config, tmp_path, torch.bfloat16)
     model.unpack_weights()
     assert model.use_native_norms(True)  # as the runner sets it: NativeLayers runs the C norms
     new_t, logits_t = paged_greedy(model, PROMPTS, 6, chunk=5)
-    monkeypatch.setattr(cpu_kernels, "prefer_native_gemm", lambda: False)
+    monkeypatch.setattr(ops, "prefer_native_gemm", lambda: False)
     assert not model.use_native_matmuls(True)
-    monkeypatch.setattr(cpu_kernels, "prefer_native_gemm", lambda: True)
+    monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
     assert not _ours(config, tmp_path).use_native_matmuls(True)  # float32: torch's float32 matmuls
     assert not model.use_native_matmuls(False)
     weights = {n: t.clone() for n, t in model.named_parameters()}
     assert model.use_native_matmuls(True)
-    assert all(layer.panels is not None for layer in model.layers) and model._lm_head_panels is not None
+    assert all(proj.panel is not None for proj in projections(model)) and model.lm_head.panel is not None
     # the panels hold the matmul weights alone: the parameters' storage is released ...
-    assert all(layer.qkv_proj_weight.numel() == 0 and layer.down_proj_weight.numel() == 0 for layer in model.layers)
+    assert all(layer.self_attn.qkv_proj.weight.numel() == 0 and layer.mlp.down_proj.weight.numel() == 0
+               for layer in model.model.layers)
     assert not model.use_native_matmuls(False)  # ... and rebuilt, bit for bit, when switched off
     assert all(torch.equal(t, weights[n]) for n, t in model.named_parameters())
     assert model.use_native_matmuls(True)
     model.load_weights(tmp_path)  # a reload refills the parameters, then packs and releases them again
-    assert model.native_matmuls and model.layers[0].gate_up_proj_weight.numel() == 0
+    assert model.native_matmuls and model.model.layers[0].mlp.gate_up_proj.weight.numel() == 0
     calls, fused = [], []
-    real_gemm, real_run = cpu_kernels.gemm_bf16w, NativeLayers.run
-    monkeypatch.setattr(cpu_kernels, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real_gemm(*a, **kw))
+    real_gemm, real_run = ops.gemm_bf16w, NativeLayers.run
+    monkeypatch.setattr(ops, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real_gemm(*a, **kw))
     monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
     monkeypatch.setattr(NativeLayers, "applies", staticmethod(lambda model, caches: False))  # layer by layer
     new_l, logits_l = paged_greedy(model, PROMPTS, 6, chunk=5)
-    layer = model.layers[0]
+    layer = model.model.layers[0].self_attn.qkv_proj
     qkv_out = layer.q_size + 2 * layer.kv_size
     assert set(calls) == {qkv_out, config.hidden_size, 2 * config.intermediate_size, config.vocab_size}
     assert calls.count(qkv_out) == calls.count(2 * config.intermediate_size)  # every layer of every step
     assert not fused
     monkeypatch.undo()  # the C attention kernel serves every row: all layers in one C call (NativeLayers)
-    monkeypatch.setattr(cpu_kernels, "prefer_native_gemm", lambda: True)
-    monkeypatch.setattr(cpu_kernels, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real_gemm(*a, **kw))
+    monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
+    monkeypatch.setattr(ops, "gemm_bf16w", lambda *a, **kw: calls.append(a[2]) or real_gemm(*a, **kw))
     monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
     calls.clear()
     new_n, logits_n = paged_greedy(model, PROMPTS, 6, chunk=5)
@@ -425,9 +439,9 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)  # same kernels but for SiLU's exp
     # steps whose prompt chunks go to torch's SDPA (here: chunks over 3 tokens) run layer by
     # layer; the decode-only steps still run in NativeLayers
-    from kernels import torch_attention
+    from kernels.cpu import attention_plan
 
-    monkeypatch.setattr(torch_attention, "NATIVE_MAX_QUERY_LEN", 3)
+    monkeypatch.setattr(attention_plan, "NATIVE_MAX_QUERY_LEN", 3)
     steps = len(fused)  # every step of the run above
     fused.clear()
     new_m, logits_m = paged_greedy(model, PROMPTS, 6, chunk=5)
@@ -437,14 +451,14 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
         torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.skipif(__import__("kernels.cpu_kernels").cpu_kernels.load() is None, reason="no C compiler")
+@NEEDS_KERNEL
 def test_native_layers_refuse_bad_slots_and_lengths(tmp_path, monkeypatch):
     """NativeLayers checks what the C code would otherwise read unchecked: a slot outside the
     cache and slot / row arrays that do not have T rows raise ValueError, the cache intact."""
-    from kernels import cpu_kernels
-    from services.executor.models.llama import NativeLayers
+    from kernels.cpu import ops
+    from services.executor.layers.cpu.native_layers import NativeLayers
 
-    monkeypatch.setattr(cpu_kernels, "prefer_native_gemm", lambda: True)
+    monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
     config, _ = _tiny_checkpoint("llama3", tmp_path)
     model = _ours(config, tmp_path, torch.bfloat16)
     assert model.use_native_norms(True) and model.use_native_matmuls(True)
@@ -452,14 +466,14 @@ def test_native_layers_refuse_bad_slots_and_lengths(tmp_path, monkeypatch):
                torch.zeros(kv_cache_shape(config, 4, 16), dtype=torch.bfloat16))
               for _ in range(config.num_hidden_layers)]
     meta = AttentionMetadata.build([3], [3], [[2]], 16)
-    rows = model._native_rows(caches, meta)
-    assert rows is not None and isinstance(model._native_layers, NativeLayers)
-    h = model.embed_tokens(torch.tensor([5, 6, 7]))
-    cos, sin = model.rope_cos_sin(torch.arange(3))
+    rows = model.model.native_rows(caches, meta)
+    assert rows is not None and isinstance(model.model.native_layers, NativeLayers)
+    h = model.model.embed_tokens(torch.tensor([5, 6, 7]))
+    cos, sin = model.model.rotary_emb(torch.arange(3))
     with pytest.raises(ValueError, match="outside the cache"):
-        model._native_layers.run(h.clone(), cos, sin, torch.tensor([32, 33, 4 * 16]), rows)
+        model.model.native_layers.run(h.clone(), cos, sin, torch.tensor([32, 33, 4 * 16]), rows)
     with pytest.raises(ValueError, match="3 rows"):
-        model._native_layers.run(h.clone(), cos, sin, torch.tensor([32, 33]), rows)
+        model.model.native_layers.run(h.clone(), cos, sin, torch.tensor([32, 33]), rows)
     assert all(not t.any() for kv in caches for t in kv)  # nothing was written
-    out = model._native_layers.run(h.clone(), cos, sin, meta.slot_mapping, rows)
+    out = model.model.native_layers.run(h.clone(), cos, sin, meta.slot_mapping, rows)
     assert out.isfinite().all() and caches[0][0][2, :3].any() and not caches[0][0][2, 3:].any()

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_kernels, reference
-from kernels.torch_attention import NATIVE_MAX_QUERY_LEN
+from kernels import reference
+from kernels.cpu import attention_plan, ops
+from kernels.cpu.attention_plan import NATIVE_MAX_QUERY_LEN
 from services.executor.attention import (
     AttentionMetadata,
     ReferenceBackend,
@@ -84,15 +85,15 @@ def _run_both(  # the reference against the torch backend, without and with the 
         query, ref_k, ref_v, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
     )
     calls = []
-    kernel = cpu_kernels.paged_attention_rows
+    kernel = ops.paged_attention_rows
     for native in (False, True):  # torch ops only, then decodes and short prefills in the C kernel
-        cpu_kernels.paged_attention_rows = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+        ops.paged_attention_rows = lambda *a, **k: calls.append(1) or kernel(*a, **k)
         try:
             out = TorchBackend(native=native).forward(query, key, value, key_cache, value_cache, meta, scale)
         finally:
-            cpu_kernels.paged_attention_rows = kernel
+            ops.paged_attention_rows = kernel
         has_rows = any(0 < new <= NATIVE_MAX_QUERY_LEN for _, _, new in kinds)
-        assert len(calls) == (native and has_rows and cpu_kernels.load() is not None), (native, calls)
+        assert len(calls) == (native and has_rows and ops.load() is not None), (native, calls)
         assert out.shape == expected.shape and out.dtype == dtype
         torch.testing.assert_close(key_cache, ref_k, atol=0, rtol=0)
         torch.testing.assert_close(value_cache, ref_v, atol=0, rtol=0)
@@ -178,11 +179,9 @@ def test_negative_slots_are_not_written():
 
 
 def test_plan_is_built_once_and_shared_across_layers(monkeypatch):
-    from kernels import torch_attention
-
     built = []
-    build = torch_attention.build_plan
-    monkeypatch.setattr(torch_attention, "build_plan", lambda *a, **k: built.append(1) or build(*a, **k))
+    build = attention_plan.build_plan
+    monkeypatch.setattr(attention_plan, "build_plan", lambda *a, **k: built.append(1) or build(*a, **k))
     meta = AttentionMetadata.build([1, 3], [5, 3], [[0], [1]], 16)
     backend = TorchBackend()
     gen = torch.Generator().manual_seed(0)

@@ -3,7 +3,7 @@
 On a machine without a GPU the kernels run under the Triton CPU interpreter. Triton 3.9 reads
 ``TRITON_INTERPRET`` whenever ``@triton.jit`` decorates a function: for triton.language's own
 jit helpers (``tl.max``, ``tl.sum``, ``tl.zeros``, ``tl.cdiv``...) that is at ``import triton``,
-for ours at ``import kernels.triton_*``; it is not read at launch. So:
+for ours at ``import kernels.triton.*``; it is not read at launch. So:
 
 * without a GPU the variable is set at the top of this module, before it imports triton;
 * if triton was already imported in this process without it (another test module, a plugin),
@@ -42,7 +42,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels import reference  # noqa: E402
-from kernels.triton_utils import is_interpreted  # noqa: E402
+from kernels.triton.utils import is_interpreted  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = {  # per-dtype (atol, rtol); fp16/bf16 include P rounded to the cache dtype before P @ V
@@ -62,14 +62,15 @@ def _kernel_modules():
     """(triton_cache, triton_attention), built for this run's mode (interpreter or not)."""
     mods = []
     for name, kernel in (
-        ("kernels.triton_cache", "_reshape_and_cache_kernel"),
-        ("kernels.triton_attention", "_paged_attn_kernel"),
+        ("kernels.triton.cache", "_reshape_and_cache_kernel"),
+        ("kernels.triton.attention_kernels", "_paged_attn_kernel"),
+        ("kernels.triton.attention", "_paged_attn_kernel"),  # after its kernels: takes the reloaded ones
     ):
         mod = importlib.import_module(name)
         if IN_PROCESS and is_interpreted(getattr(mod, kernel)) != is_interpreted(tl.max):
             mod = importlib.reload(mod)  # imported earlier in this process in the other mode
         mods.append(mod)
-    return tuple(mods)
+    return mods[0], mods[2]
 
 
 triton_cache, triton_attention = _kernel_modules()
@@ -443,9 +444,9 @@ def test_launcher_rejects_bad_arguments():
 
 _COMPILE_SCRIPT = r"""
 import torch
-from kernels.triton_attention import AttentionTiles, plan_paged_attention
-from kernels.triton_cache import plan_reshape_and_cache
-from kernels.triton_utils import compile_launch, is_interpreted
+from kernels.triton.attention import AttentionTiles, plan_paged_attention
+from kernels.triton.cache import plan_reshape_and_cache
+from kernels.triton.utils import compile_launch, is_interpreted
 
 def attn(dtype, heads, kv_heads, head_dim, q_lens, ctx, **kw):
     q = torch.empty(sum(q_lens), heads, head_dim, dtype=dtype)

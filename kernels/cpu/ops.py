@@ -1,213 +1,61 @@
-"""Native CPU kernels: built once with the machine's C compiler, loaded with ctypes.
+"""The native CPU kernels from Python: paged attention rows, fused add + RMSNorm, the bf16-weight GEMM
+and the weight packing it reads (the C sources are in ``csrc/``).
 
 :func:`paged_attention_rows` runs ``cpu_paged_attention.c``: attention of query rows (decodes,
 short prefills and chunks, causal) straight from the paged KV cache on
 ``torch.get_num_threads()`` OpenMP threads of the runtime torch already loaded (its bundled
 ``libgomp.so.1``). bf16 on AVX512-BF16 CPUs runs in tiles of up to 8 rows of one sequence
-(each K/V chunk read once per tile) with vdpbf16ps scores and P V and spread L2 prefetches:
-64 rows x 64-128 tokens of context in shuffled blocks, 30 SmolLM2 layers, 2-core Zen 4, 15.2 ->
-6.9 ms against one (row, KV head) per item (A/B in one process); 512 prefill rows over 1,500
-tokens 437 -> 273 ms. Elsewhere (float32, or CPUs without AVX512-BF16) work items are
-(row, KV head) pairs.
+(each K/V chunk read once per tile) with vdpbf16ps scores and P V and spread L2 prefetches,
+about twice as fast as one (row, KV head) per item. Elsewhere (float32, or CPUs without
+AVX512-BF16) work items are (row, KV head) pairs.
 
 :func:`add_rms_norm` runs ``cpu_rms_norm.c``: the residual add fused with RMSNorm in bf16
 (one pass instead of torch's add + norm; the model uses it on CPU in bf16).
 
 :func:`gemm_bf16w` runs ``cpu_gemm_bf16.c``: matmuls with bf16 weights (laid out once by
 :func:`pack_bf16_weight` in the layout of :func:`gemm_layout`). With AVX512-BF16, vdpbf16ps
-register tiles: on a 2-core Zen 4 (``benchmarks/cpu_gemm.py``) 340-440 GFLOP/s at 16-512 rows
-against oneDNN's 130-420, and 70-120 GB/s of weights for one row. Elsewhere float32 AVX2 + FMA
+register tiles, faster than oneDNN (several times at one row). Elsewhere float32 AVX2 + FMA
 tiles, for CPUs where torch emulates bf16 matmuls at a sixth of its float32 speed
-(:func:`native_bf16_matmul`): on a 2-core AVX2 EPYC 51-72 GFLOP/s at 16-64 rows (torch bf16:
-8-11, torch float32: 5-59) and 15-33 GB/s of weights for one row. :func:`prefer_native_gemm`
-says where the model uses it.
+(:func:`native_bf16_matmul`), faster there than torch's bf16 and float32 matmuls.
+:func:`prefer_native_gemm` says where the model uses it. Measurements (``benchmarks/cpu_gemm.py``):
+benchmarks/RESULTS.md, "Figures moved out of the code".
 
-The shared library is compiled with ``-O3 -march=native -fopenmp -ffast-math`` (then linked
-without ``-ffast-math``) on first use into ``$PAGEDLLM_KERNEL_CACHE`` (default ``~/.cache/pagedllm/kernels``), named by a hash of the
-sources, the flags, the compiler's version, its predefined macros under those flags (what
-``-march=native`` enables) and the CPU's feature flags, so a changed source or
-another machine builds its own. Without a compiler (or if the build fails) :func:`load`
-returns ``None`` once, logs why, and the caller keeps its torch path.
+The library is built and loaded by :mod:`kernels.cpu.native`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
-import structlog
 import torch
 
-log = structlog.get_logger("kernels")
+from kernels.cpu.native import PANEL, cpu_flags, load
 
-SOURCES = [Path(__file__).with_name(n)
-           for n in ("cpu_paged_attention.c", "cpu_rms_norm.c", "cpu_gemm_bf16.c", "cpu_llama_layers.c")]
-HEADERS = [Path(__file__).with_name("cpu_bf16.h")]
-# -ffast-math only when compiling (vectorised expf): linking with it would add gcc's
-# crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
-COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c"]
-LINK_FLAGS = ["-shared", "-fopenmp"]
-MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 128  # as in the C source
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDLLM_KERNEL_CACHE", Path.home() / ".cache" / "pagedllm" / "kernels"))
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def build(compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile the kernels (if not already built) and return the shared library's path.
-
-    ``extra_flags`` go after ``-march=native`` (the tests build a portable variant with
-    ``-mno-avx512bf16``).
-
-    Raises:
-        RuntimeError: no C compiler, or the compiler failed (its output in the message).
-    """
-    cc = compiler or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not cc or not shutil.which(cc):
-        raise RuntimeError(f"no C compiler found ({cc or 'gcc/cc'}; set CC or install gcc)")
-    compile_flags = [*COMPILE_FLAGS, *extra_flags]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    # what -march=native turns on here (AVX512-BF16 or not ...): a shared cache never hands one
-    # CPU's build to another, even where /proc/cpuinfo cannot be read
-    macros = subprocess.run([cc, *(f for f in compile_flags if f != "-c"), "-E", "-dM", "-x", "c", os.devnull],
-                            capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        "\0".join([*(src.read_text() for src in SOURCES + HEADERS), " ".join(compile_flags + LINK_FLAGS), *version,
-                   macros, _cpu_flags(), torch.__version__]).encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"pagedllm_cpu_kernels-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # per builder: concurrent builds are safe
-        objs = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
-        lib = Path(tmp) / "kernels.so"
-        cmds = [[cc, *compile_flags, str(src), "-o", obj] for src, obj in zip(SOURCES, objs, strict=True)]
-        for cmd in [*cmds, [cc, *LINK_FLAGS, *objs, "-o", str(lib), "-lm"]]:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-        umask = os.umask(0)
-        os.umask(umask)
-        lib.chmod(0o755 & ~umask)  # readable by every user of a shared cache directory
-        os.replace(lib, target)  # atomic
-    return target
-
-
-_P = ctypes.c_void_p
-_PP = ctypes.POINTER(ctypes.c_void_p)
-
-
-class LlamaLayersArgs(ctypes.Structure):
-    """The argument block of ``pagedllm_llama_layers_bf16`` (``cpu_llama_layers.c``): the
-    model's pointers (per-layer arrays, set once) and the step's (set per forward)."""
-
-    _fields_ = [
-        *[(n, ctypes.c_int64) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter",
-                                        "block_size", "num_slots")],
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        *[(n, _PP) for n in ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
-                             "down_w", "down_b", "k_cache", "v_cache")],
-        ("T", ctypes.c_int64), ("h", _P), ("cos", _P), ("sin", _P), ("slots", _P), ("block_index", _P),
-        ("nblk", ctypes.c_int64), ("row_seq", _P), ("row_len", _P),
-        *[(n, _P) for n in ("x", "qkv", "attn", "gate_up", "act", "delta")],
-        ("num_threads", ctypes.c_int),
-    ]
-
-
-def bind(path: Path | str) -> ctypes.CDLL:
-    """Load a built library and declare its functions' C signatures."""
-    lib = ctypes.CDLL(str(path))
-    fn = lib.pagedllm_paged_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                   ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    norm = lib.pagedllm_add_rms_norm_bf16
-    norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
-    norm.restype = ctypes.c_int
-    gemm = lib.pagedllm_gemm_bf16w
-    gemm.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ctypes.c_int, ptr, i64, i64, i64, i64, ctypes.c_int]
-    gemm.restype = ctypes.c_int
-    lib.pagedllm_gemm_bf16_layout.argtypes = []
-    lib.pagedllm_gemm_bf16_layout.restype = ctypes.c_int
-    layers = lib.pagedllm_llama_layers_bf16
-    layers.argtypes = [ctypes.POINTER(LlamaLayersArgs)]
-    layers.restype = ctypes.c_int
-    return lib
-
-
-def openmp_runtimes() -> set[str]:
-    """Paths of the OpenMP runtimes mapped into this process (Linux ``/proc/self/maps``).
-
-    Our library needs ``libgomp.so.1``, which resolves to torch's bundled copy when torch is
-    loaded first; other wheels may bring their own renamed copies (sentencepiece's
-    ``libgomp-<hash>.so``), which are separate runtimes but not the kernel's."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
-    except OSError:
-        return set()
-    names = ("libgomp", "libiomp", "libomp")
-    return {p for p in paths if any(os.path.basename(p).startswith(n) for n in names)}
-
-
-def load() -> ctypes.CDLL | None:
-    """The loaded kernel library, building it on first use; ``None`` if it cannot be built."""
-    global _lib, _tried
-    if _tried:  # the per-layer path: no lock once decided
-        return _lib
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                _lib = bind(build())
-                gomp = {p for p in openmp_runtimes() if os.path.basename(p) == "libgomp.so.1"}
-                if len(gomp) > 1:  # our libgomp.so.1 is not torch's: two thread pools would spin
-                    log.warning("cpu_kernels_two_openmp_runtimes", runtimes=sorted(gomp))
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                log.warning("cpu_kernels_unavailable", reason=str(exc)[:500])
-        return _lib
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether :func:`paged_attention_rows` handles these tensors (CPU, float32 or bfloat16,
-    head_dim <= 256, at most 16 query heads per KV head, block size <= 128, dense cache, query
-    heads dense) and the library is available."""
+    dense cache, query heads dense) and the library is available, within its limits
+    (``lib.abi``: head_dim <= 256, at most 16 query heads per KV head, block size <= 128)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    return (
+    if not (
         query.device.type == "cpu"
         and query.dtype in _DTYPES
         and key_cache.dtype == query.dtype
-        and head_dim <= MAX_HEAD_DIM
-        and block_size <= MAX_BLOCK
         and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads <= MAX_GROUP
         and key_cache.is_contiguous()
         and query.stride(2) == 1
         and query.stride(1) == head_dim
-        and load() is not None
+    ):
+        return False
+    lib = load()
+    return (
+        lib is not None
+        and head_dim <= lib.abi.max_head_dim
+        and block_size <= lib.abi.max_block
+        and num_heads // num_kv_heads <= lib.abi.max_group
     )
 
 
@@ -286,7 +134,7 @@ def paged_attention_rows(
 
 
 # Rows x hidden above which the norm runs on every thread (below, one thread: a parallel
-# region costs more than the work; SmolLM2's 64 x 576 decode rows take ~10 us on one).
+# region costs more than the work, e.g. for SmolLM2's 64 x 576 decode rows).
 NORM_PARALLEL_MIN_ELEMENTS = 1 << 16
 
 
@@ -324,7 +172,6 @@ def add_rms_norm(
     return out
 
 
-PANEL = 16  # output columns per weight panel (cpu_gemm_bf16.c)
 # Storage slot of each column inside a panel: AVX2's unpacklo / unpackhi of one 256-bit load
 # then give columns 0-7 and 8-15 (see cpu_gemm_bf16.c).
 _PANEL_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
@@ -333,8 +180,8 @@ _PANEL_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 1
 def native_bf16_matmul() -> bool:
     """Whether oneDNN serves bf16 matmuls on this CPU (``torch.ops.mkldnn._is_mkldnn_bf16_supported``:
     AVX512-BF16 / AMX, or AVX-512 alone, where oneDNN converts on the fly). Without it (AVX2
-    CPUs), bf16 ``F.linear`` is emulated (10 GFLOP/s against 60 for float32 on a 2-core
-    AVX2 EPYC) and :func:`gemm_bf16w` serves bf16 weights instead."""
+    CPUs), bf16 ``F.linear`` is emulated (a sixth of float32's speed) and :func:`gemm_bf16w`
+    serves bf16 weights instead."""
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -353,15 +200,14 @@ def hardware_bf16_gemm(lib: ctypes.CDLL | None = None) -> bool:
     """Whether :func:`gemm_bf16w` multiplies in bf16 hardware (AVX512-BF16 dot products):
     then it serves bf16 models even where oneDNN has bf16 too (one C call for all the decoder
     layers beats ~25 torch calls per layer); on CPUs with AMX, oneDNN's tiles are faster."""
-    return gemm_layout(lib) == LAYOUT_PAIRS and "amx_bf16" not in _cpu_flags().split()
+    return gemm_layout(lib) == LAYOUT_PAIRS and "amx_bf16" not in cpu_flags().split()
 
 
 def prefer_native_gemm() -> bool:
     """Whether a bf16 model on this CPU should run its matmuls in :func:`gemm_bf16w` rather than
     torch's: where torch emulates bf16 (no :func:`native_bf16_matmul`), and where our GEMM has
-    bf16 hardware (:func:`hardware_bf16_gemm`). On a 2-core Zen 4 (AVX512-BF16, no AMX) with
-    SmolLM2's shapes at 16-64 rows: 340-430 GFLOP/s against oneDNN's 130-315
-    (``benchmarks/cpu_gemm.py``, 2026-12-01)."""
+    bf16 hardware (:func:`hardware_bf16_gemm`), which beats oneDNN on CPUs with AVX512-BF16
+    and no AMX (``benchmarks/cpu_gemm.py``; benchmarks/RESULTS.md, "Figures moved out of the code")."""
     return load() is not None and (not native_bf16_matmul() or hardware_bf16_gemm())
 
 

@@ -4,7 +4,7 @@
  * paged KV cache (no gathered copy), FlashAttention-style online softmax over one cache block
  * at a time, float32 accumulation. A decode is one row with row_len = seq_len; a prefill or
  * chunk of q_len rows over ctx cached tokens has rows with row_len = ctx + 1 .. ctx + q_len
- * (causal). Built and loaded by kernels/cpu_kernels.py (gcc -O3 -march=native -fopenmp);
+ * (causal). Built and loaded by kernels/cpu/native.py (gcc -O3 -march=native -fopenmp);
  * called through ctypes with the GIL released.
  *
  * Layouts (element offsets; all tensors dense except the query's token stride):
@@ -29,14 +29,11 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "pagedllm_abi.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX512_BF16 1
 #endif
-
-#define MAX_GROUP 16   /* query heads per KV head */
-#define MAX_HEAD_DIM 256
-#define MAX_BLOCK 128  /* block size in tokens */
 
 static inline void load_row(int dtype, const void* base, int64_t offset, int64_t n, float* dst) {
   if (dtype == 0) {
@@ -60,11 +57,9 @@ static inline void score_row(int dtype, const void* k_cache, int64_t offset, int
 }
 
 /* Software prefetch of K/V ahead of use: blocks sit in shuffled physical order, where the
-   hardware prefetchers do not follow. Into L2 (prefetcht1: PF_LOC 2), PF_DIST blocks ahead.
-   64 rows x 64-128 tokens, 30 SmolLM2 layers, 2-core Zen 4, A/B in one process: the bf16
-   kernel at distance 1 into L1 (prefetcht0) 18.1 ms, at 3 into L2 8.8 ms; the portable
-   kernel (-mno-avx512bf16 on the same CPU) 15.2-15.9 ms with the next block asked for whole
-   into L1, 12.2 into L2, 10.9-11.2 spread over the tokens 3 blocks ahead. */
+   hardware prefetchers do not follow. Into L2 (prefetcht1: PF_LOC 2), PF_DIST blocks ahead:
+   twice as fast as the next block into L1 for the bf16 kernel, and best for the portable
+   kernel spread over the tokens (A/B figures: benchmarks/RESULTS.md, "Figures moved out of the code"). */
 #ifndef PF_LOC
 #define PF_LOC 2
 #endif
@@ -151,12 +146,12 @@ static inline void prefetch_first_blocks(const void* k_cache, const void* v_cach
  * - scores: vdpbf16ps per (token, query head), then a transposed add tree turns 16 tokens'
  *   accumulators into one vector of 16 scores; where TRANSPOSE_MIN_HEADS query heads share a
  *   chunk (a prefill tile's rows x the GQA group), the K chunk is transposed once instead and
- *   each score vector is one vdpbf16ps per head-dim pair (512 rows over 1,500 tokens, 30
- *   layers: 287 -> 273 ms); the online softmax runs on whole vectors;
+ *   each score vector is one vdpbf16ps per head-dim pair (faster for long prefills); the
+ *   online softmax runs on whole vectors;
  * - P V: vdpbf16ps on token pairs, the probabilities rounded to bf16 as a bf16 matmul would
  *   (and the softmax sum taken of the rounded values), float32 accumulators.
- * 64 rows x 64-128 tokens of context in shuffled blocks, 30 SmolLM2 layers, 2-core Zen 4, A/B in
- * one process: 15.2 ms with one (row, KV head) per item (attend_row) -> 6.9 ms. */
+ * About twice as fast as one (row, KV head) per item (attend_row) at decode batch sizes
+ * (A/B figures: benchmarks/RESULTS.md, "Figures moved out of the code"). */
 #define TILE_ROWS 8      /* rows of one sequence per item */
 #define ACC_FLOATS 16384 /* an item's float32 accumulators, TILE_ROWS x heads x G x D (64 KiB) */
 #define CHUNK 16         /* tokens per score vector */
@@ -409,7 +404,7 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(const int64_t
               m[base + g] = bm;
             }
             /* probabilities in [0, 1]: vcvtneps2bf16 rounds to nearest even like f32_to_bf16 and
-               only differs on denormals (flushed), which weigh nothing (A/B: 8.5 -> 7.7 ms) */
+               only differs on denormals (flushed), which weigh nothing, and is faster */
             const __m256i e = (__m256i)_mm512_cvtneps_pbh(
                 _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(m[base + g])))));
             /* the sum of the rounded probabilities that weight V: the output stays a convex combination */

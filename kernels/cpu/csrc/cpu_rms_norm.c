@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "pagedllm_abi.h"
 
 static inline void norm_row(uint16_t* h, const uint16_t* delta, const uint16_t* w, uint16_t* out, int64_t n,
                             float eps) {

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import KernelLaunch, is_interpreted
+from kernels.triton.utils import KernelLaunch, is_interpreted
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -1,12 +1,14 @@
 /*
  * The decoder layers of a Llama-family model in bfloat16 on the CPU, in one call per forward
- * pass, where the model's matmuls run in the bf16-weight GEMM (cpu_gemm_bf16.c:
- * AVX512-BF16 or AVX2 CPUs; kernels/cpu_kernels.py: prefer_native_gemm). It strings together the library's kernels with the three small steps
- * between them, so a step pays one ctypes call instead of ~25 torch / ctypes calls per layer
- * (each 4-15 us of Python on a 2-core EPYC: ~9 ms of a 23 ms single-token step).
+ * pass, where the model's matmuls run in the bf16-weight GEMM (cpu_gemm_bf16.c: AVX512-BF16 or
+ * AVX2 CPUs; kernels/cpu/ops.py: prefer_native_gemm). It strings together the library's
+ * kernels with the three small steps between them, so a step pays one ctypes call instead of
+ * ~25 torch / ctypes calls per layer, whose Python overhead was over a third of a single-token
+ * step (benchmarks/RESULTS.md, "Figures moved out of the code").
  *
  * Per layer, with the roundings of the torch path (services/executor/models/llama.py,
- * LlamaDecoderLayer.forward with panels), every intermediate in bf16:
+ * LlamaDecoderLayer.forward with panels: see its numerics change checklist), every
+ * intermediate in bf16:
  *   x = RMSNorm(h)                      (cpu_rms_norm.c; fused with the previous layer's residual add)
  *   qkv = x . Wqkv^T (+ b)              (cpu_gemm_bf16.c)
  *   q, k = RoPE(q, k)                   rotate_half form: bf16(bf16(rot(x) * sin) + bf16(x * cos))
@@ -17,61 +19,16 @@
  *   h = h + m . Wdown^T (+ b)
  * The final norm and the logits stay with the caller. Layouts: h [T, hidden]; cos, sin [T, D]
  * (sin sign-folded: (-sin, +sin) halves); caches [num_blocks, block_size, Hkv, D]; weights as
- * packed by kernels/cpu_kernels.py (pack_bf16_weight); scratch buffers sized by the caller.
+ * packed by kernels/cpu/ops.py (pack_bf16_weight); scratch buffers sized by the caller.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "pagedllm_abi.h"
 
-int pagedllm_add_rms_norm_bf16(uint16_t* h, const uint16_t* delta, const uint16_t* w, uint16_t* out, int64_t rows,
-                               int64_t n, float eps, int num_threads);
-int pagedllm_gemm_bf16w(int a_dtype, const void* a, int64_t lda, const uint16_t* wp, const uint16_t* bias,
-                        int out_dtype, void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads);
-int pagedllm_paged_attention(int dtype, const void* q, int64_t q_row_stride, const void* k_cache,
-                             const void* v_cache, const int64_t* block_index, int64_t nblk,
-                             const int64_t* row_seq, const int64_t* row_len, void* out, int64_t T, int64_t H,
-                             int64_t Hkv, int64_t D, int64_t bs, float scale, int num_threads);
-
-#define MAX_ROPE_DIM 512
 #define PARALLEL_MIN_ELEMENTS (1 << 16) /* below: one thread (a parallel region costs more) */
-
-typedef struct {
-  /* the model (set once) */
-  int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, block_size, num_slots;
-  float eps, scale;
-  const uint16_t* const* in_norm;   /* [L] -> [hidden] */
-  const uint16_t* const* post_norm; /* [L] -> [hidden] */
-  const uint16_t* const* qkv_w;     /* [L] -> panels of [(H + 2 Hkv) D, hidden] */
-  const uint16_t* const* qkv_b;     /* [L] -> [(H + 2 Hkv) D] or NULL */
-  const uint16_t* const* o_w;       /* [L] -> panels of [hidden, H D] */
-  const uint16_t* const* o_b;
-  const uint16_t* const* gate_up_w; /* [L] -> panels of [2 I, hidden] (rows gate | up) */
-  const uint16_t* const* gate_up_b;
-  const uint16_t* const* down_w;    /* [L] -> panels of [hidden, I] */
-  const uint16_t* const* down_b;
-  uint16_t* const* k_cache;         /* [L] -> [num_blocks, block_size, Hkv, D] */
-  uint16_t* const* v_cache;
-  /* the step */
-  int64_t T;
-  uint16_t* h;                      /* [T, hidden] in: embeddings; out: the last layer's residual */
-  const uint16_t* cos;              /* [T, D] */
-  const uint16_t* sin;              /* [T, D], sign-folded */
-  const int64_t* slots;             /* [T] cache slot of each token's K/V, < 0: not written */
-  const int64_t* block_index;       /* [S * nblk] */
-  int64_t nblk;
-  const int64_t* row_seq;           /* [T] */
-  const int64_t* row_len;           /* [T] */
-  /* scratch, [T, n] each */
-  uint16_t* x;                      /* n = hidden */
-  uint16_t* qkv;                    /* n = (H + 2 Hkv) D */
-  uint16_t* attn;                   /* n = H D */
-  uint16_t* gate_up;                /* n = 2 I */
-  uint16_t* act;                    /* n = I */
-  uint16_t* delta;                  /* n = hidden */
-  int num_threads;
-} pagedllm_llama_args;
 
 static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 

@@ -5,12 +5,11 @@
  *
  * Two builds of the same blocking, chosen when the library is compiled for the machine:
  * - CPUs with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids): vdpbf16ps register tiles on
- *   the "pairs" weight layout (below). On a 2-core Zen 4 at SmolLM2's shapes: 340-440 GFLOP/s
- *   at 16-512 rows against oneDNN's 130-420, and 70-120 GB/s of weights for one row against
- *   oneDNN's 12-23 GFLOP/s (benchmarks/cpu_gemm.py, 2026-12-01).
+ *   the "pairs" weight layout (below); faster than oneDNN at SmolLM2's shapes, several times
+ *   at one row (benchmarks/cpu_gemm.py).
  * - other x86 CPUs: float32 AVX2 + FMA tiles on the weights widened in registers, where torch's
- *   bf16 matmuls fall back to slow emulation (10 GFLOP/s against 60 for float32 on a 2-core
- *   AVX2 EPYC); without AVX2, portable C tiles.
+ *   bf16 matmuls fall back to slow emulation; without AVX2, portable C tiles.
+ * Measurements: benchmarks/RESULTS.md, "Figures moved out of the code".
  *
  * Every product and sum is float32 (a product of two bf16 values is exact in float32), with one
  * rounding per output, as oneDNN's bf16 GEMM does; only the summation order differs (and the
@@ -22,7 +21,7 @@
  *   wp    [P, K, 16] bf16, P = ceil(N / 16): the weight [N, K] in panels of 16 output columns,
  *         k-major, padded with zero columns; inside a panel the columns are stored in the order
  *         0-3, 8-11, 4-7, 12-15 so that AVX2's unpacklo / unpackhi of one 256-bit load against
- *         zero give float32 columns 0-7 and 8-15 (kernels/cpu_kernels.py: pack_bf16_weight);
+ *         zero give float32 columns 0-7 and 8-15 (kernels/cpu/ops.py: pack_bf16_weight);
  *         with AVX512-BF16 instead [P, ceil(K / 2), 16, 2], k-pairs side by side (see gemm_dp).
  *   bias  [N] bf16 or NULL
  *   out   [M, N]   out[m * ldo + n], bf16 (out_dtype 1) or float32 (0)
@@ -35,7 +34,7 @@
  * 8 floats; 6 x 4 accumulators of 16 floats with AVX512-BF16) over the whole K, so a panel group is read from
  * memory once per chunk and from cache for every tile. One row (decode at batch 1) streams the
  * weights once: the bf16 layout halves the bytes of a float32 GEMV.
- * Built and loaded by kernels/cpu_kernels.py (gcc -O3 -march=native -fopenmp); called through
+ * Built and loaded by kernels/cpu/native.py (gcc -O3 -march=native -fopenmp); called through
  * ctypes with the GIL released. Without AVX2 + FMA a portable C tile of the same shape is used.
  */
 #include <pthread.h>
@@ -44,6 +43,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "pagedllm_abi.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -55,9 +55,8 @@
 #define PAGEDLLM_DPBF16 1
 #endif
 
-#define PANEL 16
 #ifndef PF_K
-#define PF_K 16 /* prefetch distance in k (16 x 32 bytes); one row, 30 SmolLM2 layers: 18.1 -> 19.2 GB/s */
+#define PF_K 16 /* prefetch distance in k (16 x 32 bytes): a few % more weight bandwidth at one row */
 #endif
 #define CHUNK_FLOATS (96 * 1024 / 4) /* float32 elements of A per row chunk */
 

@@ -1,0 +1,115 @@
+"""Every decoder layer of a bf16 Llama-family model in one C call per step (``kernels/cpu/csrc/cpu_llama_layers.c``).
+
+Where the panels (``panels.py``) serve every matmul and the C norms every norm, the per-layer
+path is ~25 Python-level calls per layer around C kernels; :class:`NativeLayers` strings the
+same kernels together in C with the same roundings, for steps whose every attention row the
+backend's C kernel serves (``AttentionBackend.native_rows``). Its weights are the layers'
+own panels and norm weights (pointers, no copies).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from kernels.cpu import native, ops
+from kernels.cpu.attention_plan import NativeRows
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V [num_blocks, block_size, Hkv, D]
+
+
+def _projections(layer: nn.Module) -> dict[str, nn.Module]:
+    """A decoder layer's four linear layers, by the C argument block's names."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+
+
+class NativeLayers:
+    """The pointer arrays of ``pagedllm_llama_layers_bf16`` for a model's decoder layers and
+    one set of KV cache tensors (rebuilt when the caches change: :meth:`cache_key`)."""
+
+    def __init__(self, layers: Sequence[nn.Module], kv_caches: KVCaches) -> None:
+        first = layers[0]
+        attn = first.self_attn
+        a = native.LlamaLayersArgs()
+        a.num_layers, a.hidden, a.inter = len(layers), first.hidden_size, first.mlp.intermediate_size
+        a.num_heads, a.num_kv_heads, a.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        key_cache = kv_caches[0][0]
+        a.block_size, a.num_slots = key_cache.shape[1], key_cache.shape[0] * key_cache.shape[1]
+        a.eps, a.scale = first.input_layernorm.variance_epsilon, attn.attn.scale
+        self._arrays = []  # keeps the ctypes pointer arrays alive
+
+        def pointers(values: list[torch.Tensor | None]) -> ctypes.Array:
+            arr = (ctypes.c_void_p * len(values))(*[None if v is None else v.data_ptr() for v in values])
+            self._arrays.append(arr)
+            return ctypes.cast(arr, ctypes.POINTER(ctypes.c_void_p))
+
+        a.in_norm = pointers([layer.input_layernorm.weight for layer in layers])
+        a.post_norm = pointers([layer.post_attention_layernorm.weight for layer in layers])
+        projections = [_projections(layer) for layer in layers]
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(a, f"{name}_w", pointers([p[name].panel for p in projections]))
+            setattr(a, f"{name}_b", pointers([p[name].bias for p in projections]))
+        a.k_cache = pointers([k for k, _ in kv_caches])
+        a.v_cache = pointers([v for _, v in kv_caches])
+        self.args = a
+        self.key = self.cache_key(kv_caches)
+        self._widths = {"x": a.hidden, "qkv": (a.num_heads + 2 * a.num_kv_heads) * a.head_dim,
+                        "attn": a.num_heads * a.head_dim, "gate_up": 2 * a.inter, "act": a.inter, "delta": a.hidden}
+
+    @staticmethod
+    def applies(layers: Sequence[nn.Module], kv_caches: KVCaches) -> bool:
+        """Whether these layers and caches can run here: panels on every matmul and the C norms
+        on every norm (the per-layer path's kernels), one dense bf16 cache pair per layer, all of
+        one shape, head_dim even and within the library's ``max_rope_dim``."""
+        shape = kv_caches[0][0].shape if kv_caches else None
+        head_dim = layers[0].self_attn.head_dim
+        return (
+            len(kv_caches) == len(layers)
+            and all(getattr(p, "panel", None) is not None for layer in layers for p in _projections(layer).values())
+            and all(layer.input_layernorm.native and layer.post_attention_layernorm.native for layer in layers)
+            and head_dim % 2 == 0 and head_dim <= ops.load().abi.max_rope_dim
+            and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape == shape for kv in kv_caches for t in kv)
+        )
+
+    @staticmethod
+    def cache_key(kv_caches: KVCaches) -> list[tuple[int, int, tuple[int, ...]]]:
+        """What the pointer arrays depend on: each cache pair's addresses and shape."""
+        return [(k.data_ptr(), v.data_ptr(), tuple(k.shape)) for k, v in kv_caches]
+
+    def run(
+        self,
+        h: torch.Tensor,  # [T, hidden] bf16, dense (updated in place: the last layer's residual)
+        cos: torch.Tensor,  # [T, 1, D] bf16, dense
+        sin: torch.Tensor,  # [T, 1, D] bf16, dense, sign-folded
+        slots: torch.Tensor,  # [T] int64 cache slots (< 0: not written)
+        rows: NativeRows,  # covering every row in order
+    ) -> torch.Tensor:  # h
+        """Run every layer over the step's ``T`` tokens.
+
+        Raises:
+            ValueError: a slot outside the cache, lengths that differ from ``T``, or a kernel
+                refused its shapes.
+        """
+        a, t = self.args, h.shape[0]
+        if not (slots.shape == (t,) and rows.row_seq.shape == (t,) and rows.row_len.shape == (t,)):
+            raise ValueError(f"slots, row_seq and row_len must have the {t} rows of h")
+        scratch = torch.empty(t * sum(self._widths.values()), dtype=torch.bfloat16)
+        base, offset = scratch.data_ptr(), 0
+        for name, width in self._widths.items():
+            setattr(a, name, base + offset * 2)
+            offset += t * width
+        slots = slots.contiguous()
+        a.T, a.h, a.cos, a.sin, a.slots = t, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
+        a.block_index, a.nblk = rows.block_index.data_ptr(), rows.num_blocks
+        a.row_seq, a.row_len = rows.row_seq.data_ptr(), rows.row_len.data_ptr()
+        a.num_threads = torch.get_num_threads()
+        status = ops.load().pagedllm_llama_layers_bf16(ctypes.byref(a))
+        if status == 2:
+            raise ValueError(f"slot_mapping names a slot outside the cache's {a.num_slots} slots")
+        if status:
+            raise ValueError(f"native decoder layers failed (status {status}) for {t} tokens")
+        return h
