@@ -76,11 +76,7 @@ class GatewayService(BusService):
             ValueError: no bus was given and ``settings.nats_url`` is None.
             OSError: the address is in use or cannot be bound.
         """
-        try:
-            await super().start()
-        except BaseException:
-            await self.stop()  # releases the client and the bus it opened
-            raise
+        await super().start()  # a failed start stops what it started (the client, an owned bus)
         log.info(
             "gateway_started", url=self.url, model=self.model_info.name, gateway_id=self.client.gateway_id
         )

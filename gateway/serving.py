@@ -52,6 +52,29 @@ class ServedRequest:
     timers: dict[str, RequestTimer]
 
 
+def engine_requests(body: AnyRequest) -> tuple[str, list[str], list[dict[str, Any]]]:
+    """How one OpenAI request maps to engine requests: the response's id, and per prompt (a
+    completions batch has several) its engine request id and the tokenizer's inputs (the
+    ``EngineClient.submit`` fields). One prompt: the engine request has the response's id; a
+    batch: ``<id>-<p>`` for prompt ``p``."""
+    chat = isinstance(body, ChatCompletionRequest)
+    request_id = new_request_id("chatcmpl" if chat else "cmpl")
+    inputs: list[dict[str, Any]]
+    if isinstance(body, ChatCompletionRequest):
+        inputs = [dict(messages=body.messages_input(), add_generation_prompt=body.add_generation_prompt)]
+    else:
+        inputs = [dict(prompt=prompt, return_prompt=body.echo) for prompt in body.prompt_inputs()]
+    engine_ids = [request_id] if len(inputs) == 1 else [f"{request_id}-{p}" for p in range(len(inputs))]
+    return request_id, engine_ids, inputs
+
+
+def new_generation(body: AnyRequest, request_id: str, model: str,
+                   prompts: list[tuple[str, TokenizeReply]]) -> Generation:
+    """The endpoint's ``Generation`` of ``body`` over its engine requests' ``(id, tokenizer reply)``."""
+    cls = ChatGeneration if isinstance(body, ChatCompletionRequest) else CompletionGeneration
+    return cls(request_id, model, body, prompts)  # type: ignore[arg-type]
+
+
 class OpenAIServing:
     """The request logic behind the endpoints, shared by HTTP, SSE and WebSocket."""
 
@@ -112,15 +135,7 @@ class OpenAIServing:
             params = body.sampling_params()
         except ValidationError as exc:
             raise validation_error(exc.errors()) from None
-        chat = isinstance(body, ChatCompletionRequest)
-        request_id = new_request_id("chatcmpl" if chat else "cmpl")
-        inputs: list[dict[str, Any]]
-        if isinstance(body, ChatCompletionRequest):
-            inputs = [dict(messages=body.messages_input(), add_generation_prompt=body.add_generation_prompt)]
-        else:
-            inputs = [dict(prompt=prompt, return_prompt=body.echo) for prompt in body.prompt_inputs()]
-        # one prompt: the engine request has the response's id; a batch: one id per prompt
-        engine_ids = [request_id] if len(inputs) == 1 else [f"{request_id}-{p}" for p in range(len(inputs))]
+        request_id, engine_ids, inputs = engine_requests(body)
         # a stream: no 200 before the scheduler can no longer refuse it (priority, KV cache
         # size); a batch: every prompt accepted before any output counts
         notify = body.stream or len(inputs) > 1
@@ -149,8 +164,7 @@ class OpenAIServing:
                 self.abort_soon(running)
             raise
         prompts = list(zip(engine_ids, replies, strict=True))
-        cls = ChatGeneration if chat else CompletionGeneration
-        gen = cls(request_id, self.model_info.name, body, prompts)  # type: ignore[arg-type]
+        gen = new_generation(body, request_id, self.model_info.name, prompts)
         timers = {engine_id: self.metrics.timer(params.n, len(reply.prompt_token_ids), arrival)
                   for engine_id, reply in prompts}
         log.debug("request_submitted", request_id=request_id, num_prompts=len(prompts),

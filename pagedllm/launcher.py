@@ -187,10 +187,11 @@ def run_one_service(name: str, settings: Settings) -> None:
         SystemExit: one line ``pagedllm service NAME: <reason>`` (status 1) when the service
             cannot start: no ``nats_url``, a model that is not there or too short for
             ``max_model_len``, another instance already serving the same thing, or an
-            ``OSError`` such as the gateway's port in use.
+            ``OSError`` such as the gateway's port in use; or cannot go on
+            (``FatalServiceError``: the scheduler refused the executor's group).
     """
     from shared.logging import configure_logging
-    from shared.service import ServiceConflictError, run_service
+    from shared.service import FatalServiceError, ServiceConflictError, run_service
 
     prefix = f"pagedllm service {name}"
     configure_logging(settings.log_level, service=name)
@@ -199,5 +200,5 @@ def run_one_service(name: str, settings: Settings) -> None:
     model_info = model_info_or_exit(settings, prefix)
     try:
         asyncio.run(run_service(build_service(name, settings, model_info)))
-    except (ServiceConflictError, OSError) as exc:
+    except (ServiceConflictError, FatalServiceError, OSError) as exc:
         raise SystemExit(f"{prefix}: {exc}") from None

@@ -65,9 +65,9 @@ def decode(data: bytes, message_type: type[M]) -> M:
     """msgpack bytes as a validated message of ``message_type``.
 
     Raises:
-        pydantic.ValidationError: the bytes are not a valid ``message_type`` (a pydantic
-            model, or a pydantic model inside a struct).
-        msgspec.ValidationError: the bytes are not a valid ``message_type`` (a struct).
+        pydantic.ValidationError: the bytes are not a valid ``message_type`` (a pydantic model).
+        msgspec.ValidationError: the bytes are not a valid ``message_type`` (a struct, the
+            pydantic models it carries included).
         msgspec.DecodeError: the bytes are not msgpack (a struct).
     """
     if issubclass(message_type, msgspec.Struct):

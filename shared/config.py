@@ -19,8 +19,15 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "pagedllm"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def kernel_cache_dir(cache_dir: Path | str = DEFAULT_CACHE_DIR) -> Path:
-    """Where the native CPU kernels are built and kept: ``<cache_dir>/kernels``."""
+def kernel_cache_dir(cache_dir: Path | str | None = None) -> Path:
+    """Where the native CPU kernels are built and kept: ``<cache_dir>/kernels``; without
+    ``cache_dir``, ``Settings.cache_dir`` as the environment sets it (``PAGEDLLM_CACHE_DIR``,
+    else ``DEFAULT_CACHE_DIR``), so a caller without settings builds where the services do."""
+    if cache_dir is None:
+        try:
+            cache_dir = Settings().cache_dir
+        except ValueError:  # another PAGEDLLM_* variable is invalid: the services would not start either
+            cache_dir = DEFAULT_CACHE_DIR
     return Path(cache_dir).expanduser() / "kernels"
 
 

@@ -52,7 +52,3 @@ class MissCounter(Generic[K]):
     def misses(self, key: K) -> int:
         """The misses in a row of ``key`` so far (0 when none)."""
         return self._misses.get(key, 0)
-
-    def __len__(self) -> int:
-        """The keys with at least one miss counted."""
-        return len(self._misses)

@@ -10,6 +10,7 @@ checkpoint) and the tokenizer files with the chat template.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -17,6 +18,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shared.config import DEFAULT_MODEL_NAME, Settings
 
@@ -162,3 +164,11 @@ def load_model_info(settings: Settings) -> ModelInfo:
 def subject_token(name: str) -> str:
     """A model name made safe as one NATS subject token."""
     return re.sub(r"[^A-Za-z0-9_-]", "_", name)
+
+
+async def load_tokenizer(path: Path) -> Any:
+    """The model's Hugging Face tokenizer (``AutoTokenizer``), read on a worker thread so the
+    event loop keeps serving (the tokenizer and detokenizer services load it at start)."""
+    from transformers import AutoTokenizer
+
+    return await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))

@@ -14,13 +14,15 @@ from typing import Any, NamedTuple, Protocol
 
 import nats.errors
 from nats.aio.subscription import Subscription
-from pydantic import BaseModel
 
 from shared import subjects
-from shared.bus import Bus, Handler, RemoteError
+from shared.bus import Bus, Handler, M, RemoteError
 from shared.config import Settings
+from shared.logging import get_logger
 from shared.messages import Ping, Pong, SchedulerStats, StatsQuery
 from shared.model_source import ModelInfo
+
+log = get_logger(__name__)
 
 
 class Service(Protocol):
@@ -32,14 +34,35 @@ class Service(Protocol):
     async def stop(self) -> None:
         """Drain subscriptions and release resources."""
 
+    async def failed(self) -> BaseException:
+        """Return the error of a task the service cannot go on without, when one fails."""
+
+
+class FatalServiceError(RuntimeError):
+    """The service cannot go on (e.g. the scheduler refused an executor group): ``run_service``
+    stops it and raises this, and ``pagedllm service`` exits with its message."""
+
 
 async def run_service(service: Service) -> None:
     """Start ``service``, serve until SIGTERM or SIGINT, then stop it. A signal while it is
-    still starting (connecting to a NATS server that is not up yet, say) ends it too."""
+    still starting (connecting to a NATS server that is not up yet, say) ends it too.
+
+    Raises:
+        BaseException: what a failed start raised, or the error of a task of the service
+            that failed while it served (``Service.failed``; it is stopped first).
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    try:
+        await _serve_until_stopped(service, stop)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def _serve_until_stopped(service: Service, stop: asyncio.Event) -> None:
     starting = asyncio.ensure_future(service.start())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -47,12 +70,19 @@ async def run_service(service: Service) -> None:
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
         return
-    stopping.cancel()
-    starting.result()  # a failed start raises here
+    if starting.exception() is not None:
+        stopping.cancel()
+        raise starting.exception()
+    failure = asyncio.ensure_future(service.failed())
     try:
-        await stop.wait()
+        await asyncio.wait({stopping, failure}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        error = failure.result() if failure.done() and not failure.cancelled() else None
+        for waiter in (stopping, failure):
+            waiter.cancel()
         await service.stop()
+    if error is not None:
+        raise error
 
 
 class Exclusive(NamedTuple):
@@ -76,7 +106,12 @@ class BusService:
 
     ``stop``: cancel the tasks, drain the subscriptions this service made (their pending
     messages are handled; all at once), ``on_stop`` (the bus still up: tell the clients what is
-    lost), then close the bus if this service opened it. ``async with service:`` does both.
+    lost), then close the bus if this service opened it. ``async with service:`` does both. A
+    failed ``start`` stops what it had started.
+
+    A task started with :meth:`spawn` that raises is logged (``service_task_failed``) and ends
+    the service: :meth:`failed` returns its error, and ``run_service`` stops the service and
+    raises it, so the process exits (its supervisor restarts it) rather than serve on without it.
 
     Args:
         settings: engine settings (``nats_url`` is used when ``bus`` is None).
@@ -95,6 +130,7 @@ class BusService:
         self._own_bus = bus is None
         self._subs: list[Subscription] = []
         self._tasks: list[asyncio.Task] = []
+        self._failure: asyncio.Future[BaseException] | None = None  # the first failed task's error
 
     @property
     def connection_name(self) -> str:
@@ -130,13 +166,17 @@ class BusService:
             if not self.settings.nats_url:
                 raise ValueError(f"{type(self).__name__} needs settings.nats_url (or a connected bus)")
             self.bus = await Bus.connect(self.settings.nats_url, name=self.connection_name)
-        if (exclusive := self.exclusive()) is not None:
-            await refuse_if_served(self.bus, self.model_info.name, exclusive.ping_name, exclusive.what,
-                                   advice=exclusive.advice)
-        await self.serve()
-        await self.bus.flush()
-        for ping_name in self.ping_names():
-            await self.answer_pings(ping_name)
+        try:
+            if (exclusive := self.exclusive()) is not None:
+                await refuse_if_served(self.bus, self.model_info.name, exclusive.ping_name, exclusive.what,
+                                       advice=exclusive.advice)
+            await self.serve()
+            await self.bus.flush()
+            for ping_name in self.ping_names():
+                await self.answer_pings(ping_name)
+        except BaseException:
+            await self.stop()  # the tasks, subscriptions and bus it had started
+            raise
 
     async def stop(self) -> None:
         """Cancel the tasks, drain the subscriptions, ``on_stop``, close an owned bus."""
@@ -159,7 +199,7 @@ class BusService:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
-    async def subscribe(self, subject: str, message_type: type[BaseModel], handler: Handler,
+    async def subscribe(self, subject: str, message_type: type[M], handler: Handler,
                         queue: str = "") -> Subscription:
         """``Bus.subscribe``, drained by ``stop``."""
         assert self.bus is not None
@@ -173,10 +213,30 @@ class BusService:
         self._subs.append(await answer_pings(self.bus, self.model_info.name, ping_name))
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
-        """Run ``coro`` as a task of this service, cancelled by ``stop``."""
+        """Run ``coro`` as a task of this service, cancelled by ``stop``; if it raises, the
+        service cannot go on (:meth:`failed`)."""
         task = asyncio.create_task(coro)
         self._tasks.append(task)
+        task.add_done_callback(self._task_done)
         return task
+
+    async def failed(self) -> BaseException:
+        """Return the error of the first task of :meth:`spawn` that raised (waits until one does)."""
+        return await asyncio.shield(self._failure_future())
+
+    def _failure_future(self) -> asyncio.Future[BaseException]:
+        if self._failure is None:
+            self._failure = asyncio.get_running_loop().create_future()
+        return self._failure
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or (error := task.exception()) is None:
+            return
+        log.error("service_task_failed", service=self.name, error=str(error) or type(error).__name__,
+                  exc_info=error)
+        failure = self._failure_future()
+        if not failure.done():
+            failure.set_result(error)
 
 
 async def _drain(sub: Subscription) -> None:

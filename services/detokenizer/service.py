@@ -13,7 +13,6 @@ replaced, or its first output was sent while none served the shard) fails it: a
 
 from __future__ import annotations
 
-import asyncio
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ from shared.messages import (
     ServiceError,
     TokenUpdate,
 )
-from shared.model_source import ModelInfo
+from shared.model_source import ModelInfo, load_tokenizer
 from shared.service import BusService, Exclusive
 
 log = get_logger(__name__)
@@ -104,9 +103,7 @@ class DetokenizerService(BusService):
 
     async def load(self) -> None:
         if self.tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.model_info.path))
+            self.tokenizer = await load_tokenizer(self.model_info.path)
 
     async def serve(self) -> None:
         await self.subscribe(self.subjects.detok(self.shard), DetokStep, self.handle)

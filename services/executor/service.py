@@ -31,7 +31,7 @@ from shared.messages import (
     StepResult,
 )
 from shared.model_source import ModelInfo
-from shared.service import BusService, Exclusive
+from shared.service import BusService, Exclusive, FatalServiceError
 
 log = get_logger(__name__)
 
@@ -140,8 +140,8 @@ class ExecutorService(BusService):
         """Register with the scheduler, retrying until it answers.
 
         Raises:
-            RuntimeError: the scheduler refused the group (an empty pool, or another model or
-                ``max_model_len`` than the scheduler's).
+            FatalServiceError: the scheduler refused the group (an empty pool, or another model
+                or ``max_model_len`` than the scheduler's): the service ends (``run_service``).
         """
         msg = RegisterGroup(
             group_id=self.group_id,
@@ -161,7 +161,8 @@ class ExecutorService(BusService):
                 await asyncio.sleep(2.0)
                 continue
             if not ack.accepted:
-                raise RuntimeError(f"scheduler refused group {self.group_id}: {ack.error}")
+                raise FatalServiceError(f"scheduler refused group {self.group_id}: "
+                                        f"{ack.error.message if ack.error else 'no reason given'}")
             if self.state is ExecutorState.STOPPING:
                 return
             log.info("group_registered", group_id=self.group_id, num_blocks=msg.num_blocks)

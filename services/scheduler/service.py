@@ -16,7 +16,6 @@ import time
 from collections import defaultdict
 
 import nats.errors
-from pydantic import BaseModel
 
 from services.scheduler.group import registration_error
 from services.scheduler.liveness import Liveness, PingAnswer, Verdict
@@ -24,7 +23,7 @@ from services.scheduler.outputs import Outputs
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared import subjects as subj
-from shared.bus import Bus
+from shared.bus import AnyMessage, Bus
 from shared.config import Settings
 from shared.logging import get_logger
 from shared.messages import (
@@ -73,6 +72,7 @@ class SchedulerService(BusService):
         )
         self.liveness = Liveness(settings.heartbeat_timeout_s, settings.step_timeout_s)
         self.outputs = Outputs(self.subjects, settings.num_detokenizer_shards)
+        self.stopping = False  # stop() began: no plan is sent any more (its requests are about to fail)
 
     def exclusive(self) -> Exclusive:
         return Exclusive(self.name, "scheduler")
@@ -97,6 +97,12 @@ class SchedulerService(BusService):
     async def start(self) -> None:
         await super().start()
         log.info("scheduler_started", model=self.model_info.name)
+
+    async def stop(self) -> None:
+        """Stop: messages still pending are handled (results, submits), but no plan goes out
+        any more; then every request held fails (``on_stop``)."""
+        self.stopping = True
+        await super().stop()
 
     async def on_stop(self) -> None:
         """Every request still held fails at once with a 503 ``request_lost`` (its state goes
@@ -201,7 +207,9 @@ class SchedulerService(BusService):
     async def _kick(self) -> None:
         """Send every group that has work and room in flight its next plans (one at a time, or
         with async scheduling up to two: the executor finds step N + 1 queued when it finishes
-        step N)."""
+        step N). Nothing once stopping."""
+        if self.stopping:
+            return
         for group_id in list(self.scheduler.groups):
             while self.scheduler.can_schedule(group_id):
                 plan = self.scheduler.schedule(group_id)
@@ -220,7 +228,7 @@ class SchedulerService(BusService):
                     asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._kick()))
                     break
 
-    async def _send(self, messages: dict[str, BaseModel]) -> None:
+    async def _send(self, messages: dict[str, AnyMessage]) -> None:
         for subject, message in messages.items():
             await self.bus.publish(subject, message)
 
@@ -315,7 +323,7 @@ class SchedulerService(BusService):
         instead of running to max_tokens for nobody; a detokenizer shard gone has its requests
         failed with a 503 ``request_lost`` (their outputs would go nowhere)."""
         while True:
-            await asyncio.sleep(self.settings.heartbeat_timeout_s)
+            await asyncio.sleep(self.liveness.heartbeat_timeout_s)
             by_gateway: dict[str, list[str]] = defaultdict(list)
             by_shard: dict[int, list[str]] = defaultdict(list)
             for req in self.scheduler.requests.values():

@@ -22,7 +22,7 @@ from shared.bus import Bus
 from shared.config import Settings
 from shared.logging import get_logger
 from shared.messages import SamplingParams, ServiceError, SubmitRequest, TokenizeReply, TokenizeRequest
-from shared.model_source import ModelInfo
+from shared.model_source import ModelInfo, load_tokenizer
 from shared.service import BusService
 from shared.subjects import TOKENIZER_QUEUE
 
@@ -69,9 +69,7 @@ class TokenizerService(BusService):
 
     async def load(self) -> None:
         if self.tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.model_info.path))
+            self.tokenizer = await load_tokenizer(self.model_info.path)
 
     async def serve(self) -> None:
         await self.subscribe(self.subjects.tokenize, TokenizeRequest, self.handle, queue=TOKENIZER_QUEUE)

@@ -14,13 +14,12 @@ import msgspec
 import pytest
 from gateway_fakes import ANSWER, FULL, PROMPT, answer_steps, fake_logprobs, fake_tokenize
 
-from gateway.chat import ChatGeneration
-from gateway.completion import CompletionGeneration, completion_logprobs
+from gateway.completion import completion_logprobs
 from gateway.errors import APIError
 from gateway.generation import Generation, RequestState
 from gateway.protocol.requests import ChatCompletionRequest, CompletionRequest
+from gateway.serving import engine_requests, new_generation
 from pagedllm.outputs import Logprob, request_output
-from shared.engine_client import new_request_id
 from shared.messages import DecodedLogprobs, RequestDelta, SamplingParams, ServiceError, TokenLogprob
 
 MODEL = "fake-model"
@@ -40,20 +39,14 @@ def begin(body: dict[str, Any]) -> tuple[Generation, list[RequestDelta]]:
     the deltas its engine requests send, in the order they come."""
     request = _request(body)
     params = request.sampling_params()
-    chat = isinstance(request, ChatCompletionRequest)
-    request_id = new_request_id("chatcmpl" if chat else "cmpl")
-    if isinstance(request, ChatCompletionRequest):
-        inputs: list[dict[str, Any]] = [dict(messages=request.messages_input())]
-    else:
-        inputs = [dict(prompt=prompt, return_prompt=request.echo) for prompt in request.prompt_inputs()]
-    engine_ids = [request_id] if len(inputs) == 1 else [f"{request_id}-{p}" for p in range(len(inputs))]
+    request_id, engine_ids, inputs = engine_requests(request)
     prompts, steps = [], []
     for engine_id, fields in zip(engine_ids, inputs, strict=True):
-        text, reply = fake_tokenize(engine_id, **fields)
+        text, reply = fake_tokenize(engine_id, fields.get("prompt"), fields.get("messages"),
+                                    fields.get("return_prompt", False))
         prompts.append((engine_id, reply))
         steps.append(answer_steps(engine_id, text, len(reply.prompt_token_ids), params))
-    cls = ChatGeneration if chat else CompletionGeneration
-    gen = cls(request_id, MODEL, request, prompts)  # type: ignore[arg-type]
+    gen = new_generation(request, request_id, MODEL, prompts)
     return gen, [d for row in zip_longest(*steps, fillvalue=[]) for step in row for d in step]
 
 

@@ -102,8 +102,9 @@ def test_a_library_of_another_abi_is_refused(tmp_path, monkeypatch, defines, rea
 
 
 def test_load_builds_into_the_cache_dir_it_is_given(tmp_path, monkeypatch):
-    """The cache directory is a parameter (Settings.cache_dir / "kernels"), not an environment
-    variable; without one, the default ~/.cache/pagedllm/kernels."""
+    """The cache directory is a parameter (Settings.cache_dir / "kernels"); without one,
+    Settings.cache_dir as the environment sets it (PAGEDLLM_CACHE_DIR), else
+    ~/.cache/pagedllm/kernels."""
     from shared.config import DEFAULT_CACHE_DIR, kernel_cache_dir
 
     asked = []
@@ -114,8 +115,12 @@ def test_load_builds_into_the_cache_dir_it_is_given(tmp_path, monkeypatch):
         assert native.load(tmp_path / "kernels") is None  # no such file: OSError, logged
         assert native.load(tmp_path / "elsewhere") is None  # the first call decided
     assert asked == [tmp_path / "kernels"]
+    monkeypatch.delenv("PAGEDLLM_CACHE_DIR", raising=False)
     assert kernel_cache_dir() == DEFAULT_CACHE_DIR / "kernels" == Path.home() / ".cache" / "pagedllm" / "kernels"
     assert kernel_cache_dir("~/x") == Path.home() / "x" / "kernels"
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "models"))  # as the Docker image sets it
+    assert kernel_cache_dir() == tmp_path / "models" / "kernels"
+    assert kernel_cache_dir(tmp_path / "given") == tmp_path / "given" / "kernels"
 
 
 @NEEDS_KERNEL

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,7 +36,7 @@ from shared.messages import (
     SubmitRequest,
 )
 from shared.model_source import ModelInfo
-from shared.service import answer_pings
+from shared.service import FatalServiceError, answer_pings
 
 
 @pytest.fixture
@@ -356,8 +357,8 @@ async def test_the_peer_watch_survives_a_failed_round(nats_url, monkeypatch):
 
 async def test_a_group_of_another_model_or_context_length_is_refused(env, nats_url, monkeypatch):
     """The scheduler refuses a group that serves another model or max_model_len than its own
-    (its requests are validated and sized for those), naming both values; the executor raises
-    on the refusal instead of serving."""
+    (its requests are validated and sized for those), naming both values; the executor's
+    registration task fails with it, which ends the service (``failed``) instead of serving."""
     from services.executor import service as executor_service
 
     svc = env.svc
@@ -378,9 +379,45 @@ async def test_a_group_of_another_model_or_context_length_is_refused(env, nats_u
     executor.runner = StubRunner()
     executor.bus = await Bus.connect(nats_url, name="test-executor")
     try:
-        with pytest.raises(RuntimeError, match="scheduler refused group g-short: .*with max_model_len 2048, but "
-                                               "this scheduler serves .* with max_model_len 4096"):
-            await asyncio.wait_for(executor._register(), 5)
+        executor.spawn(executor._register_and_heartbeat())
+        error = await asyncio.wait_for(executor.failed(), 5)
+        assert isinstance(error, FatalServiceError)
+        assert re.fullmatch("scheduler refused group g-short: executor group 'g-short' serves model .* with "
+                            "max_model_len 2048, but this scheduler serves .* with max_model_len 4096: start them "
+                            "with the same --model, --served-model-name and --max-model-len", str(error))
         assert executor.state is executor_service.ExecutorState.REGISTERING and not svc.scheduler.groups
     finally:
         await executor.stop()
+
+
+async def test_a_stopping_scheduler_handles_what_is_pending_but_plans_nothing(env, nats_url, monkeypatch):
+    """A submit whose handling is under way when the scheduler stops is finished while its
+    subscriptions drain, but no plan goes out for it (its requests are about to fail): it
+    fails at once with a 503 request_lost, like every request held."""
+    svc = env.svc
+    await register(svc)
+    entered, release = asyncio.Event(), asyncio.Event()
+    publish = svc.bus.publish
+
+    async def held(subject, message):  # the submit's acceptance waits until stop() has begun
+        if isinstance(message, GatewayStep) and message.accepted:
+            entered.set()
+            await release.wait()
+        await publish(subject, message)
+
+    monkeypatch.setattr(svc.bus, "publish", held)
+    client = await Bus.connect(nats_url, name="test-submitter")
+    try:
+        await client.publish(svc.subjects.submit, SubmitRequest(
+            request_id="late", gateway_id="gw", prompt_token_ids=[7] * 20,
+            sampling_params=SamplingParams(max_tokens=8), notify_accepted=True))
+        await asyncio.wait_for(entered.wait(), 5)  # queued; its plan would be sent next
+        stopping = asyncio.create_task(svc.stop())
+        await until(lambda: svc.stopping)
+        release.set()
+        await asyncio.wait_for(stopping, 10)
+    finally:
+        await client.close()
+    assert env.plans == []
+    [late] = env.errors
+    assert (late.request_id, late.error.code, late.error.status) == ("late", "request_lost", 503)

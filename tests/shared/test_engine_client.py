@@ -122,7 +122,7 @@ async def test_a_request_the_scheduler_holds_is_never_lost(env):
     while fake.queries < 3:
         await asyncio.sleep(0.05)
     assert env.client.num_in_flight == 1 and env.client._pending["r3"].queue.empty()
-    assert len(env.client._misses) == 0
+    assert env.client._misses.misses("r3") == 0
     outputs = asyncio.create_task(_outputs(env.client, "r3"))
     await asyncio.sleep(0.05)
     await env.client.abort(["r3"])

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import nats.errors
 import pytest
+import structlog
 
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import Ping, Pong
 from shared.model_source import ModelInfo
-from shared.service import BusService, Exclusive, ServiceConflictError
+from shared.service import BusService, Exclusive, FatalServiceError, ServiceConflictError, run_service
 
 
 class Echo(BusService):
@@ -85,6 +86,7 @@ async def test_a_service_closes_the_bus_it_opened_and_refuses_a_second_instance(
         with pytest.raises(ServiceConflictError, match=f"another echo service already serves {info.name} on this "
                                                        "NATS server; one is enough"):
             await second.start()
+        assert second.bus is None  # the failed start closed the bus it had opened
         await second.stop()
         assert second.bus is None
     finally:
@@ -95,3 +97,27 @@ async def test_a_service_closes_the_bus_it_opened_and_refuses_a_second_instance(
 async def test_a_service_needs_a_nats_url_or_a_bus():
     with pytest.raises(ValueError, match="Echo needs settings.nats_url"):
         await Echo(Settings(nats_url=None), model_info()).start()
+
+
+class Failing(Echo):
+    """An Echo whose task fails once it serves (an executor refused by the scheduler, say)."""
+
+    async def serve(self) -> None:
+        await super().serve()
+        self.spawn(self._fail_soon())
+
+    async def _fail_soon(self) -> None:
+        await asyncio.sleep(0.05)
+        raise FatalServiceError("cannot go on")
+
+
+async def test_a_failed_task_ends_the_service_and_run_service_raises_its_error(nats_url):
+    """A spawned task that raises is logged and ends the service: ``run_service`` stops it (its
+    other tasks cancelled, its own bus closed) and raises the error, so the process exits
+    rather than serve on without the task."""
+    service = Failing(Settings(nats_url=nats_url), model_info())
+    with structlog.testing.capture_logs() as logs, pytest.raises(FatalServiceError, match="cannot go on"):
+        await asyncio.wait_for(run_service(service), 5)
+    assert service.bus is None and service.loop_task.cancelled() and service.stopped_with_bus is True
+    failed = [entry for entry in logs if entry["event"] == "service_task_failed"]
+    assert [(entry["service"], entry["error"]) for entry in failed] == [("echo", "cannot go on")]
