@@ -10,6 +10,7 @@ kernels against their references); ``make test-fast`` runs the rest.
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,21 @@ def smollm2_path() -> Path:
     from shared.model_source import convert_default_model
 
     return convert_default_model(CACHE_DIR)
+
+
+@pytest.fixture(scope="module")
+def smollm2_served(request, nats_url, smollm2_path, tmp_path_factory):
+    """``(Settings, ModelInfo)`` serving the default model on the session's NATS server under a
+    name of the requesting test module's own (its services' subjects are apart from other
+    modules'), with that module's ``MAX_MODEL_LEN``."""
+    from shared.config import Settings
+    from shared.model_source import load_model_info
+
+    settings = Settings(
+        model=str(smollm2_path), served_model_name=f"test-{request.module.__name__}-{uuid.uuid4().hex[:8]}",
+        nats_url=nats_url, cache_dir=tmp_path_factory.mktemp("cache"), max_model_len=request.module.MAX_MODEL_LEN,
+    )
+    return settings, load_model_info(settings)
 
 
 @pytest.fixture(scope="session")

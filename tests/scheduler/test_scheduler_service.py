@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import nats.errors
 import pytest
+from polling import until
 
 from services.scheduler.service import SchedulerService
 from shared import subjects
@@ -74,14 +75,6 @@ async def register(svc: SchedulerService, num_blocks: int = 256) -> None:
 async def submit(svc: SchedulerService, rid: str, num_prompt: int = 20, gateway: str = "gw") -> None:
     await svc._on_submit(SubmitRequest(request_id=rid, gateway_id=gateway, prompt_token_ids=[7] * num_prompt,
                                        sampling_params=SamplingParams(max_tokens=8)))
-
-
-async def until(predicate, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("timed out")
 
 
 def heartbeat(idle: bool = False, stopping: bool = False, last_step_id: int = 0) -> Heartbeat:
