@@ -195,6 +195,14 @@ def run_one_service(name: str, settings: Settings) -> None:
 
     prefix = f"pagedllm service {name}"
     configure_logging(settings.log_level, service=name)
+    if name == "executor" and settings.tensor_parallel_rank:  # a rank other than 0: no NATS, rank 0 drives it
+        from services.executor.parallel.ranks import run_rank
+
+        try:
+            run_rank(settings, model_info_or_exit(settings, prefix))
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise SystemExit(f"{prefix} (tensor-parallel rank {settings.tensor_parallel_rank}): {exc}") from None
+        return
     if not settings.nats_url:
         raise SystemExit(f"{prefix}: needs --nats-url (or PAGEDLLM_NATS_URL)")
     model_info = model_info_or_exit(settings, prefix)

@@ -58,7 +58,16 @@ class Settings(BaseSettings):
         True, description="Plan step N + 1 while the executor runs step N (hides the scheduler round trip)"
     )
     seed: int = 0
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks of one executor group, one process each (rank 0 starts the others "
+        "on this machine unless tensor_parallel_rank is set)")
+    tensor_parallel_rank: int | None = Field(
+        None, ge=0, description="Run only this rank of the group (ranks on several machines: start each "
+        "by hand with the same master address and port; rank 0 is the one that serves NATS)")
+    tensor_parallel_master_addr: str = Field(
+        "127.0.0.1", description="Where rank 0 listens for the other ranks of its group")
+    tensor_parallel_master_port: int | None = Field(
+        None, ge=1, le=65535, description="Rank 0's rendezvous port; None = a free port (one machine only)")
     attention_backend: Literal["auto", "torch", "triton", "reference"] = Field(
         "auto", description="auto = triton on CUDA, torch on CPU"
     )
@@ -102,12 +111,18 @@ class Settings(BaseSettings):
             raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
         return v
 
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _check_tp(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("tensor_parallel_size > 1 is not implemented yet; use 1")
-        return v
+    @model_validator(mode="after")
+    def _check_tensor_parallel_rank(self) -> Settings:
+        """A rank outside ``range(tensor_parallel_size)`` has no group; ranks started by hand
+        (on several machines) must agree on a port."""
+        rank = self.tensor_parallel_rank
+        if rank is not None and rank >= self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_rank={rank} must be less than tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (ranks are numbered from 0)")
+        if rank is not None and self.tensor_parallel_size > 1 and self.tensor_parallel_master_port is None:
+            raise ValueError("tensor_parallel_rank needs tensor_parallel_master_port: every rank of the "
+                             "group meets rank 0 at tensor_parallel_master_addr:tensor_parallel_master_port")
+        return self
 
     @field_validator("log_level")
     @classmethod

@@ -6,6 +6,11 @@ Per step it builds (vLLM V1 flat layout, decodes first):
 and samples one token for each request whose computed tokens reach its known tokens.
 The runner keeps each request's tokens and block table between steps, so a plan carries
 only what changed.
+
+Under tensor parallelism every rank runs a runner over its part of the model and of the KV
+cache (``parallel/``): all of them run every step's forward together (the layers' collectives),
+rank 0 alone gets the gathered logits and samples; the other ranks learn the sampled tokens
+from rank 0's next message (:meth:`ModelRunner.append_sampled`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from services.executor.attention import AttentionMetadata, get_attention_backend
 from services.executor.cpu_threads import CpuThreadGovernor
 from services.executor.device import resolve_device
 from services.executor.models import get_model_class, kv_cache_bytes_per_block, kv_cache_shape
+from services.executor.parallel.group import SINGLE_RANK, TensorParallelGroup, use_tp_group
 from services.executor.sampler import Sampler, compute_logprobs
 from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings, kernel_cache_dir
 from shared.logging import get_logger
@@ -58,12 +64,19 @@ def resolve_dtype(setting: str, model_path: Path) -> torch.dtype:
 
 
 class ModelRunner:
-    """Owns the model weights, the paged KV cache tensors and the per-request state."""
+    """Owns the model weights, the paged KV cache tensors and the per-request state (of one
+    tensor-parallel rank: ``tp``, default a single rank; its device is ``tp.device`` then).
 
-    def __init__(self, settings: Settings, model_info: ModelInfo) -> None:
+    Raises:
+        ValueError: the model's heads cannot be split over ``tp``'s ranks; a KV cache budget
+            smaller than one block.
+    """
+
+    def __init__(self, settings: Settings, model_info: ModelInfo, tp: TensorParallelGroup | None = None) -> None:
         self.settings = settings
         self.model_info = model_info
-        self.device = resolve_device(settings.device)
+        self.tp = tp or SINGLE_RANK
+        self.device = self.tp.device if self.tp.world_size > 1 else resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, model_info.path)
         self.block_size = settings.block_size
         self.hf_config = AutoConfig.from_pretrained(model_info.path)
@@ -74,7 +87,9 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(
             settings.attention_backend, self.device, native_cpu_kernels=settings.native_cpu_kernels
         )
-        with torch.device(self.device):  # its kernels are chosen here, once (services/executor/layers/selection.py)
+        # its kernels are chosen here, once (services/executor/layers/selection.py); its layers
+        # take this rank's part (services/executor/parallel/)
+        with torch.device(self.device), use_tp_group(self.tp):
             self.model = model_cls(self.hf_config, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
                                    native_cpu_kernels=settings.native_cpu_kernels)
         self.model.load_weights(model_info.path)
@@ -87,6 +102,8 @@ class ModelRunner:
         log.info(
             "model_loaded",
             model=str(model_info.path),
+            tp_rank=self.tp.rank,
+            tp_size=self.tp.world_size,
             dtype=str(self.dtype),
             device=str(self.device),
             num_blocks=self.num_blocks,
@@ -102,12 +119,21 @@ class ModelRunner:
         it again before a plan writes it."""
         self.requests.clear()
 
+    def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
+        """Append the tokens rank 0 sampled for these requests in the previous step (the
+        other ranks of a tensor-parallel group, before running the next one)."""
+        for request_id, token in sampled_token_ids.items():
+            state = self.requests.get(request_id)
+            if state is not None:
+                state.token_ids.append(token)
+
     def _cpu_thread_governor(self) -> CpuThreadGovernor | None:
         """On CPU: apply ``cpu_threads`` to the calling (model) thread, and adapt it to the
         cores other processes leave free when ``adaptive_cpu_threads`` (see cpu_threads.py)."""
         if self.device.type != "cpu":
             return None
-        threads = self.settings.cpu_threads or torch.get_num_threads()
+        # the ranks of a group on one machine share its cores
+        threads = self.settings.cpu_threads or max(1, torch.get_num_threads() // self.tp.world_size)
         torch.set_num_threads(threads)
         if not self.settings.adaptive_cpu_threads or threads == 1:
             return None
@@ -116,9 +142,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
 
     def _num_blocks(self) -> int:
+        """The pool's blocks: what fits this rank's budget (``kv_cache_memory_bytes`` is per
+        rank, as vLLM's is per GPU), the least over the ranks so that a block id means the same
+        slots on every rank."""
         if self.settings.num_gpu_blocks_override is not None:
             return self.settings.num_gpu_blocks_override
-        per_block = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype,
+                                             self.model.num_kv_heads_per_rank)
         budget = self.settings.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
@@ -126,13 +156,13 @@ class ModelRunner:
                 budget = int(free * 0.8)
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = budget // per_block
+        num_blocks = self.tp.min_over_ranks(budget // per_block)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one block ({per_block} bytes)")
         return num_blocks
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = kv_cache_shape(self.hf_config, num_blocks, self.block_size)
+        shape = kv_cache_shape(self.hf_config, num_blocks, self.block_size, self.model.num_kv_heads_per_rank)
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -268,12 +298,14 @@ class ModelRunner:
                 entries: list[SampleLogprobs] = []
                 for i in range(0, end - first, PROMPT_LOGITS_ROWS):
                     rows = torch.arange(row + i, row + min(end - first, i + PROMPT_LOGITS_ROWS), device=self.device)
-                    logits = self.model.compute_logits(hidden[rows])  # [R, V] f32
+                    logits = self.model.compute_logits(hidden[rows])  # [R, V] f32; None off rank 0
+                    if logits is None:
+                        continue
                     chunk = targets[i : i + PROMPT_LOGITS_ROWS]
                     entries.extend(lp for lp in compute_logprobs(logits, chunk, [k] * len(chunk)) if lp is not None)
                 out[state.request_id] = PromptLogprobs(start=first + 1, token_ids=targets, logprobs=entries)
             row += n
-        return out
+        return out if self.tp.is_first_rank else {}
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -307,6 +339,8 @@ class ModelRunner:
         if logits_rows != list(range(hidden.shape[0])):  # else every row samples (pure decode)
             hidden = hidden[torch.tensor(logits_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)  # [N, V] f32
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+            return result
         params = [s.sampling_params for s in sample_states]
         tokens = self.sampler.sample(logits, params, [s.generator for s in sample_states],
                                      [s.token_ids for s in sample_states], [s.num_prompt_tokens for s in sample_states])

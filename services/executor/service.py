@@ -1,9 +1,14 @@
-"""The executor service: one executor group (tensor-parallel size 1) over NATS.
+"""The executor service: one executor group over NATS.
 
 It loads the model, allocates the paged KV cache, registers with the scheduler (retrying
 until the scheduler answers), heartbeats, and runs each ``StepPlan`` it receives in order,
 answering with a ``StepResult``. It never allocates blocks: it writes and reads exactly the
 blocks the plan names.
+
+With ``tensor_parallel_size`` N > 1 it is rank 0 of the group: it starts ranks 1..N-1 as child
+processes (unless ``tensor_parallel_rank`` says the ranks are started by hand), drives them
+(``parallel/ranks.py``) and ends when one of them does: a group missing a rank cannot run a
+step, so the scheduler is told the group stops and recomputes its requests elsewhere.
 """
 
 from __future__ import annotations
@@ -13,11 +18,19 @@ import enum
 import os
 import re
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import nats.errors
 
 from services.executor.model_runner import ModelRunner
+from services.executor.parallel.ranks import (
+    RankProcesses,
+    TensorParallelDriver,
+    check_splittable,
+    connect_rank,
+    free_port,
+)
 from shared.bus import Bus, RemoteError
 from shared.config import Settings
 from shared.logging import get_logger
@@ -68,7 +81,9 @@ class ExecutorService(BusService):
     def __init__(self, settings: Settings, model_info: ModelInfo, bus: Bus | None = None) -> None:
         super().__init__(settings, model_info, bus)
         self.group_id = settings.group_id or default_group_id()
-        self.runner: ModelRunner | None = None
+        self.runner: ModelRunner | TensorParallelDriver | None = None
+        self.tp_size = settings.tensor_parallel_size
+        self.ranks: RankProcesses | None = None  # ranks 1..N-1 when this process started them
         # Every torch call runs on this one thread: OpenMP keeps one thread team per calling
         # thread, and teams of several threads spin against each other on a small CPU.
         self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-torch")
@@ -78,6 +93,7 @@ class ExecutorService(BusService):
         self._first_step_id = 0  # of this registration (RegisterAck.next_step_id): older plans are stale
         self._last_step_id = 0  # the newest plan received (Heartbeat.last_step_id)
         self._held_step_id: int | None = None  # the plan _run_steps holds (waiting to run, or running)
+        self._last_keepalive = 0.0  # monotonic time of rank 0's last keep-alive to the other ranks
 
     @property
     def connection_name(self) -> str:
@@ -93,8 +109,30 @@ class ExecutorService(BusService):
         return (f"{self.name}.{self.group_id}",)
 
     async def load(self) -> None:
+        """Load the model (this rank's part of it, the other ranks started first).
+
+        Raises:
+            ValueError: the model's heads cannot be split over ``tensor_parallel_size`` ranks.
+        """
         loop = asyncio.get_running_loop()
-        self.runner = await loop.run_in_executor(self._torch_thread, ModelRunner, self.settings, self.model_info)
+        if self.tp_size == 1:
+            self.runner = await loop.run_in_executor(self._torch_thread, ModelRunner, self.settings, self.model_info)
+            return
+        check_splittable(self.model_info, self.tp_size)
+        port = self.settings.tensor_parallel_master_port or free_port(self.settings.tensor_parallel_master_addr)
+        if self.settings.tensor_parallel_rank is None:
+            self.ranks = RankProcesses(self.settings, port)
+
+        def rank_zero() -> TensorParallelDriver:
+            return TensorParallelDriver(ModelRunner(self.settings, self.model_info,
+                                                    connect_rank(self.settings, 0, port)))
+
+        try:
+            self.runner = await loop.run_in_executor(self._torch_thread, rank_zero)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.stop(timeout=0)
+            raise
 
     async def serve(self) -> None:
         await self.subscribe(self.subjects.step(self.group_id), StepPlan, self._on_step)
@@ -110,6 +148,8 @@ class ExecutorService(BusService):
         await super().start()
         self.spawn(self._register_and_heartbeat())
         self.spawn(self._run_steps())
+        if self.tp_size > 1:
+            self.spawn(self._watch_ranks())
 
     async def stop(self) -> None:
         """Tell the scheduler the group is going (its requests are requeued at once rather
@@ -123,6 +163,14 @@ class ExecutorService(BusService):
             except Exception:  # no scheduler, or NATS gone: its watchdog notices the silence
                 pass
         await super().stop()
+        if isinstance(self.runner, TensorParallelDriver):  # the other ranks exit
+            loop = asyncio.get_running_loop()
+            try:
+                await asyncio.wait_for(loop.run_in_executor(self._torch_thread, self.runner.stop), 5.0)
+            except Exception:
+                pass
+        if self.ranks is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.ranks.stop)
         self._torch_thread.shutdown(wait=False)
 
     async def wait_registered(self) -> None:
@@ -195,13 +243,36 @@ class ExecutorService(BusService):
         if holding:  # _run_steps rejoins once done with it
             self._enter(ExecutorState.REJOIN_PENDING)
         else:
-            self._start_rejoin()
+            await self._start_rejoin()
 
-    def _start_rejoin(self) -> None:
-        """Forget every request (the scheduler recomputes them) and register again."""
-        self.runner.reset()
+    async def _start_rejoin(self) -> None:
+        """Forget every request (the scheduler recomputes them; on every rank) and register again."""
         self._enter(ExecutorState.REJOINING)
+        await asyncio.get_running_loop().run_in_executor(self._torch_thread, self.runner.reset)
         self.spawn(self._register())
+
+    async def _watch_ranks(self) -> None:
+        """Rank 0 of a tensor-parallel group: keep the waiting ranks alive (a message every
+        heartbeat interval) and end the service when a rank is gone.
+
+        Raises:
+            FatalServiceError: a rank process exited, or a keep-alive failed (a rank died).
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(0.2, self.settings.heartbeat_interval_s))
+            exited = self.ranks.exited() if self.ranks is not None else None
+            if exited is not None:
+                log.error("tp_rank_exited", group_id=self.group_id, tp_rank=exited[0], returncode=exited[1])
+                raise FatalServiceError(f"tensor-parallel rank {exited[0]} of group {self.group_id} exited "
+                                        f"(code {exited[1]}); the group stops")
+            if time.monotonic() - self._last_keepalive >= self.settings.heartbeat_interval_s:
+                self._last_keepalive = time.monotonic()
+                try:
+                    await loop.run_in_executor(self._torch_thread, self.runner.keepalive)
+                except RuntimeError as exc:
+                    log.error("tp_group_failed", group_id=self.group_id, error=str(exc)[:200])
+                    raise FatalServiceError(f"tensor-parallel group {self.group_id} failed: {exc}") from None
 
     async def _on_step(self, plan: StepPlan) -> None:
         self._last_step_id = max(self._last_step_id, plan.step_id)
@@ -227,7 +298,7 @@ class ExecutorService(BusService):
             # the step failed, or the scheduler dropped the group meanwhile: start clean and join
             # again (its requests are recomputed)
             if self.state is ExecutorState.REJOIN_PENDING:
-                self._start_rejoin()
+                await self._start_rejoin()
 
     async def _execute(self, plan: StepPlan) -> None:
         """Run one plan on the torch thread and publish its result (a failure as an error
@@ -243,5 +314,7 @@ class ExecutorService(BusService):
                 error=ServiceError(message=f"executor step failed: {exc}", type="server_error", status=500),
             )
         await self.bus.publish(self.subjects.result, result)
+        if result.error is not None and self.tp_size > 1:  # the ranks may be anywhere in the step
+            raise FatalServiceError(f"tensor-parallel group {self.group_id} failed a step: {result.error.message}")
         if result.error is not None and self.state is not ExecutorState.STOPPING:  # the scheduler drops us
             self._enter(ExecutorState.REJOIN_PENDING)

@@ -12,28 +12,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
-from services.executor.layers.utils import FastModule, copy_checked
+from services.executor.layers.utils import FastModule, copy_checked, narrow_checked
+from services.executor.parallel.group import current_tp_group
+from services.executor.parallel.partition import balanced_range
 
 
 class VocabParallelEmbedding(FastModule):
-    """Token id -> hidden vector: ``weight[ids]`` (the whole vocabulary on one rank today)."""
+    """Token id -> hidden vector: ``weight[ids]``. ``weight`` is this rank's vocabulary rows
+    ``[vocab_start, vocab_start + num_embeddings_per_partition)``, ``[num_embeddings_per_partition, hidden]``."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None,
                  quant_method: LinearMethodBase | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.tp_size = 1  # tensor parallelism: the weight loader takes the rank's vocabulary range when it comes
+        self.tp = current_tp_group()
+        self.tp_size = self.tp.world_size
+        self.vocab_sizes = [balanced_range(num_embeddings, self.tp_size, r)[1] for r in range(self.tp_size)]
+        self.vocab_start, self.num_embeddings_per_partition = balanced_range(num_embeddings, self.tp_size, self.tp.rank)
         self.quant_method = quant_method or UnquantizedLinearMethod()
-        self.quant_method.create_weights(self, embedding_dim, [num_embeddings],
+        self.quant_method.create_weights(self, embedding_dim, [self.num_embeddings_per_partition],
                                          params_dtype or torch.get_default_dtype(), bias=False)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       loaded_shard_id: str | int | None = None) -> None:
-        """The whole ``[vocab, hidden]`` table (ValueError on a shape mismatch)."""
-        copy_checked(param.data, loaded_weight)
+        """This rank's rows of the ``[vocab, hidden]`` table (ValueError on a shape mismatch)."""
+        copy_checked(param.data, narrow_checked(loaded_weight, 0, self.vocab_start, self.num_embeddings_per_partition,
+                                                self.num_embeddings))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start  # [T]
+        outside = (local < 0) | (local >= self.num_embeddings_per_partition)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(1), 0))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -44,16 +56,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Share the embedding's table (``tie_word_embeddings``)."""
         self.weight = embed_tokens.weight
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] f32
         """Logits in float32. The matmul runs in the weight's dtype, as in HF; in bf16/fp16 the
         few best logits of each row are then recomputed with a float32 result
         (:func:`refine_top_logits`). A method that returns float32 logits directly (the native
-        bf16-weight GEMM) leaves no bf16 rounding to refine."""
+        bf16-weight GEMM) leaves no bf16 rounding to refine. Under tensor parallelism each rank
+        computes (and refines) its vocabulary range and rank 0 gathers them: the other ranks
+        return ``None``."""
         logits = self.quant_method.apply_logits(self, hidden_states)
         if logits.dtype != torch.float32:
             logits = logits.float()
             refine_top_logits(logits, hidden_states, self.weight)
-        return logits
+        return self.tp.gather_last_dim(logits, self.vocab_sizes)
 
 
 def refine_top_logits(

@@ -11,11 +11,19 @@ panels) are in ``layers/cpu/``, and ``layers/selection.py`` picks one per model 
 Every parameter carries ``weight_loader(param, loaded_weight, loaded_shard_id=None)``, which
 knows where a checkpoint tensor goes: the shards ``"q"``, ``"k"``, ``"v"`` of
 :class:`QKVParallelLinear` and ``0``, ``1`` (gate, up) of :class:`MergedColumnParallelLinear`
-are rows of one merged parameter. ``tp_size`` is 1: tensor parallelism adds the rank's slice
-in these loaders, and quantized formats add linear methods, without touching the models.
+are rows of one merged parameter.
 
-Shapes: ``x`` ``[T, input_size]`` -> ``[T, output_size]``; ``weight`` ``[output_size,
-input_size]`` (rows of merged layers: q | k | v, gate | up); ``bias`` ``[output_size]`` or ``None``.
+Tensor parallelism (vLLM's semantics) is in the layers and their loaders, so the models do not
+see it: a layer built under a :class:`~services.executor.parallel.group.TensorParallelGroup`
+(``use_tp_group``) holds only its rank's part and each loader reads only that slice of the
+checkpoint tensor (``narrow_checked``). Column-parallel layers split their output rows (q/k/v
+by the rank's heads, ``parallel/partition.py``), row-parallel layers their input columns and
+sum the partial outputs with an all-reduce (the bias added once, after it). Quantized formats
+add linear methods, likewise without touching the models.
+
+Shapes (per rank): ``x`` ``[T, input_size_per_partition]`` -> ``[T, output_size_per_partition]``;
+``weight`` ``[output_size_per_partition, input_size_per_partition]`` (rows of merged layers:
+q | k | v, gate | up); ``bias`` ``[output_size_per_partition]`` or ``None``.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.executor.layers.utils import FastModule, copy_checked, set_weight_attrs
+from services.executor.layers.utils import FastModule, copy_checked, narrow_checked, set_weight_attrs
+from services.executor.parallel.group import current_tp_group
+from services.executor.parallel.partition import HeadShard, attention_heads, balanced_range
 
 
 class LinearMethodBase(ABC):
@@ -97,7 +107,8 @@ class LinearBase(FastModule):
     """A linear layer ``y = x W^T + b`` whose parameters and matmul belong to ``quant_method``.
 
     Args:
-        input_size / output_size: ``W`` is ``[output_size, input_size]``.
+        input_size / output_size: this rank's ``W`` is ``[output_size, input_size]`` (a
+            parallel subclass passes its partition's sizes).
         bias: whether there is a ``b``.
         params_dtype: the parameters' dtype (default: torch's default dtype).
         quant_method: a :class:`LinearMethodBase` (default :class:`UnquantizedLinearMethod`).
@@ -110,7 +121,8 @@ class LinearBase(FastModule):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.output_partition_sizes = output_partition_sizes or [output_size]
-        self.tp_size = 1  # tensor parallelism: the weight loaders take the rank's slice when it comes
+        self.tp = current_tp_group()
+        self.tp_size, self.tp_rank = self.tp.world_size, self.tp.rank
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self.quant_method = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, self.output_partition_sizes, self.params_dtype, bias)
@@ -129,24 +141,56 @@ class ReplicatedLinear(LinearBase):
 
 
 class ColumnParallelLinear(LinearBase):
-    """Output rows split over the tensor-parallel ranks (one rank today: the whole weight)."""
+    """Output rows split over the tensor-parallel ranks (balanced ranges); each rank's output is
+    its own rows (``[T, output_size_per_partition]``), the input is whole on every rank.
+
+    ``row_ranges``: each merged shard's ``(start, size)`` in the checkpoint's rows, for this
+    rank (default: a balanced range of each of ``output_sizes``)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 params_dtype: torch.dtype | None = None, quant_method: LinearMethodBase | None = None,
+                 output_sizes: list[int] | None = None,
+                 row_ranges: list[tuple[int, int]] | None = None) -> None:
+        tp = current_tp_group()
+        self.output_sizes = list(output_sizes or [output_size])  # whole (checkpoint) rows of each shard
+        self.row_ranges = row_ranges or [balanced_range(n, tp.world_size, tp.rank) for n in self.output_sizes]
+        sizes = [size for _, size in self.row_ranges]
+        super().__init__(input_size, sum(sizes), bias, params_dtype, quant_method, sizes)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: str | int | None = None) -> None:
+        """Shard ``loaded_shard_id`` (its index in ``output_sizes``; ``None``: an already merged
+        tensor, split into its shards here): this rank's rows of it into this shard's rows."""
+        if loaded_shard_id is None:
+            whole = sum(self.output_sizes)
+            if not loaded_weight.shape or loaded_weight.shape[0] != whole:
+                raise ValueError(f"checkpoint shape {tuple(loaded_weight.shape)} != expected {whole} rows")
+            offset = 0
+            for index, size in enumerate(self.output_sizes):
+                part = loaded_weight if len(self.output_sizes) == 1 else loaded_weight.narrow(0, offset, size)
+                self._load_shard(param, part, index)
+                offset += size
+            return None
+        return self._load_shard(param, loaded_weight, self._shard_index(loaded_shard_id))
+
+    def _shard_index(self, loaded_shard_id: str | int) -> int:
+        return int(loaded_shard_id)
+
+    def _load_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, index: int) -> None:
+        start, size = self.row_ranges[index]
+        offset = sum(s for _, s in self.row_ranges[:index])
+        copy_checked(param.data.narrow(0, offset, size),
+                     narrow_checked(loaded_weight, 0, start, size, self.output_sizes[index]))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel layers of one input stacked into one matmul (``gate_up_proj``:
-    rows gate | up); checkpoint shard ``i`` holds the rows of ``output_sizes[i]``."""
+    rows gate | up, each split over the ranks); checkpoint shard ``i`` holds the rows of
+    ``output_sizes[i]``."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  params_dtype: torch.dtype | None = None, quant_method: LinearMethodBase | None = None) -> None:
         super().__init__(input_size, sum(output_sizes), bias, params_dtype, quant_method, list(output_sizes))
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      loaded_shard_id: str | int | None = None) -> None:
-        """Shard ``loaded_shard_id`` (0, 1, ...) into its rows; ``None``: an already merged tensor."""
-        if loaded_shard_id is None:
-            return copy_checked(param.data, loaded_weight)
-        sizes = self.output_partition_sizes
-        copy_checked(param.data.narrow(0, sum(sizes[:loaded_shard_id]), sizes[loaded_shard_id]), loaded_weight)
 
     def forward_act(self, x: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``act_fn(self(x))``, fused where the linear method can (``[T, input_size]`` -> act_fn's output)."""
@@ -154,30 +198,60 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """The q, k and v projections of attention in one matmul: rows q | k | v, i.e.
-    ``[(num_heads + 2 num_kv_heads) head_size, hidden_size]``; checkpoint shards ``"q"``,
-    ``"k"``, ``"v"``."""
+    """The q, k and v projections of attention in one matmul: rows q | k | v of this rank's
+    heads (:func:`~services.executor.parallel.partition.attention_heads`), i.e.
+    ``[(num_heads + 2 num_kv_heads) head_size, hidden_size]`` per rank; checkpoint shards
+    ``"q"``, ``"k"``, ``"v"``. ``num_heads`` / ``num_kv_heads`` are this rank's.
+
+    Raises:
+        ValueError: the heads cannot be split over the group's ranks (the numbers named).
+    """
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int | None = None,
                  bias: bool = False, params_dtype: torch.dtype | None = None,
                  quant_method: LinearMethodBase | None = None) -> None:
-        num_kv_heads = total_num_kv_heads or total_num_heads
-        q_size, kv_size = total_num_heads * head_size, num_kv_heads * head_size
-        super().__init__(hidden_size, q_size + 2 * kv_size, bias, params_dtype, quant_method,
-                         [q_size, kv_size, kv_size])
-        self.head_size, self.num_heads, self.num_kv_heads = head_size, total_num_heads, num_kv_heads
-        self.q_size, self.kv_size = q_size, kv_size
+        tp = current_tp_group()
+        total_kv = total_num_kv_heads or total_num_heads
+        shard = attention_heads(total_num_heads, total_kv, tp.world_size, tp.rank)
+        kv_range = (shard.kv_start * head_size, shard.num_kv_heads * head_size)
+        super().__init__(hidden_size, 0, bias, params_dtype, quant_method,
+                         [total_num_heads * head_size, total_kv * head_size, total_kv * head_size],
+                         [(shard.q_start * head_size, shard.num_heads * head_size), kv_range, kv_range])
+        self.head_shard: HeadShard = shard
+        self.head_size, self.num_heads, self.num_kv_heads = head_size, shard.num_heads, shard.num_kv_heads
+        self.q_size, self.kv_size = shard.num_heads * head_size, shard.num_kv_heads * head_size
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      loaded_shard_id: str | int | None = None) -> None:
-        """Shard ``"q"``, ``"k"`` or ``"v"`` into its rows; ``None``: an already merged tensor."""
-        if loaded_shard_id is None:
-            return copy_checked(param.data, loaded_weight)
-        offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
-                        "v": (self.q_size + self.kv_size, self.kv_size)}[loaded_shard_id]
-        copy_checked(param.data.narrow(0, offset, size), loaded_weight)
+    def _shard_index(self, loaded_shard_id: str | int) -> int:
+        return {"q": 0, "k": 1, "v": 2}[loaded_shard_id]
 
 
 class RowParallelLinear(LinearBase):
-    """Input columns split over the tensor-parallel ranks, partial outputs summed (one rank
-    today: the whole weight, nothing to sum)."""
+    """Input columns split over the tensor-parallel ranks, the partial outputs summed with an
+    all-reduce; the bias (whole on every rank) is added once, after the sum. The input is this
+    rank's columns (``[T, input_size_per_partition]``), the output whole on every rank.
+
+    ``input_range``: this rank's ``(start, size)`` of the input columns, to match the layer
+    feeding it (``o_proj`` takes its rank's attention heads); default a balanced range.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 params_dtype: torch.dtype | None = None, quant_method: LinearMethodBase | None = None,
+                 input_range: tuple[int, int] | None = None) -> None:
+        tp = current_tp_group()
+        self.full_input_size = input_size
+        self.input_range = input_range or balanced_range(input_size, tp.world_size, tp.rank)
+        super().__init__(self.input_range[1], output_size, bias, params_dtype, quant_method)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: str | int | None = None) -> None:
+        """The weight's columns of this rank (the whole bias) into ``param``."""
+        if param.dim() == 2:
+            start, size = self.input_range
+            loaded_weight = narrow_checked(loaded_weight, 1, start, size, self.full_input_size)
+        copy_checked(param.data, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size_per_partition] -> [T, output_size]
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x, self.bias)
+        out = self.tp.all_reduce(self.quant_method.apply(self, x, None))
+        return out if self.bias is None else out.add_(self.bias)

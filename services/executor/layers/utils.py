@@ -67,8 +67,11 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
         setattr(param, key, value)
 
 
-def copy_checked(dst: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+def copy_checked(dst: torch.Tensor, loaded_weight: torch.Tensor | Any) -> None:
     """``dst.copy_(loaded_weight)`` (cast to ``dst``'s dtype) after checking the shapes.
+
+    ``loaded_weight`` is a tensor, or a checkpoint tensor not read yet (``models/loader.py``'s
+    ``CheckpointTensor``: ``shape``, ``narrow`` and ``load``), read only once the shapes agree.
 
     Raises:
         ValueError: ``checkpoint shape (...) != expected (...)`` (the loader prefixes the
@@ -76,9 +79,23 @@ def copy_checked(dst: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """
     if tuple(loaded_weight.shape) != tuple(dst.shape):
         raise ValueError(f"checkpoint shape {tuple(loaded_weight.shape)} != expected {tuple(dst.shape)}")
-    dst.copy_(loaded_weight)
+    dst.copy_(loaded_weight if isinstance(loaded_weight, torch.Tensor) else loaded_weight.load())
 
 
-def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+def narrow_checked(loaded_weight: torch.Tensor | Any, dim: int, start: int, length: int,
+                   full_size: int) -> torch.Tensor:
+    """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, start + length)`` of a checkpoint tensor
+    whose ``dim`` must be ``full_size`` long; a not-yet-read ``CheckpointTensor`` reads only
+    that slice (``safe_open(...).get_slice``).
+
+    Raises:
+        ValueError: ``checkpoint shape (...) has ... != expected ...`` along ``dim``.
+    """
+    if len(loaded_weight.shape) <= dim or loaded_weight.shape[dim] != full_size:
+        raise ValueError(f"checkpoint shape {tuple(loaded_weight.shape)} != expected {full_size} along dim {dim}")
+    return loaded_weight.narrow(dim, start, length)
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor | Any) -> None:
     """The whole checkpoint tensor into the whole parameter (vLLM's ``default_weight_loader``)."""
     copy_checked(param.data, loaded_weight)

@@ -38,15 +38,19 @@ def num_kv_heads_of(hf_config: Any) -> int:
     return config_value(hf_config, "num_key_value_heads") or config_value(hf_config, "num_attention_heads")
 
 
-def kv_cache_shape(hf_config: Any, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-    """Shape of one layer's K (and of its V) cache: ``[num_blocks, block_size, Hkv, head_dim]``."""
-    return (num_blocks, block_size, num_kv_heads_of(hf_config), head_dim_of(hf_config))
+def kv_cache_shape(hf_config: Any, num_blocks: int, block_size: int,
+                   num_kv_heads: int | None = None) -> tuple[int, int, int, int]:
+    """Shape of one layer's K (and of its V) cache: ``[num_blocks, block_size, Hkv, head_dim]``;
+    ``num_kv_heads``: a tensor-parallel rank's (default: the model's)."""
+    return (num_blocks, block_size, num_kv_heads or num_kv_heads_of(hf_config), head_dim_of(hf_config))
 
 
-def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of K and V across all layers (to size the block pool)."""
+def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype,
+                             num_kv_heads: int | None = None) -> int:
+    """Bytes of one block of K and V across all layers (to size the block pool);
+    ``num_kv_heads``: a tensor-parallel rank's (default: the model's)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * block_size * num_kv_heads_of(hf_config) * head_dim_of(hf_config) * elem
+    per_layer = 2 * block_size * (num_kv_heads or num_kv_heads_of(hf_config)) * head_dim_of(hf_config) * elem
     return per_layer * config_value(hf_config, "num_hidden_layers")
 
 

@@ -57,6 +57,7 @@ from services.executor.layers.selection import (
     use_linear_methods,
 )
 from services.executor.layers.utils import FastModule
+from services.executor.parallel.group import current_tp_group
 from services.executor.models import loader
 from services.executor.models.hf_config import (
     architectures_of,
@@ -104,11 +105,11 @@ class LlamaMLP(FastModule):
 
     def __init__(self, args: LlamaArgs, dtype: torch.dtype) -> None:
         super().__init__()
-        self.intermediate_size = args.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2,
                                                        bias=args.mlp_bias, params_dtype=dtype)
+        self.intermediate_size = self.gate_up_proj.output_partition_sizes[0]  # this rank's
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias,
-                                           params_dtype=dtype)
+                                           params_dtype=dtype, input_range=self.gate_up_proj.row_ranges[0])
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -116,17 +117,19 @@ class LlamaMLP(FastModule):
 
 
 class LlamaAttention(FastModule):
-    """Multi-head attention with GQA: q/k/v in one matmul, RoPE on q and k, paged attention, o_proj."""
+    """Multi-head attention with GQA: q/k/v in one matmul, RoPE on q and k, paged attention,
+    o_proj. Under tensor parallelism: this rank's heads, o_proj summing over the ranks."""
 
     def __init__(self, args: LlamaArgs, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        self.qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
         self.qkv_proj = QKVParallelLinear(args.hidden_size, args.head_dim, args.num_heads, args.num_kv_heads,
                                           bias=args.qkv_bias, params_dtype=dtype)
+        # this rank's heads (all of them on a single rank): parallel/partition.py
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, args.head_dim
+        self.qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
         self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias,
-                                        params_dtype=dtype)
-        self.attn = Attention(args.num_heads, args.head_dim, args.head_dim**-0.5, args.num_kv_heads, backend)
+                                        params_dtype=dtype, input_range=self.qkv_proj.row_ranges[0])
+        self.attn = Attention(self.num_heads, args.head_dim, args.head_dim**-0.5, self.num_kv_heads, backend)
 
     def forward(
         self,
@@ -232,8 +235,13 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         native_cpu_kernels: allow the C norms and the native GEMM where they apply
             (``layers/selection.py``; ``Settings.native_cpu_kernels``).
 
+    Built under ``use_tp_group`` (``services/executor/parallel/group.py``) it is one rank's part
+    of the model: its heads, MLP columns and vocabulary rows; ``num_kv_heads_per_rank`` sizes
+    its KV cache.
+
     Raises:
-        ValueError: see :func:`services.executor.models.hf_config.check_supported`.
+        ValueError: see :func:`services.executor.models.hf_config.check_supported`; heads that
+            cannot be split over the ranks (``parallel/partition.py``).
     """
 
     # checkpoint shards stacked into our merged parameters: (param_name, shard_name, shard_id)
@@ -252,9 +260,11 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         args = LlamaArgs.from_hf_config(hf_config)
         self.hf_config, self.dtype, self.device = hf_config, dtype, device
         self.tie_word_embeddings = bool(config_value(hf_config, "tie_word_embeddings", False))
+        self.tp_size = current_tp_group().world_size  # layers built under use_tp_group take their rank's part
         with torch.device(device):  # uninitialised: load_weights fills every parameter
             self.model = LlamaModel(hf_config, args, dtype, device, attn_backend)
             self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
+        self.num_kv_heads_per_rank = self.model.layers[0].self_attn.num_kv_heads  # this rank's KV cache heads
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.kernel_request = {"native_norms": native_cpu_kernels, "native_matmuls": native_cpu_kernels}
@@ -275,8 +285,9 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         """Run the decoder over the step's new tokens, writing their K/V into ``kv_caches``."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        """Logits in float32 (``layers/embedding.py``: ``ParallelLMHead.compute_logits``)."""
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] f32
+        """Logits in float32 (``layers/embedding.py``: ``ParallelLMHead.compute_logits``); ``None``
+        on the ranks other than 0 of a tensor-parallel group."""
         return self.lm_head.compute_logits(hidden_states)
 
     # ------------------------------------------------------------------ kernels and weights
@@ -289,7 +300,9 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
             layer.post_attention_layernorm.set_form(kernels.layer_norm_form)
         self.model.norm.set_form(kernels.final_norm_form)
         self.model.single_row_gemv = kernels.single_row_gemv
-        self.model.native_layers_enabled, self.model.native_layers = kernels.native_matmuls, None
+        # one C call for every layer has no all-reduce between them: a single rank only
+        self.model.native_layers_enabled = kernels.native_matmuls and self.tp_size == 1
+        self.model.native_layers = None
         self.kernels = kernels
 
     @torch.no_grad()

@@ -4,6 +4,10 @@ As vLLM's ``load_weights``: a checkpoint tensor whose name holds a stacked shard
 (``stacked_params_mapping``: ``(param_name, shard_name, shard_id)``, e.g. ``(".qkv_proj",
 ".q_proj", "q")``) goes to that shard of the merged parameter; any other to the parameter of
 its own name. Values are cast to the parameter's dtype.
+
+A weight loader receives a :class:`CheckpointTensor`, not a tensor: nothing is read until the
+loader asks, and a tensor-parallel rank asks only for its slice (``narrow``, through
+safetensors' ``get_slice``), so each rank reads its share of the checkpoint, not all of it.
 """
 
 from __future__ import annotations
@@ -37,14 +41,31 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(name, read the tensor) for every tensor of the files, read lazily."""
+class CheckpointTensor:
+    """One tensor of a safetensors file, read on demand: ``shape``; ``narrow(dim, start,
+    length)`` reads only those rows (``dim`` 0) or columns (``dim`` 1); ``load()`` reads it whole."""
+
+    def __init__(self, handle: object, name: str) -> None:
+        self._handle, self.name = handle, name
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+    def load(self) -> torch.Tensor:
+        return self._handle.get_tensor(self.name)
+
+
+def _checkpoint_tensors(files: list[Path]) -> Iterator[CheckpointTensor]:
+    """Every tensor of the files, each read only when (and as far as) its loader asks."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, lambda f=f, name=name: f.get_tensor(name)
+                yield CheckpointTensor(f, name)
 
 
 @torch.no_grad()
@@ -72,7 +93,8 @@ def load_weights(model: nn.Module, model_dir: Path | str, stacked_params_mapping
             targets[checkpoint_name] = (param, shard_id)
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for name, read in _checkpoint_tensors(files):
+    for tensor in _checkpoint_tensors(files):
+        name = tensor.name
         key = name if name in targets or name.startswith("model.") else "model." + name
         if key not in targets:
             if not skip(name):
@@ -82,9 +104,9 @@ def load_weights(model: nn.Module, model_dir: Path | str, stacked_params_mapping
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
         try:
             if shard_id is None:
-                weight_loader(param, read())
+                weight_loader(param, tensor)
             else:
-                weight_loader(param, read(), shard_id)
+                weight_loader(param, tensor, shard_id)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         loaded.add(key)
