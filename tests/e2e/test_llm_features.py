@@ -108,8 +108,10 @@ def test_bad_prompts_raise_and_engine_keeps_working(llm):
 def test_invalid_settings_and_unavailable_models_fail_clearly(tmp_path):
     with pytest.raises(ValueError, match="block_size"):
         LLM(block_size=7)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 cannot split 9 attention heads with 3 KV heads"):
+        LLM(tensor_parallel_size=4)  # SmolLM2: more ranks than KV heads, and 4 is not a multiple of 3
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(tensor_parallel_size=2)
+        LLM(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="scheduling_policy"):
         LLM(scheduling_policy="random")
     with pytest.raises(ModelNotFoundError, match="Hub"):

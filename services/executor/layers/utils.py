@@ -89,10 +89,12 @@ def narrow_checked(loaded_weight: torch.Tensor | Any, dim: int, start: int, leng
     that slice (``safe_open(...).get_slice``).
 
     Raises:
-        ValueError: ``checkpoint shape (...) has ... != expected ...`` along ``dim``.
+        ValueError: ``checkpoint shape (...) != expected (...)`` (``dim`` differs).
     """
-    if len(loaded_weight.shape) <= dim or loaded_weight.shape[dim] != full_size:
-        raise ValueError(f"checkpoint shape {tuple(loaded_weight.shape)} != expected {full_size} along dim {dim}")
+    shape = tuple(loaded_weight.shape)
+    if len(shape) <= dim or shape[dim] != full_size:
+        expected = shape[:dim] + (full_size,) + shape[dim + 1 :]
+        raise ValueError(f"checkpoint shape {shape} != expected {expected}")
     return loaded_weight.narrow(dim, start, length)
 
 

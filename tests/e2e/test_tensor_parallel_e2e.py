@@ -1,0 +1,316 @@
+"""Tensor-parallel executor groups end to end: greedy tokens equal one rank's in float32, for
+prompts of different lengths generated together, on tiny random models and on SmolLM2; the
+engine's features under TP=2 give TP=1's outputs; a rank killed mid-run ends every request
+and leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from transformers import LlamaConfig, Qwen2Config
+
+from pagedllm import LLM, SamplingParams
+from shared.nats_server import free_port
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_llm_parity import PROMPTS, tiny_model  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def generate(path: Path, tp: int, prompts: list[str], params: SamplingParams | list[SamplingParams] = GREEDY,
+             **kwargs) -> tuple[list, object]:
+    """Token ids of every output of every prompt, and the engine's stats after the run (the
+    pool checked empty again)."""
+    kwargs.setdefault("kv_cache_memory_bytes", 16 << 20)
+    with LLM(model=str(path), dtype="float32", tensor_parallel_size=tp, **kwargs) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+    assert all(g.num_free_blocks == g.num_blocks for g in stats.groups), stats  # no block leaked
+    return [[c.token_ids for c in o.outputs] for o in outs], stats
+
+
+TINY_LLAMA = LlamaConfig(
+    vocab_size=49152, hidden_size=64, intermediate_size=120, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    architectures=["LlamaForCausalLM"], initializer_range=0.2,
+)
+
+
+@pytest.mark.parametrize(("config", "tp"), [
+    pytest.param(TINY_LLAMA, 2, id="llama-8-heads-2-kv-heads-tp2"),
+    pytest.param(Qwen2Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
+        architectures=["Qwen2ForCausalLM"], initializer_range=0.2), 2, id="qwen2-qkv-bias-tied-tp2"),
+    pytest.param(LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=512, architectures=["LlamaForCausalLM"],
+        initializer_range=0.2), 2, id="llama-multi-query-kv-head-replicated-tp2"),
+])
+def test_tiny_models_give_one_rank_greedy_tokens(tmp_path, smollm2_path, config, tp):
+    path = tiny_model(tmp_path, smollm2_path, config)
+    one, _ = generate(path, 1, PROMPTS)
+    assert len({tuple(o[0]) for o in one}) == len(PROMPTS)  # the prompts' outputs differ: the test can fail
+    many, _ = generate(path, tp, PROMPTS)
+    assert many == one
+
+
+@pytest.fixture(scope="module")
+def smollm2_tp1(smollm2_path):
+    return generate(smollm2_path, 1, PROMPTS, GREEDY, kv_cache_memory_bytes=32 << 20)[0]
+
+
+@pytest.mark.parametrize("tp", [pytest.param(3, id="tp3-one-kv-head-per-rank"),
+                                pytest.param(2, id="tp2-kv-groups-2-and-1")])
+def test_smollm2_gives_one_rank_greedy_tokens(smollm2_path, smollm2_tp1, tp):
+    many, _ = generate(smollm2_path, tp, PROMPTS, GREEDY, kv_cache_memory_bytes=32 << 20)
+    assert many == smollm2_tp1
+
+
+def test_engine_features_under_tp2_give_tp1_outputs(tmp_path, smollm2_path):
+    """n > 1 (copy-on-write of the shared last block), seeded sampling, prefix caching (a long
+    prompt asked twice), chunked prefill (48-token steps) and preemption (a 14-block pool)
+    together: TP=2's outputs are TP=1's, token for token."""
+    path = tiny_model(tmp_path, smollm2_path, TINY_LLAMA)
+    long_prompt = PROMPTS[7]
+    prompts = PROMPTS + [long_prompt, long_prompt + " Indeed,"]
+    params = [GREEDY] * len(PROMPTS) + [
+        SamplingParams(temperature=0.8, seed=7, n=3, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, n=2, max_tokens=16, ignore_eos=True),
+    ]
+    kwargs = dict(num_gpu_blocks_override=14, block_size=16, max_num_batched_tokens=48)
+    one, stats_one = generate(path, 1, prompts, params, **kwargs)
+    many, stats_many = generate(path, 2, prompts, params, **kwargs)
+    assert many == one
+    assert len(one[-2]) == 3 and len(set(map(tuple, one[-2]))) > 1  # seeded samples that differ
+    for stats in (stats_one, stats_many):
+        assert stats.num_preemptions > 0
+        assert stats.groups[0].prefix_cache_hits > 0
+
+
+def _serve_tp2(smollm2_path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+    env["PAGEDLLM_CACHE_DIR"] = str(smollm2_path.parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--tensor-parallel-size", "2",
+         "--kv-cache-memory-bytes", str(32 << 20), "--log-level", "WARNING"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline, line = time.monotonic() + 240, ""
+    while "serving" not in line:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"serve did not start: {proc.stderr.read()[-3000:]}")
+        line = proc.stdout.readline()
+    return proc, port
+
+
+def _stream(port: int, prompt: str, out: dict) -> None:
+    """One streamed completion: its text, finish reason or error event, and whether it ended."""
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    out.update(text="", finish_reason=None, error=None, done=False, status=None)
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    out["done"] = True
+                    break
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out["error"] = event["error"]
+                else:
+                    out["text"] += event["choices"][0]["text"]
+                    out["finish_reason"] = event["choices"][0]["finish_reason"] or out["finish_reason"]
+    except httpx.HTTPError as exc:  # the server went away mid-stream
+        out["error"] = {"transport": type(exc).__name__}
+
+
+def test_kill_9_of_a_rank_ends_every_request_and_leaves_no_process(smollm2_path):
+    """``pagedllm serve --tensor-parallel-size 2`` with 8 streams running: ``kill -9`` of rank 1
+    takes the group down (rank 0 sees its collective fail or the process exit, tells the
+    scheduler and exits); every stream ends (a clear 503 error event, or its tokens), none
+    hangs, and every process of the stack is gone once serve has stopped. (serve stops with
+    its executor until supervision restarts services: its streams end ``server_shutting_down``.)"""
+    proc, port = _serve_tp2(smollm2_path)
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        executors = [p for p in tree if "executor" in " ".join(p.cmdline())]
+        rank1 = [p for p in executors if p.ppid() != proc.pid]
+        assert len(executors) == 2 and len(rank1) == 1, [p.cmdline() for p in executors]
+        outs = [{} for _ in range(8)]
+        threads = [threading.Thread(target=_stream, args=(port, PROMPTS[i], outs[i])) for i in range(8)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while sum(bool(o.get("text")) for o in outs) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sum(bool(o.get("text")) for o in outs) >= 4, outs  # they are running
+        rank1[0].send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(90)
+        assert not any(t.is_alive() for t in threads), "a stream hung"
+        assert proc.wait(60) != 0  # serve stops: its executor exited
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+    for out in outs:
+        assert out["status"] == 200, out
+        ended_with_error = out["error"] is not None
+        assert ended_with_error or out["finish_reason"] == "length", out
+        if ended_with_error and "transport" not in out["error"]:
+            assert out["error"]["code"] in ("no_executor", "server_shutting_down", "request_lost"), out
+    assert any(out["error"] is not None for out in outs)  # the kill interrupted them
+    stderr = proc.stderr.read()
+    assert "tensor-parallel" in stderr and "service executor exited" in stderr, stderr[-3000:]
+
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 20
+    while (alive := [p for p in tree if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for leftover in alive:
+        leftover.kill()
+    assert not alive, [p.cmdline() for p in alive]
+
+
+def _service(name: str, env: dict[str, str], group: str | None = None, tp: int = 1) -> subprocess.Popen:
+    e = dict(env, PAGEDLLM_TENSOR_PARALLEL_SIZE=str(tp))
+    if group:
+        e["PAGEDLLM_GROUP_ID"] = group
+    return subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "service", name], env=e,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.timeout(600)
+async def test_a_group_losing_a_rank_is_dropped_its_requests_recomputed_elsewhere_or_failed_503(
+        nats_url, smollm2_path):
+    """Services as processes, groups "ga" (TP=2) and "gb" (TP=1). ``kill -9`` of ga's rank 1
+    while it runs requests: ga's rank 0 exits, the scheduler drops ga and recomputes its
+    requests on gb, every output equal to an undisturbed run, no block held. Then with "gc"
+    (TP=2) the only group left, ``kill -9`` of its rank 1 fails every request with the
+    retryable 503 ``no_executor``. No rank process is left behind."""
+    import asyncio
+    import uuid
+
+    from shared.bus import Bus
+    from shared.engine_client import EngineClient
+    from shared.messages import SamplingParams as WireParams
+    from shared.messages import SchedulerStats, StatsQuery
+    from shared.service import wait_engine_ready
+    from shared.subjects import Subjects
+
+    model = f"tp-{uuid.uuid4().hex[:6]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+    env.update(PAGEDLLM_NATS_URL=nats_url, PAGEDLLM_MODEL=str(smollm2_path), PAGEDLLM_SERVED_MODEL_NAME=model,
+               PAGEDLLM_DTYPE="float32", PAGEDLLM_KV_CACHE_MEMORY_BYTES=str(32 << 20),
+               PAGEDLLM_HEARTBEAT_INTERVAL_S="0.5", PAGEDLLM_HEARTBEAT_TIMEOUT_S="3", PAGEDLLM_LOG_LEVEL="WARNING")
+    procs = {name: _service(name, env) for name in ("scheduler", "tokenizer", "detokenizer")}
+    procs["ga"] = _service("executor", env, "ga", tp=2)
+    procs["gb"] = _service("executor", env, "gb")
+    bus = await Bus.connect(nats_url)
+    client = EngineClient(bus, model)
+    await client.start()
+    params = WireParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def stats() -> SchedulerStats:
+        return await bus.request(Subjects(model).stats_get, StatsQuery(), SchedulerStats, timeout=5)
+
+    async def until(predicate, timeout: float = 120) -> SchedulerStats:
+        deadline = time.monotonic() + timeout
+        while not predicate(s := await stats()):
+            assert time.monotonic() < deadline, s
+            await asyncio.sleep(0.05)
+        return s
+
+    async def run_all() -> list[tuple[list[int], object]]:
+        ids = [f"tp-{uuid.uuid4().hex}" for _ in PROMPTS]
+        for rid, prompt in zip(ids, PROMPTS, strict=True):
+            assert (await client.submit(rid, prompt=prompt, sampling_params=params)).error is None
+
+        async def collect(rid: str) -> tuple[list[int], object]:
+            tokens, error = [], None
+            async for delta in client.stream(rid):
+                tokens.extend(delta.token_ids)
+                error = delta.error or error
+            return tokens, error
+
+        return list(await asyncio.gather(*(collect(r) for r in ids)))
+
+    def rank1_of(group: str) -> psutil.Process:
+        children = psutil.Process(procs[group].pid).children()
+        assert len(children) == 1 and "executor" in " ".join(children[0].cmdline())
+        return children[0]
+
+    try:
+        await wait_engine_ready(bus, model, num_detokenizer_shards=1, timeout=240)
+        await until(lambda s: len(s.groups) == 2, 240)
+        baseline = await run_all()
+        assert all(err is None and len(toks) == 24 for toks, err in baseline)
+        rank1 = rank1_of("ga")
+        task = asyncio.create_task(run_all())
+        await until(lambda s: any(g.group_id == "ga" and g.num_running > 0 for g in s.groups), 60)
+        rank1.send_signal(signal.SIGKILL)
+        again = await asyncio.wait_for(task, 300)
+        assert again == baseline
+        assert procs["ga"].wait(30) != 0  # rank 0 ended with its group
+        stderr = procs["ga"].stderr.read()
+        assert "tensor-parallel" in stderr and "group ga" in stderr, stderr[-3000:]
+        s = await until(lambda s: s.num_running == 0 and s.num_waiting == 0)
+        assert [g.group_id for g in s.groups] == ["gb"]
+        assert all(g.num_free_blocks == g.num_blocks for g in s.groups)
+
+        procs["gc"] = _service("executor", env, "gc", tp=2)
+        await until(lambda s: len(s.groups) == 2, 240)
+        procs["gb"].send_signal(signal.SIGTERM)  # stops cleanly: gc is the last group
+        assert procs["gb"].wait(30) == 0
+        await until(lambda s: [g.group_id for g in s.groups] == ["gc"])
+        rank1 = rank1_of("gc")
+        task = asyncio.create_task(run_all())
+        await until(lambda s: s.num_running > 0, 60)
+        rank1.send_signal(signal.SIGKILL)
+        failed = await asyncio.wait_for(task, 120)
+        for tokens, error in failed:
+            assert error is not None and error.status == 503 and error.code == "no_executor", (tokens, error)
+        assert procs["gc"].wait(30) != 0
+        s = await until(lambda s: s.num_running == 0 and s.num_waiting == 0)
+        assert s.groups == []
+    finally:
+        await client.stop()
+        await bus.close()
+        everything = list(procs.values())
+        for p in everything:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in everything:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    def ours(p: psutil.Process) -> bool:  # a process of this test's stack still running
+        try:
+            return (p.info["environ"] or {}).get("PAGEDLLM_SERVED_MODEL_NAME") == model and p.status() != "zombie"
+        except psutil.Error:
+            return False
+
+    leftovers = [p for p in psutil.process_iter(["cmdline", "environ"]) if ours(p)]
+    assert not leftovers, [p.info["cmdline"] for p in leftovers]
