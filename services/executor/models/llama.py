@@ -57,7 +57,6 @@ from services.executor.layers.selection import (
     use_linear_methods,
 )
 from services.executor.layers.utils import FastModule
-from services.executor.parallel.group import current_tp_group
 from services.executor.models import loader
 from services.executor.models.hf_config import (
     architectures_of,
@@ -67,6 +66,7 @@ from services.executor.models.hf_config import (
     num_kv_heads_of,
     rope_parameters,
 )
+from services.executor.parallel.group import current_tp_group
 
 
 @dataclass(frozen=True)
