@@ -9,8 +9,9 @@ Hugging Face ``generate(do_sample=False)`` on the same device (one prompt at a t
 padding). A long prompt and a small ``max_num_batched_tokens`` force chunked prefill beside
 decodes, as in ``tests/e2e/test_llm_parity.py``. Then a bfloat16 run of the first backend: its
 agreement with Hugging Face in bfloat16 is printed (rounding may split near-ties) and 64
-prompts x 64 tokens give a generated tokens/s figure. Exit status 1 when a float32 run
-disagrees or leaks KV blocks.
+prompts x 64 tokens give a generated tokens/s figure. With ``--tensor-parallel-size N`` a
+float32 run of the first backend on N ranks (NCCL on CUDA: one GPU per rank; gloo on the CPU)
+is compared too. Exit status 1 when a float32 run disagrees or leaks KV blocks.
 
 Part of ``benchmarks/gpu_check.sh``: the first CUDA run of the executor, its paged KV cache
 on the GPU and the Triton kernels inside the model. On a machine without CUDA, ``--device cpu
@@ -105,6 +106,8 @@ def main() -> None:
     p.add_argument("--backends", default="triton,torch")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--skip-bf16", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="also run the first backend on this many ranks (CUDA: needs as many GPUs)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device (use --device cpu to check the script)")
@@ -123,6 +126,16 @@ def main() -> None:
             if not freed:
                 print(f"  {label}: KV blocks still allocated after generate", flush=True)
         backend = args.backends.split(",")[0]
+        if args.tensor_parallel_size > 1:
+            t0 = time.perf_counter()
+            ours, freed = ours_greedy(
+                path, PROMPTS, args.max_new_tokens, dtype="float32", device=args.device, attention_backend=backend,
+                kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=48,
+                tensor_parallel_size=args.tensor_parallel_size,
+            )
+            label = (f"float32 {args.device} attention_backend={backend} tensor_parallel_size="
+                     f"{args.tensor_parallel_size} ({time.perf_counter() - t0:.1f} s)")
+            failures += compare(label, ours, ref) + (not freed)
         if not args.skip_bf16:
             ref16 = hf_greedy(path, PROMPTS, args.max_new_tokens, torch.bfloat16, args.device)
             ours16, _ = ours_greedy(path, PROMPTS, args.max_new_tokens, dtype="bfloat16", device=args.device,

@@ -2,9 +2,12 @@
 ``generate`` on the same prompts, in the same run.
 
     .venv/bin/python benchmarks/throughput.py [--num-prompts 64] [--output-len 64] [--dtype bfloat16]
+        [--tensor-parallel-size N]
 
 Prints generated tokens/s for both (greedy, ``ignore_eos``: every request makes exactly
-``--output-len`` tokens), plus the ratio.
+``--output-len`` tokens), plus the ratio. With ``--tensor-parallel-size N`` pagedllm runs
+again on N ranks (one process each), against its single rank of the same run;
+``benchmarks/tp_collectives.py`` says how much of a step the collectives take.
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ def make_prompts(n: int, min_words: int, max_words: int, seed: int, prefix_words
 
 
 def bench_pagedllm(
-    args, prompts: list[str], enable_prefix_caching: bool = True, native_cpu_kernels: bool = True
+    args, prompts: list[str], enable_prefix_caching: bool = True, native_cpu_kernels: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> tuple[float, int]:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1),
-              enable_prefix_caching=enable_prefix_caching, native_cpu_kernels=native_cpu_kernels)
+              enable_prefix_caching=enable_prefix_caching, native_cpu_kernels=native_cpu_kernels,
+              tensor_parallel_size=tensor_parallel_size)
     params = SamplingParams(**{"temperature": 0, "max_tokens": args.output_len, "ignore_eos": True,
                                **json.loads(args.params)})
     warm = ["warm-up prompt one", "warm-up prompt two"]  # shares nothing with the workload
@@ -96,6 +101,8 @@ def main() -> None:
                    help="also run pagedllm with enable_prefix_caching=False")
     p.add_argument("--compare-native-cpu-kernels", action="store_true",
                    help="also run pagedllm with native_cpu_kernels=False (torch-only decode attention)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="also run pagedllm on this many tensor-parallel ranks (against one rank, same run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--params", default="{}",
                    help='more SamplingParams of pagedllm\'s requests, as JSON: e.g. \'{"logprobs": 5}\' or '
@@ -119,6 +126,11 @@ def main() -> None:
         t_off, n_off = bench_pagedllm(args, prompts, enable_prefix_caching=False)
         print(f"pagedllm  LLM.generate: {n_off} tokens in {t_off:.2f} s = {n_off / t_off:.1f} generated "
               f"tokens/s (prefix caching off); on/off = {(n / t) / (n_off / t_off):.2f}x")
+    if args.tensor_parallel_size > 1:
+        tp = args.tensor_parallel_size
+        t_tp, n_tp = bench_pagedllm(args, prompts, tensor_parallel_size=tp)
+        print(f"pagedllm  LLM.generate: {n_tp} tokens in {t_tp:.2f} s = {n_tp / t_tp:.1f} generated "
+              f"tokens/s (tensor_parallel_size={tp}); TP={tp} / TP=1 = {(n_tp / t_tp) / (n / t):.2f}x")
     if args.compare_native_cpu_kernels:
         t_tc, n_tc = bench_pagedllm(args, prompts, native_cpu_kernels=False)
         print(f"pagedllm  LLM.generate: {n_tc} tokens in {t_tc:.2f} s = {n_tc / t_tc:.1f} generated "

@@ -111,12 +111,14 @@ def test_gpu_engine_check_script_runs_on_cpu(smollm2_path):
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "gpu_engine_check.py"), "--tokenizer", str(smollm2_path),
-         "--device", "cpu", "--backends", "torch", "--max-new-tokens", "8"],
+         "--device", "cpu", "--backends", "torch", "--max-new-tokens", "8", "--tensor-parallel-size", "2"],
         cwd=root, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert any(line.startswith("float32 cpu attention_backend=torch") and " 6/6 prompts " in line for line in lines)
+    assert any(line.startswith("float32 cpu attention_backend=torch (") and " 6/6 prompts " in line for line in lines)
+    assert any(line.startswith("float32 cpu attention_backend=torch tensor_parallel_size=2")
+               and " 6/6 prompts " in line for line in lines)
     assert any(line.startswith("bfloat16 cpu torch: 64 prompts x 64 tokens: 4096 tokens") for line in lines)
     assert lines[-1] == "engine check: PASS", proc.stdout[-2000:]
 

@@ -29,14 +29,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def generate(path: Path, tp: int, prompts: list[str], params: SamplingParams | list[SamplingParams] = GREEDY,
-             **kwargs) -> tuple[list, object]:
+             outputs: list | None = None, **kwargs) -> tuple[list, object]:
     """Token ids of every output of every prompt, and the engine's stats after the run (the
-    pool checked empty again)."""
+    pool checked empty again); the ``RequestOutput``s are appended to ``outputs``."""
     kwargs.setdefault("kv_cache_memory_bytes", 16 << 20)
     with LLM(model=str(path), dtype="float32", tensor_parallel_size=tp, **kwargs) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.stats()
     assert all(g.num_free_blocks == g.num_blocks for g in stats.groups), stats  # no block leaked
+    if outputs is not None:
+        outputs.extend(outs)
     return [[c.token_ids for c in o.outputs] for o in outs], stats
 
 
@@ -81,18 +83,29 @@ def test_smollm2_gives_one_rank_greedy_tokens(smollm2_path, smollm2_tp1, tp):
 def test_engine_features_under_tp2_give_tp1_outputs(tmp_path, smollm2_path):
     """n > 1 (copy-on-write of the shared last block), seeded sampling, prefix caching (a long
     prompt asked twice), chunked prefill (48-token steps) and preemption (a 14-block pool)
-    together: TP=2's outputs are TP=1's, token for token."""
+    together: TP=2's outputs are TP=1's, token for token; so are log probabilities and prompt
+    log probabilities (rank 0's gathered logits), up to float32 summation order."""
     path = tiny_model(tmp_path, smollm2_path, TINY_LLAMA)
     long_prompt = PROMPTS[7]
     prompts = PROMPTS + [long_prompt, long_prompt + " Indeed,"]
     params = [GREEDY] * len(PROMPTS) + [
         SamplingParams(temperature=0.8, seed=7, n=3, max_tokens=16, ignore_eos=True),
-        SamplingParams(temperature=0, n=2, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, n=2, max_tokens=16, ignore_eos=True, logprobs=3, prompt_logprobs=2),
     ]
     kwargs = dict(num_gpu_blocks_override=14, block_size=16, max_num_batched_tokens=48)
-    one, stats_one = generate(path, 1, prompts, params, **kwargs)
-    many, stats_many = generate(path, 2, prompts, params, **kwargs)
+    outs_one, outs_many = [], []
+    one, stats_one = generate(path, 1, prompts, params, outs_one, **kwargs)
+    many, stats_many = generate(path, 2, prompts, params, outs_many, **kwargs)
     assert many == one
+    a, b = outs_one[-1], outs_many[-1]
+    assert len(a.prompt_logprobs) == len(b.prompt_logprobs) > 40
+    for x, y in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs, b.prompt_logprobs[1:] + b.outputs[0].logprobs,
+                    strict=True):
+        assert list(x) == list(y)  # the same token ids, in the same order
+        for token in x:
+            # a token deep in the tail may trade places with a neighbour 1e-6 away
+            assert x[token].rank == y[token].rank or (x[token].rank > 20 and abs(x[token].rank - y[token].rank) <= 3)
+            assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-4)
     assert len(one[-2]) == 3 and len(set(map(tuple, one[-2]))) > 1  # seeded samples that differ
     for stats in (stats_one, stats_many):
         assert stats.num_preemptions > 0
