@@ -159,7 +159,7 @@ async def test_a_second_executor_of_a_group_id_is_refused(nats_url, monkeypatch)
         assert "--group-id" in str(exc.value)
         await other.start()
         await asyncio.wait_for(other.wait_registered(), 5)
-        first._start_rejoin()  # what a failed step does
+        await first._start_rejoin()  # what a failed step does
         deadline = time.monotonic() + 5
         while registered.count("g1") < 2 or first.state is not executor_service.ExecutorState.SERVING:
             assert time.monotonic() < deadline, registered

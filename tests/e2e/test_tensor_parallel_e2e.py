@@ -206,8 +206,8 @@ def test_kill_9_of_a_rank_ends_every_request_and_leaves_no_process(smollm2_path)
     assert not alive, [p.cmdline() for p in alive]
 
 
-def _service(name: str, env: dict[str, str], group: str | None = None, tp: int = 1) -> subprocess.Popen:
-    e = dict(env, PAGEDLLM_TENSOR_PARALLEL_SIZE=str(tp))
+def _service(name: str, env: dict[str, str], group: str | None = None, tp: int = 1, **settings: str) -> subprocess.Popen:
+    e = dict(env, PAGEDLLM_TENSOR_PARALLEL_SIZE=str(tp), **{f"PAGEDLLM_{k.upper()}": v for k, v in settings.items()})
     if group:
         e["PAGEDLLM_GROUP_ID"] = group
     return subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "service", name], env=e,
@@ -220,7 +220,8 @@ async def test_a_group_losing_a_rank_is_dropped_its_requests_recomputed_elsewher
     """Services as processes, groups "ga" (TP=2) and "gb" (TP=1). ``kill -9`` of ga's rank 1
     while it runs requests: ga's rank 0 exits, the scheduler drops ga and recomputes its
     requests on gb, every output equal to an undisturbed run, no block held. Then with "gc"
-    (TP=2) the only group left, ``kill -9`` of its rank 1 fails every request with the
+    (TP=2, its two ranks started by hand as on two machines: ``--tensor-parallel-rank`` and a
+    master port) the only group left, ``kill -9`` of its rank 1 fails every request with the
     retryable 503 ``no_executor``. No rank process is left behind."""
     import asyncio
     import uuid
@@ -292,15 +293,17 @@ async def test_a_group_losing_a_rank_is_dropped_its_requests_recomputed_elsewher
         assert [g.group_id for g in s.groups] == ["gb"]
         assert all(g.num_free_blocks == g.num_blocks for g in s.groups)
 
-        procs["gc"] = _service("executor", env, "gc", tp=2)
+        master = dict(tensor_parallel_master_addr="127.0.0.1", tensor_parallel_master_port=str(free_port()))
+        procs["gc"] = _service("executor", env, "gc", tp=2, tensor_parallel_rank="0", **master)
+        procs["gc1"] = _service("executor", env, "gc", tp=2, tensor_parallel_rank="1", **master)
         await until(lambda s: len(s.groups) == 2, 240)
+        assert psutil.Process(procs["gc"].pid).children() == []  # rank 0 started no rank itself
         procs["gb"].send_signal(signal.SIGTERM)  # stops cleanly: gc is the last group
         assert procs["gb"].wait(30) == 0
         await until(lambda s: [g.group_id for g in s.groups] == ["gc"])
-        rank1 = rank1_of("gc")
         task = asyncio.create_task(run_all())
         await until(lambda s: s.num_running > 0, 60)
-        rank1.send_signal(signal.SIGKILL)
+        procs["gc1"].send_signal(signal.SIGKILL)
         failed = await asyncio.wait_for(task, 120)
         for tokens, error in failed:
             assert error is not None and error.status == 503 and error.code == "no_executor", (tokens, error)
