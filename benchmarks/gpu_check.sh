@@ -50,5 +50,20 @@ if [ "$NGPU" -ge 2 ]; then
         --tensor-parallel-size 2 2>&1 | grep -v "Loading weights\|Writing model" | tail -20 | tee "$OUT/tp.txt"
     echo "gpu_engine_check.py --tensor-parallel-size 2 exit: ${PIPESTATUS[0]}" | tee -a "$OUT/tp.txt"
 else
-    echo "tensor parallelism on NCCL skipped: $NGPU GPU(s), one per rank needed" | tee "$OUT/tp.txt"
+    echo "tensor parallelism on NCCL: $NGPU GPU(s), one per rank needed for TP=2; a one-rank NCCL group instead" \
+        | tee "$OUT/tp.txt"
+    timeout 60 $PY - <<'PYEOF' 2>&1 | tail -5 | tee -a "$OUT/tp.txt"
+import torch
+from services.executor.parallel.group import TensorParallelGroup
+from shared.nats_server import free_port
+tp = TensorParallelGroup.connect(0, 1, "127.0.0.1", free_port(), torch.device("cuda", 0), 60)
+t = torch.ones(4, 8, device="cuda", dtype=torch.bfloat16)
+tp.device_group.allreduce([t]).wait()  # the backend itself, past the one-rank shortcuts
+import torch.distributed as dist
+opts = dist.GatherOptions(); opts.rootRank = 0
+parts = [torch.empty(4, 8, device="cuda", dtype=torch.bfloat16)]
+tp.device_group.gather([parts], [t], opts).wait()
+torch.cuda.synchronize()
+print("NCCL one-rank group:", type(tp.device_group).__name__, "all_reduce + gather ok:", bool((parts[0] == 1).all()))
+PYEOF
 fi

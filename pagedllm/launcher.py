@@ -208,5 +208,11 @@ def run_one_service(name: str, settings: Settings) -> None:
     model_info = model_info_or_exit(settings, prefix)
     try:
         asyncio.run(run_service(build_service(name, settings, model_info)))
-    except (ServiceConflictError, FatalServiceError, OSError) as exc:
+    except FatalServiceError as exc:
+        # the service cannot go on; a thread of it may be stuck (a tensor-parallel collective
+        # with a dead rank), which a normal exit would wait for: leave now
+        sys.stderr.write(f"{prefix}: {exc}\n")
+        sys.stderr.flush()
+        os._exit(1)
+    except (ServiceConflictError, OSError) as exc:
         raise SystemExit(f"{prefix}: {exc}") from None

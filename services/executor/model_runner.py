@@ -146,7 +146,7 @@ class ModelRunner:
         rank, as vLLM's is per GPU), the least over the ranks so that a block id means the same
         slots on every rank."""
         if self.settings.num_gpu_blocks_override is not None:
-            return self.settings.num_gpu_blocks_override
+            return self.tp.min_over_ranks(self.settings.num_gpu_blocks_override)
         per_block = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype,
                                              self.model.num_kv_heads_per_rank)
         budget = self.settings.kv_cache_memory_bytes

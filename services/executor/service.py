@@ -27,6 +27,7 @@ from services.executor.model_runner import ModelRunner
 from services.executor.parallel.ranks import (
     RankProcesses,
     TensorParallelDriver,
+    check_same_settings,
     check_splittable,
     connect_rank,
     free_port,
@@ -112,27 +113,40 @@ class ExecutorService(BusService):
         """Load the model (this rank's part of it, the other ranks started first).
 
         Raises:
-            ValueError: the model's heads cannot be split over ``tensor_parallel_size`` ranks.
+            ValueError: the model's heads cannot be split over ``tensor_parallel_size`` ranks;
+                ``tensor_parallel_rank`` >= 1 (that rank runs as ``pagedllm service executor``).
+            FatalServiceError: a rank process exited while the group was forming.
         """
         loop = asyncio.get_running_loop()
         if self.tp_size == 1:
             self.runner = await loop.run_in_executor(self._torch_thread, ModelRunner, self.settings, self.model_info)
             return
+        if self.settings.tensor_parallel_rank:
+            raise ValueError(f"tensor_parallel_rank={self.settings.tensor_parallel_rank}: only rank 0 serves NATS; "
+                             "run the other ranks with `pagedllm service executor --tensor-parallel-rank K`")
         check_splittable(self.model_info, self.tp_size)
         port = self.settings.tensor_parallel_master_port or free_port(self.settings.tensor_parallel_master_addr)
         if self.settings.tensor_parallel_rank is None:
             self.ranks = RankProcesses(self.settings, port)
 
         def rank_zero() -> TensorParallelDriver:
-            return TensorParallelDriver(ModelRunner(self.settings, self.model_info,
-                                                    connect_rank(self.settings, 0, port)))
+            tp = connect_rank(self.settings, 0, port)
+            check_same_settings(tp, self.settings, self.model_info)
+            return TensorParallelDriver(ModelRunner(self.settings, self.model_info, tp))
 
+        forming = loop.run_in_executor(self._torch_thread, rank_zero)
         try:
-            self.runner = await loop.run_in_executor(self._torch_thread, rank_zero)
+            while not forming.done():  # a rank that dies before joining would leave us waiting
+                await asyncio.wait([forming], timeout=0.2)
+                if not forming.done() and self.ranks is not None and (exited := self.ranks.exited()):
+                    raise FatalServiceError(f"tensor-parallel rank {exited[0]} exited (code {exited[1]}) while "
+                                            "the group was forming")
+            self.runner = forming.result()
         except BaseException:
             if self.ranks is not None:
                 self.ranks.stop(timeout=0)
             raise
+        self.spawn(self._watch_ranks())  # keep-alives from now on: the ranks wait for rank 0
 
     async def serve(self) -> None:
         await self.subscribe(self.subjects.step(self.group_id), StepPlan, self._on_step)
@@ -148,8 +162,6 @@ class ExecutorService(BusService):
         await super().start()
         self.spawn(self._register_and_heartbeat())
         self.spawn(self._run_steps())
-        if self.tp_size > 1:
-            self.spawn(self._watch_ranks())
 
     async def stop(self) -> None:
         """Tell the scheduler the group is going (its requests are requeued at once rather
@@ -253,26 +265,34 @@ class ExecutorService(BusService):
 
     async def _watch_ranks(self) -> None:
         """Rank 0 of a tensor-parallel group: keep the waiting ranks alive (a message every
-        heartbeat interval) and end the service when a rank is gone.
+        heartbeat interval, queued behind a running step) and end the service when a rank is
+        gone: its process exited, its liveness counter stopped (``heartbeat_timeout_s``), or a
+        keep-alive failed. The checks run off the step thread, which a collective may hold.
 
         Raises:
-            FatalServiceError: a rank process exited, or a keep-alive failed (a rank died).
+            FatalServiceError: a rank is gone (the group is aborted first).
         """
         loop = asyncio.get_running_loop()
+        keepalive: asyncio.Future | None = None
         while True:
             await asyncio.sleep(min(0.2, self.settings.heartbeat_interval_s))
-            exited = self.ranks.exited() if self.ranks is not None else None
-            if exited is not None:
-                log.error("tp_rank_exited", group_id=self.group_id, tp_rank=exited[0], returncode=exited[1])
-                raise FatalServiceError(f"tensor-parallel rank {exited[0]} of group {self.group_id} exited "
-                                        f"(code {exited[1]}); the group stops")
-            if time.monotonic() - self._last_keepalive >= self.settings.heartbeat_interval_s:
+            reason = None
+            if self.ranks is not None and (exited := self.ranks.exited()) is not None:
+                reason = f"tensor-parallel rank {exited[0]} of group {self.group_id} exited (code {exited[1]})"
+            elif stale := await loop.run_in_executor(None, self.runner.tp.stale_ranks,
+                                                     self.settings.heartbeat_timeout_s):
+                reason = f"tensor-parallel rank {stale[0]} of group {self.group_id} stopped answering"
+            elif keepalive is not None and keepalive.done() and keepalive.exception() is not None:
+                reason = f"tensor-parallel group {self.group_id} failed: {keepalive.exception()}"
+            elif (keepalive is None or keepalive.done()) and \
+                    time.monotonic() - self._last_keepalive >= self.settings.heartbeat_interval_s:
                 self._last_keepalive = time.monotonic()
-                try:
-                    await loop.run_in_executor(self._torch_thread, self.runner.keepalive)
-                except RuntimeError as exc:
-                    log.error("tp_group_failed", group_id=self.group_id, error=str(exc)[:200])
-                    raise FatalServiceError(f"tensor-parallel group {self.group_id} failed: {exc}") from None
+                keepalive = loop.run_in_executor(self._torch_thread, self.runner.keepalive)
+            if reason is not None:
+                log.error("tp_group_failed", group_id=self.group_id, reason=reason)
+                self.runner.broken = True
+                self.runner.tp.abort()
+                raise FatalServiceError(f"{reason}; the group stops")
 
     async def _on_step(self, plan: StepPlan) -> None:
         self._last_step_id = max(self._last_step_id, plan.step_id)

@@ -165,22 +165,23 @@ class ColumnParallelLinear(LinearBase):
             whole = sum(self.output_sizes)
             if not loaded_weight.shape or loaded_weight.shape[0] != whole:
                 raise ValueError(f"checkpoint shape {tuple(loaded_weight.shape)} != expected {whole} rows")
-            offset = 0
-            for index, size in enumerate(self.output_sizes):
-                part = loaded_weight if len(self.output_sizes) == 1 else loaded_weight.narrow(0, offset, size)
-                self._load_shard(param, part, index)
-                offset += size
+            for index in range(len(self.output_sizes)):  # this rank's rows of each shard, read alone
+                self._load_shard(param, loaded_weight, index, sum(self.output_sizes[:index]), whole)
             return None
-        return self._load_shard(param, loaded_weight, self._shard_index(loaded_shard_id))
+        index = self._shard_index(loaded_shard_id)
+        return self._load_shard(param, loaded_weight, index, 0, self.output_sizes[index])
 
     def _shard_index(self, loaded_shard_id: str | int) -> int:
         return int(loaded_shard_id)
 
-    def _load_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, index: int) -> None:
+    def _load_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, index: int, first_row: int,
+                    rows: int) -> None:
+        """This rank's rows of shard ``index``, which starts at row ``first_row`` of the
+        ``rows``-row checkpoint tensor, into this shard's rows of ``param``."""
         start, size = self.row_ranges[index]
         offset = sum(s for _, s in self.row_ranges[:index])
         copy_checked(param.data.narrow(0, offset, size),
-                     narrow_checked(loaded_weight, 0, start, size, self.output_sizes[index]))
+                     narrow_checked(loaded_weight, 0, first_row + start, size, rows))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

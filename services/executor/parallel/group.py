@@ -9,8 +9,12 @@ sees them:
   gather): NCCL on CUDA, gloo on CPU;
 - the *CPU* group (gloo) carries rank 0's step messages and small control values.
 
-Every collective waits at most ``timeout``; a rank that dies closes its sockets and every
-other rank's pending collective raises at once (gloo: "Connection closed by peer").
+Every collective waits at most ``timeout``. On gloo, a rank whose process dies closes its
+sockets and every other rank's pending collective raises at once ("Connection closed by
+peer"); a lost host or a partition, and on NCCL any failure, shows only when the timeout
+passes (NCCL's watchdog then aborts the process) or through the liveness counters every rank
+keeps in the rendezvous store (:meth:`TensorParallelGroup.beat` / :meth:`stale_ranks`),
+which rank 0 reads off its step thread.
 
 The layers read the group they are built under (:func:`use_tp_group` /
 :func:`current_tp_group`), as vLLM's layers read ``get_tp_group()``; a model built outside any
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import struct
+import time
 from collections.abc import Iterator
 
 import torch
@@ -45,6 +50,8 @@ class TensorParallelGroup:
         self.rank, self.world_size = rank, world_size
         self.device_group, self.cpu_group = device_group, cpu_group
         self.device = device or torch.device("cpu")
+        self.store: dist.Store | None = None  # the rendezvous store (must outlive the groups)
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its last counter, when it changed)
 
     @property
     def is_first_rank(self) -> bool:
@@ -53,15 +60,20 @@ class TensorParallelGroup:
 
     @classmethod
     def connect(cls, rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device,
-                timeout_s: float) -> TensorParallelGroup:
+                timeout_s: float, rendezvous_timeout_s: float = 120.0) -> TensorParallelGroup:
         """Meet the other ranks at ``master_addr:master_port`` (rank 0 listens there) and build
-        the groups: gloo for both on CPU, NCCL for the device group on CUDA.
+        the groups: gloo for both on CPU, NCCL for the device group on CUDA (its communicator
+        created here, by a first all-reduce, so a bad GPU setup fails now, not at the first
+        request). Collectives time out after ``timeout_s``.
 
         Raises:
-            RuntimeError / DistStoreError: the other ranks did not arrive within ``timeout_s``.
+            RuntimeError / DistStoreError: the other ranks did not arrive within
+                ``rendezvous_timeout_s``; NCCL could not start.
         """
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout)
+        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0,
+                              timeout=datetime.timedelta(seconds=rendezvous_timeout_s))
+        store.set_timeout(timeout)
         cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, world_size, timeout)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -70,13 +82,50 @@ class TensorParallelGroup:
         else:
             device_group = cpu_group
         group = cls(rank, world_size, device_group, cpu_group, device)
-        group._store = store  # the store must outlive the groups
+        group.store = store
+        if device.type == "cuda":
+            group.all_reduce(torch.zeros(1, device=device))
         return group
+
+    def abort(self) -> None:
+        """Leave the group at once (after a failure): pending collectives of this process end,
+        where the backend supports it (NCCL); a no-op otherwise."""
+        for group in {id(g): g for g in (self.device_group, self.cpu_group) if g is not None}.values():
+            try:
+                group.abort()
+            except Exception:  # gloo: not supported; the process is about to exit anyway
+                pass
+
+    # ---------------------------------------------------------------- liveness (the store)
+
+    def beat(self) -> None:
+        """Count one more sign of life of this rank in the rendezvous store (a rank's own
+        thread, every heartbeat interval)."""
+        if self.store is not None:
+            self.store.add(f"alive/{self.rank}", 1)
+
+    def stale_ranks(self, timeout_s: float) -> list[int]:
+        """Ranks (other than 0) whose counter has not moved for ``timeout_s`` (rank 0, off its
+        step thread: store reads do not wait for collectives)."""
+        stale = []
+        now = time.monotonic()
+        for rank in range(1, self.world_size):
+            count = self.store.add(f"alive/{rank}", 0)
+            last, since = self._seen.get(rank, (-1, now))
+            if count != last:
+                self._seen[rank] = (count, now)
+            elif now - since > timeout_s:
+                stale.append(rank)
+        return stale
 
     # ---------------------------------------------------------------- model collectives
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the ranks, in place (returned). A single rank returns it unchanged."""
+        """Sum ``tensor`` over the ranks, in place (returned). A single rank returns it unchanged.
+
+        Raises:
+            RuntimeError (``DistBackendError``): a rank is gone, or the timeout passed.
+        """
         if self.world_size > 1:
             self.device_group.allreduce([tensor]).wait()
         return tensor
@@ -84,7 +133,11 @@ class TensorParallelGroup:
     def gather_last_dim(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
         """Rank 0: every rank's ``tensor`` ``[..., sizes[r]]`` concatenated along the last dim
         (``[..., sum(sizes)]``); other ranks: ``None``. Ranges of unequal size travel padded to
-        the largest."""
+        the largest.
+
+        Raises:
+            RuntimeError (``DistBackendError``): a rank is gone, or the timeout passed.
+        """
         if self.world_size == 1:
             return tensor
         width = max(sizes)
@@ -102,7 +155,11 @@ class TensorParallelGroup:
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
         """Rank 0 sends ``payload``; every rank returns it. One broadcast of ``HEADER_BYTES``
-        (the length, and the payload when it fits), a second for the rest of a longer one."""
+        (the length, and the payload when it fits), a second for the rest of a longer one.
+
+        Raises:
+            RuntimeError (``DistBackendError``): a rank is gone, or the timeout passed.
+        """
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
@@ -124,7 +181,11 @@ class TensorParallelGroup:
         return bytes(payload) if self.rank == 0 else header[8:].numpy().tobytes() + rest.numpy().tobytes()
 
     def min_over_ranks(self, value: int) -> int:
-        """The smallest of every rank's ``value`` (e.g. the KV blocks each rank can hold)."""
+        """The smallest of every rank's ``value`` (e.g. the KV blocks each rank can hold).
+
+        Raises:
+            RuntimeError (``DistBackendError``): a rank is gone, or the timeout passed.
+        """
         if self.world_size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64)

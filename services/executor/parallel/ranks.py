@@ -6,25 +6,34 @@ process group (:class:`RankMessage`, one gloo broadcast); then every rank runs t
 forward together, rank 0 gathers the logits, samples and answers the scheduler. The tokens it
 sampled ride on its next message, so the other ranks' request state follows rank 0's with no
 extra collective per step. The other ranks (:func:`serve_rank`) do nothing but wait for rank
-0's next message; while idle, rank 0 sends a keep-alive every heartbeat, so a rank that waits
-longer than the group's timeout knows rank 0 is gone.
+0's next message; rank 0 sends a keep-alive every heartbeat interval (queued behind a running
+step), so a rank that waits longer than the group's timeout knows rank 0 is gone. Before
+serving, the ranks compare their settings (:func:`check_same_settings`): ranks started by hand
+with different ones would compute different things.
 
-Failure story: a rank that dies closes its sockets, and the collective every other rank is in
-(or enters next) raises at once. The other ranks exit; rank 0 publishes the step's error (if
-one was running), tells the scheduler its group is stopping and exits, so the scheduler
-recomputes the group's requests on another group, or fails them with a 503 ``no_executor``
-when none is left. A rank that hangs without dying is detected after the group's timeout
-(``step_timeout_s``). Rank 0 also watches the rank processes it started (their exit ends it
-even while idle), and they die with it (``PR_SET_PDEATHSIG``).
+Failure story: on gloo a rank whose process dies closes its sockets, and the collective every
+other rank is in (or enters next) raises at once. The other ranks exit; rank 0 publishes the
+step's error (if one was running), tells the scheduler its group is stopping and exits, so the
+scheduler recomputes the group's requests on another group, or fails them with a 503
+``no_executor`` when none is left. Rank 0 also notices, off its step thread, a rank process it
+started that exits, or a rank whose liveness counter in the rendezvous store stops moving (every
+rank counts from its own thread: ``TensorParallelGroup.beat``), which covers ranks on other
+machines and NCCL, whose collectives do not fail at once; it then aborts the group and exits
+without waiting for its step thread. After a failure rank 0 sends nothing more to the group
+(its ranks may be inside a collective of the failed step). A rank that hangs without dying is
+detected after the group's timeout (``step_timeout_s``). The rank processes rank 0 started die
+with it (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Literal
 
@@ -66,10 +75,47 @@ def connect_rank(settings: Settings, rank: int, master_port: int) -> TensorParal
     if device.type == "cuda":
         import torch
 
+        if settings.tensor_parallel_rank is None and torch.cuda.device_count() < settings.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={settings.tensor_parallel_size} needs one GPU per rank; this "
+                             f"machine has {torch.cuda.device_count()}")
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     return TensorParallelGroup.connect(rank, settings.tensor_parallel_size, settings.tensor_parallel_master_addr,
-                                       master_port, device, settings.step_timeout_s)
+                                       master_port, device, settings.step_timeout_s,
+                                       rendezvous_timeout_s=min(settings.step_timeout_s, 120.0))
+
+
+#: the settings every rank of a group must share (the rest are each process's own)
+SHARED_SETTINGS = ("tensor_parallel_size", "dtype", "block_size", "num_gpu_blocks_override", "kv_cache_memory_bytes",
+                   "attention_backend", "native_cpu_kernels", "max_model_len", "seed")
+
+
+def check_same_settings(tp: TensorParallelGroup, settings: Settings, model_info: ModelInfo) -> None:
+    """Compare this rank's settings and model with rank 0's.
+
+    Raises:
+        ValueError: they differ (the message names what differs); rank 0 then sees this rank
+            leave the group.
+    """
+    mine = {name: str(getattr(settings, name)) for name in SHARED_SETTINGS}
+    mine["model"] = model_info.name
+    first = json.loads(tp.broadcast_bytes(json.dumps(mine).encode() if tp.is_first_rank else None))
+    differ = [f"{k}: rank 0 has {first.get(k)!r}, rank {tp.rank} {v!r}" for k, v in mine.items() if first.get(k) != v]
+    if differ:
+        raise ValueError("the ranks of a tensor-parallel group must share their settings; " + "; ".join(differ))
+
+
+def start_beating(tp: TensorParallelGroup, interval_s: float) -> None:
+    """Count this rank's liveness in the store every ``interval_s``, from a daemon thread."""
+    def beat() -> None:
+        while True:
+            try:
+                tp.beat()
+            except Exception:  # the store (rank 0) is gone: the collectives say so too
+                return
+            time.sleep(interval_s)
+
+    threading.Thread(target=beat, name="tp-liveness", daemon=True).start()
 
 
 class TensorParallelDriver:
@@ -84,8 +130,11 @@ class TensorParallelDriver:
         self.tp = runner.tp
         self._sampled: dict[str, int] = {}  # by the last step: sent with the next message
         self.num_blocks, self.block_size = runner.num_blocks, runner.block_size
+        self.broken = False  # a call failed: the ranks may be anywhere in it, send nothing more
 
     def _send(self, message: RankMessage) -> None:
+        if self.broken:
+            raise RuntimeError("the tensor-parallel group failed earlier")
         self.tp.broadcast_bytes(encode(message))
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -94,28 +143,41 @@ class TensorParallelDriver:
         Raises:
             RuntimeError: a collective failed (a rank died): the group cannot go on.
         """
-        self._send(RankMessage("step", plan, self._sampled))
-        self._sampled = {}
-        result = self.runner.execute(plan)
+        try:
+            self._send(RankMessage("step", plan, self._sampled))
+            self._sampled = {}
+            result = self.runner.execute(plan)
+        except BaseException:
+            self.broken = True
+            raise
         self._sampled = dict(result.sampled_token_ids)
         return result
 
     def reset(self) -> None:
         """:meth:`ModelRunner.reset` on every rank."""
-        self._send(RankMessage("reset"))
+        try:
+            self._send(RankMessage("reset"))
+        except BaseException:
+            self.broken = True
+            raise
         self._sampled = {}
         self.runner.reset()
 
     def keepalive(self) -> None:
         """Tell the waiting ranks that rank 0 is alive (raises if one is not)."""
-        self._send(RankMessage("keepalive"))
+        try:
+            self._send(RankMessage("keepalive"))
+        except BaseException:
+            self.broken = True
+            raise
 
     def stop(self) -> None:
-        """Ask the other ranks to exit (best effort: a dead group raises, which is ignored)."""
-        try:
-            self._send(RankMessage("stop"))
-        except Exception:
-            pass
+        """Ask the other ranks to exit (not after a failure: they may be inside a collective)."""
+        if not self.broken:
+            try:
+                self._send(RankMessage("stop"))
+            except Exception:
+                pass
 
 
 def serve_rank(runner: ModelRunner) -> None:
@@ -148,6 +210,8 @@ def run_rank(settings: Settings, model_info: ModelInfo) -> None:
     if settings.tensor_parallel_master_port is None:
         raise ValueError("a tensor-parallel rank other than 0 needs tensor_parallel_master_port (rank 0's)")
     tp = connect_rank(settings, rank, settings.tensor_parallel_master_port)
+    start_beating(tp, settings.heartbeat_interval_s)
+    check_same_settings(tp, settings, model_info)
     runner = ModelRunner(settings, model_info, tp)
     log.info("tp_rank_serving", tp_rank=rank, tp_size=tp.world_size)
     serve_rank(runner)
