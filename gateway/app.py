@@ -8,6 +8,7 @@ HTTP endpoints (shapes of the OpenAI API reference and of vLLM's OpenAI server):
 - ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /health`` (200 when the engine is ready).
 - ``GET /metrics``: Prometheus text format, vLLM's metric names (see ``gateway/metrics.py``).
 - ``/v1/stream``: several streaming requests over one WebSocket (``gateway/websocket.py``).
+- ``/v1/files``, ``/v1/batches``: OpenAI's Files and Batch API on JetStream (``gateway/batch/``).
 
 Every error body is OpenAI-shaped (``gateway/errors.py``): invalid bodies are 400 (never
 FastAPI's 422), an unknown model is 404, an engine failure keeps its status (500 when
@@ -22,6 +23,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.batch.routes import router as batch_router
 from gateway.errors import APIError, validation_error
 from gateway.metrics import CONTENT_TYPE
 from gateway.protocol.requests import ChatCompletionRequest, CompletionRequest
@@ -49,6 +51,9 @@ def create_app(settings: Settings, model_info: ModelInfo, client: EngineClient) 
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
     serving = OpenAIServing(settings, model_info, client)
     app.state.serving = serving
+    app.state.settings = settings
+    app.state.batch_store = None  # the gateway service opens it on JetStream (503 without)
+    app.include_router(batch_router)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -16,6 +16,7 @@ from collections.abc import Generator
 import uvicorn
 
 from gateway.app import create_app
+from gateway.batch.store import BatchStore
 from gateway.serving import OpenAIServing
 from shared.bus import Bus
 from shared.config import Settings
@@ -38,6 +39,16 @@ class _UvicornServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+
+async def _open_batch_store(bus: Bus) -> BatchStore | None:
+    """The Files and Batch API's JetStream store, or None (its routes answer 503) when the NATS
+    server has no JetStream."""
+    try:
+        return await asyncio.wait_for(BatchStore(bus.nc).setup(), 10)
+    except Exception as exc:
+        log.warning("batch_api_unavailable", error=str(exc) or type(exc).__name__)
+        return None
 
 
 class GatewayService(BusService):
@@ -86,6 +97,7 @@ class GatewayService(BusService):
         self.client = EngineClient(self.bus, self.model_info.name)
         await self.client.start()
         app = create_app(self.settings, self.model_info, self.client)
+        app.state.batch_store = await _open_batch_store(self.bus)
         self._serving = app.state.serving
         await self._serving.metrics.subscribe(self.bus)
         config = uvicorn.Config(

@@ -78,8 +78,10 @@ def new_generation(body: AnyRequest, request_id: str, model: str,
 class OpenAIServing:
     """The request logic behind the endpoints, shared by HTTP, SSE and WebSocket."""
 
-    def __init__(self, settings: Settings, model_info: ModelInfo, client: EngineClient) -> None:
+    def __init__(self, settings: Settings, model_info: ModelInfo, client: EngineClient,
+                 background: bool = False) -> None:
         self.settings = settings
+        self.background = background  # the batch service's: its requests yield to interactive ones
         self.model_info = model_info
         self.client = client
         self.model_names = {model_info.name, "HuggingFaceTB/" + model_info.name}
@@ -181,7 +183,8 @@ class OpenAIServing:
         """
         try:
             return await self.client.submit(engine_id, sampling_params=params, priority=body.priority,
-                                            cache_salt=body.cache_salt, notify_accepted=notify_accepted, **fields)
+                                            cache_salt=body.cache_salt, notify_accepted=notify_accepted,
+                                            background=self.background, **fields)
         except nats.errors.NoRespondersError:
             raise APIError.of(
                 503, f"no tokenizer is serving the model `{self.model_info.name}`", code="service_unavailable"

@@ -13,6 +13,7 @@ import sys
 import time
 import types
 import typing
+from pathlib import Path
 from typing import Any, get_args, get_origin
 
 from pydantic import ValidationError
@@ -139,6 +140,19 @@ def serving_defaults(settings: Settings) -> Settings:
     return settings.model_copy(update={"max_num_batched_tokens": CPU_SERVE_MAX_NUM_BATCHED_TOKENS})
 
 
+def cmd_run_batch(args: argparse.Namespace) -> None:
+    """``pagedllm run-batch -i in.jsonl -o out.jsonl``: see ``pagedllm/run_batch.py``."""
+    from pagedllm.run_batch import run_batch
+
+    settings = settings_from_args(args, "pagedllm run-batch")
+    overrides = {k: v for k, v in settings.model_dump(exclude_unset=True).items()}
+    try:
+        ok, failed = run_batch(args.input_file, args.output_file, **overrides)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"pagedllm run-batch: {exc}") from None
+    print(f"pagedllm run-batch: {ok} succeeded, {failed} failed; output in {args.output_file}")
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import urllib.request
 
@@ -151,7 +165,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # SIGTERM stops the stack like Ctrl-C: children are in their own sessions and would outlive us
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     info = model_info_or_exit(settings, "pagedllm")
-    nats_server = EmbeddedNats(new_session=True) if not settings.nats_url else None
+    # JetStream's file store under the cache directory: batch jobs survive a restart of serve
+    nats_server = (EmbeddedNats(new_session=True, store_dir=settings.cache_dir / "jetstream")
+                   if not settings.nats_url else None)
     procs: ServiceProcesses | None = None
     health = f"http://{settings.host}:{settings.port}/health"
     ready = False
@@ -198,10 +214,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     service = sub.add_parser("service", help="run one service against a NATS server")
-    service.add_argument("name", choices=["scheduler", "tokenizer", "detokenizer", "executor", "gateway"])
+    service.add_argument("name", choices=["scheduler", "tokenizer", "detokenizer", "executor", "gateway", "batch"])
     service.add_argument("--model", default=None)
     add_settings_flags(service)
     service.set_defaults(func=cmd_service)
+
+    batch = sub.add_parser("run-batch", help="run an OpenAI batch file offline (vLLM's run-batch)")
+    batch.add_argument("-i", "--input-file", required=True, type=Path, help="OpenAI batch input (.jsonl)")
+    batch.add_argument("-o", "--output-file", required=True, type=Path, help="where the output lines go")
+    batch.add_argument("--model", default=None)
+    add_settings_flags(batch)
+    batch.set_defaults(func=cmd_run_batch)
 
     prep = sub.add_parser("prepare-model", help="convert the default model once (or check a directory) and build the CPU kernels")
     prep.add_argument("model", nargs="?", default=None)

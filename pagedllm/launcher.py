@@ -21,7 +21,7 @@ from shared.nats_server import die_with_parent
 
 log = get_logger(__name__)
 
-SERVICE_NAMES = ("scheduler", "tokenizer", "detokenizer", "executor", "gateway")
+SERVICE_NAMES = ("scheduler", "tokenizer", "detokenizer", "executor", "gateway", "batch")
 
 
 def build_service(name: str, settings: Settings, model_info: ModelInfo, bus: Bus | None = None):
@@ -40,6 +40,8 @@ def build_service(name: str, settings: Settings, model_info: ModelInfo, bus: Bus
         from services.executor.service import ExecutorService as cls
     elif name == "gateway":
         from gateway.service import GatewayService as cls
+    elif name == "batch":
+        from gateway.batch.worker import BatchService as cls
     else:
         raise ValueError(f"unknown service {name!r}; choose from {', '.join(SERVICE_NAMES)}")
     return cls(settings, model_info, bus)

@@ -100,6 +100,14 @@ class Settings(BaseSettings):
         5.0, ge=0, description="On stop, seconds the gateway lets in-flight HTTP requests finish before it "
         "answers them with a 503"
     )
+    # --- batch API (gateway/batch/) ---
+    batch_max_in_flight: int = Field(64, ge=1, description="Batch lines one batch service runs at once")
+    batch_ack_wait_s: float = Field(
+        30.0, gt=0, description="Seconds before JetStream delivers a batch line again when its batch service is silent")
+    batch_max_attempts: int = Field(
+        5, ge=1, description="Deliveries of a batch line the engine lost (5xx) before it is stored as failed")
+    batch_monitor_interval_s: float = Field(1.0, gt=0, description="How often batches' counts and ends are checked")
+    batch_max_file_bytes: int = Field(200 * 1024 * 1024, ge=1, description="Largest file /v1/files accepts (413 above)")
     allowed_origins: str = Field(
         "*", description="Browser origins allowed by CORS, comma-separated ('*' = any, as vLLM; '' = none)"
     )

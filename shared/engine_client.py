@@ -204,6 +204,7 @@ class EngineClient:
         cap_at_max_model_len: bool = False,
         return_prompt: bool = False,
         notify_accepted: bool = False,
+        background: bool = False,
     ) -> TokenizeReply:
         """Send a request to the tokenizer; its outputs then arrive for ``stream(request_id)``.
 
@@ -213,7 +214,8 @@ class EngineClient:
         instead of being refused (the OpenAI server). ``return_prompt``: the reply carries the
         prompt text (a chat request's as the template rendered it; token ids decoded).
         ``notify_accepted``: the scheduler says when it accepts the request; ``wait_accepted``
-        waits for that.
+        waits for that. ``background``: a batch line, which the scheduler admits after every
+        interactive request and preempts first.
 
         Returns:
             The tokenizer's reply. When ``reply.error`` is set the request was refused and
@@ -241,6 +243,7 @@ class EngineClient:
             cap_at_max_model_len=cap_at_max_model_len,
             return_prompt=return_prompt,
             notify_accepted=notify_accepted,
+            background=background,
         )
         pending = self._pending[request_id] = _Pending(
             queue=asyncio.Queue(), num_samples=sampling_params.n, last_output=time.monotonic(),

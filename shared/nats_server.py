@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -57,9 +58,12 @@ class EmbeddedNats:
     """A private nats-server on 127.0.0.1 with JetStream and a 64 MiB max payload.
 
     Use as a context manager or call ``start()`` / ``stop()``; ``url`` is its address.
+    ``store_dir``: where JetStream keeps its file store (kept across restarts: ``pagedllm
+    serve``'s batches survive it); None: a temporary directory, removed by ``stop``.
     """
 
-    def __init__(self, port: int | None = None, new_session: bool = False) -> None:
+    def __init__(self, port: int | None = None, new_session: bool = False, store_dir: Path | None = None) -> None:
+        self.store_dir = store_dir
         self.port = port or free_port()
         # new_session: out of the terminal's process group, so Ctrl-C reaches only the owner,
         # which then stops its services before the server (``pagedllm serve``)
@@ -71,9 +75,11 @@ class EmbeddedNats:
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         self._dir = tempfile.TemporaryDirectory(prefix="pagedllm-nats-")
         conf = Path(self._dir.name) / "nats.conf"
+        store = self.store_dir or Path(self._dir.name) / "js"
+        Path(store).mkdir(parents=True, exist_ok=True)
         conf.write_text(
             f"listen: 127.0.0.1:{self.port}\nmax_payload: {MAX_PAYLOAD_BYTES}\n"
-            f"jetstream {{ store_dir: \"{self._dir.name}/js\" }}\n"
+            f"jetstream {{ store_dir: {json.dumps(str(store))} }}\n"
         )
         self._proc = subprocess.Popen(
             [find_nats_server(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -52,9 +52,10 @@ class GroupState:
 
     def enqueue(self, req: Request, by_priority: bool, front: bool = False) -> None:
         """Add ``req`` to the waiting queue. ``by_priority``: the queue stays sorted by
-        ``Request.sort_key``. Else FCFS: new requests join the back; ``front`` (preempted or
-        requeued ones) go ahead of every request never started, in arrival order among
-        themselves."""
+        ``Request.sort_key``. Else FCFS: new requests join the back, but an interactive one
+        ahead of every background one never started (batch lines wait for interactive
+        requests); ``front`` (preempted or requeued ones) go ahead of every request never
+        started, in ``sort_key`` order among themselves."""
         if by_priority:
             self.waiting.append(req)
             self.waiting.sort(key=Request.sort_key)
@@ -63,6 +64,11 @@ class GroupState:
             while (i < len(self.waiting) and self.waiting[i].status is RequestStatus.PREEMPTED
                    and self.waiting[i].sort_key() <= req.sort_key()):
                 i += 1
+            self.waiting.insert(i, req)
+        elif not req.background:
+            i = len(self.waiting)
+            while i > 0 and self.waiting[i - 1].background and self.waiting[i - 1].status is RequestStatus.WAITING:
+                i -= 1
             self.waiting.insert(i, req)
         else:
             self.waiting.append(req)

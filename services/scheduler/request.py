@@ -17,7 +17,7 @@ class RequestStatus(enum.Enum):
 
 #: what a sample of an n > 1 request takes over from its parent as submitted (fork_child)
 _INHERITED = ("gateway_id", "prompt_token_ids", "max_model_len", "eos_token_ids", "priority", "arrival_time",
-              "cache_extra_keys")
+              "cache_extra_keys", "background")
 
 
 @dataclass(eq=False)
@@ -36,6 +36,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
     arrival_time: float = 0.0
+    background: bool = False  # a batch line: after every interactive request, preempted first
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -86,6 +87,7 @@ class Request:
             priority=msg.priority,
             arrival_time=msg.arrival_time or now,
             cache_extra_keys=(msg.cache_salt,) if msg.cache_salt else (),
+            background=msg.background,
         )
 
     def fork_child(self, index: int) -> Request:
@@ -175,9 +177,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def sort_key(self) -> tuple[int, float]:
-        """Lower sorts first: higher priority (lower value), then older."""
-        return (self.priority, self.arrival_time)
+    def sort_key(self) -> tuple[bool, int, float]:
+        """Lower sorts first: interactive before background (batch lines), then higher
+        priority (lower value), then older."""
+        return (self.background, self.priority, self.arrival_time)
 
     def check_stop(self) -> bool:
         """After appending a token: decide whether the request is finished (sets the reason).

@@ -116,6 +116,7 @@ class TokenizerService(BusService):
                     cache_salt=request.cache_salt,
                     arrival_time=request.arrival_time or time.time(),
                     notify_accepted=request.notify_accepted,
+                    background=request.background,
                 ),
             )
         except nats.errors.MaxPayloadError:  # not sent: refuse it rather than leave the client waiting

@@ -32,6 +32,8 @@ class TokenizeRequest(Message):
     # the scheduler tells the gateway when it accepts the request (GatewayStep.accepted), so
     # that a streaming HTTP response starts only once it cannot be refused any more
     notify_accepted: bool = False
+    # a batch line: admitted after every interactive request waiting, preempted first
+    background: bool = False
 
 
 class TokenizeReply(Message):
@@ -55,6 +57,7 @@ class SubmitRequest(Message):
     arrival_time: float = 0.0
     cache_salt: str | None = None
     notify_accepted: bool = False  # name it in the gateway's GatewayStep.accepted once queued
+    background: bool = False  # a batch line: after interactive requests, preempted first
 
 
 class AbortRequests(Message):

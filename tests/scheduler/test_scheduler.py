@@ -469,6 +469,28 @@ def test_priority_policy_runs_lower_value_first():
     assert order == ["p1", "p3", "p5"]
 
 
+def test_background_requests_wait_for_interactive_ones_and_are_preempted_first():
+    """Batch lines (``background``) are admitted after every interactive request waiting, even
+    one that arrived later, and a pool that runs out preempts a batch line, though under FCFS
+    the newest request (here the interactive one) would go; all complete with their outputs."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=512))
+    sched.add_group("g0", num_blocks=6, block_size=16)
+    reqs = [make_request(rid, prompt_len=20, max_tokens=30, seed=seed) for rid, seed in (("b0", 1), ("b1", 2), ("i0", 3))]
+    for r in reqs:
+        r.background = r.request_id.startswith("b")
+        assert sched.add_request(r) is None
+    order: list[str] = []
+
+    def on_step(plan):
+        order.extend(new.request_id for new in plan.new_requests if new.request_id not in order)
+
+    out, _ = run(sched, FakeExecutor(6, 16), on_step=on_step)
+    assert order[:2] == ["i0", "b0"]  # the interactive one first, though the batch lines came first
+    assert out == {r.request_id: expected(r) for r in reqs}
+    by_id = {r.request_id: r for r in reqs}
+    assert by_id["i0"].num_preemptions == 0 and by_id["b0"].num_preemptions > 0
+
+
 def test_group_removal_requeues_requests_to_another_group():
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
     sched.add_group("a", num_blocks=32, block_size=16)

@@ -1,0 +1,306 @@
+"""The ``batch`` service: runs batches from JetStream through the engine (its own process,
+``pagedllm service batch``; as many replicas as wanted).
+
+Three loops, each on a durable JetStream consumer or the batches bucket (``store.py``):
+
+- validation: takes a batch's creation notice, checks its input file (``validation.py``):
+  a bad file fails the batch with errors naming the lines; else it queues every line and the
+  batch goes ``in_progress``;
+- work: takes lines, at most ``batch_max_in_flight`` at once per replica, and runs each
+  through the gateway's ``OpenAIServing`` (the body a direct request would get), as
+  *background* requests that the scheduler admits only after interactive ones and preempts
+  first. A line's output is stored (``BatchStore.put_result``) before its message is
+  acknowledged; a replica killed mid-line leaves it unacknowledged and JetStream delivers it
+  again after ``batch_ack_wait_s`` (a running line says it is still in progress meanwhile),
+  and a second result of the same line is dropped by JetStream's duplicate detection. A line
+  the engine lost (a 5xx: an executor killed, no group left) is delivered again after a short
+  delay, up to ``batch_max_attempts`` times, and only then stored as failed. Lines of a batch
+  that is cancelling or past its window are acknowledged without running;
+- monitor: every ``batch_monitor_interval_s`` updates each running batch's ``request_counts``,
+  expires those past their window, and finalizes a batch once none of its lines is left on
+  the work queue: the output and error files are written (ids derived from the batch id, so
+  writing them twice is harmless) and the status set by compare-and-set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import AckPolicy, ConsumerConfig
+from pydantic import ValidationError
+
+from gateway.batch.objects import (
+    Batch,
+    BatchError,
+    BatchErrors,
+    BatchLineError,
+    BatchRequestCounts,
+    BatchRequestOutput,
+    BatchResponse,
+    BatchWorkItem,
+    new_id,
+    now,
+)
+from gateway.batch.store import CREATED_SUBJECT, EVENTS_STREAM, WORK_STREAM, BatchStore, NotFound
+from gateway.batch.validation import parse_batch_input
+from gateway.errors import APIError, validation_error
+from gateway.protocol.requests import ChatCompletionRequest, CompletionRequest
+from gateway.serving import OpenAIServing
+from shared.bus import Bus
+from shared.config import Settings
+from shared.engine_client import EngineClient
+from shared.logging import get_logger
+from shared.model_source import ModelInfo
+from shared.service import BusService
+
+log = get_logger(__name__)
+STATUS_CACHE_S = 0.5  # how stale a worker's view of a batch's status may be
+#: a line answered with one of these is run again (up to ``batch_max_attempts`` deliveries):
+#: the engine lost it or could not take it, the request itself may be fine
+RETRYABLE_STATUSES = (500, 502, 503, 504)
+
+
+async def run_line(serving: OpenAIServing, endpoint: str, custom_id: str, body: dict) -> tuple[BatchRequestOutput, bool]:
+    """One batch line through ``serving`` as a non-streaming request: its output line and
+    whether it succeeded (status 200). An invalid body or a refused request is the error
+    body the endpoint would answer, with its status."""
+    model = ChatCompletionRequest if endpoint == "/v1/chat/completions" else CompletionRequest
+    request_id = new_id("batch_req")
+    try:
+        try:
+            request = model.model_validate({**body, "stream": False})
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+        served = await serving.begin(request)
+        try:
+            response = await serving.collect(served)
+        finally:
+            serving.finish(served)
+    except APIError as exc:
+        out = BatchRequestOutput(id=request_id, custom_id=custom_id,
+                                 response=BatchResponse(status_code=exc.status, request_id=request_id, body=exc.body()),
+                                 error=BatchLineError(code=exc.error.code or exc.error.type, message=exc.error.message))
+        return out, False
+    body_json = response.model_dump(mode="json")
+    return BatchRequestOutput(id=request_id, custom_id=custom_id,
+                              response=BatchResponse(status_code=200, request_id=body_json["id"], body=body_json)), True
+
+
+def jsonl(outputs: list[BatchRequestOutput]) -> bytes:
+    return "".join(o.model_dump_json() + "\n" for o in outputs).encode()
+
+
+class BatchService(BusService):
+    """The ``batch`` service (see the module's docstring)."""
+
+    name = "batch"
+
+    def __init__(self, settings: Settings, model_info: ModelInfo, bus: Bus | None = None) -> None:
+        super().__init__(settings, model_info, bus)
+        self.store: BatchStore | None = None
+        self.client: EngineClient | None = None
+        self.serving: OpenAIServing | None = None
+        self._slots = asyncio.Semaphore(settings.batch_max_in_flight)
+        self._status: dict[str, tuple[float, Batch]] = {}
+        self._running: set[asyncio.Task] = set()
+
+    async def serve(self) -> None:
+        assert self.bus is not None
+        self.store = await BatchStore(self.bus.nc).setup()
+        self.client = EngineClient(self.bus, self.model_info.name)
+        await self.client.start()
+        self.serving = OpenAIServing(self.settings, self.model_info, self.client, background=True)
+        js = self.store.js
+        self._events = await js.pull_subscribe(CREATED_SUBJECT, durable="batch-validate", stream=EVENTS_STREAM,
+                                               config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60.0))
+        self._work = await js.pull_subscribe(
+            "pagedllm.batch.work.*", durable="batch-work", stream=WORK_STREAM,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.settings.batch_ack_wait_s,
+                                  max_ack_pending=-1))
+        self.spawn(self._validate_loop())
+        self.spawn(self._work_loop())
+        self.spawn(self._monitor_loop())
+
+    async def on_stop(self) -> None:
+        for task in list(self._running):  # unacknowledged: delivered again to a replica
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
+        if self.client is not None:
+            await self.client.stop()
+
+    # ---------------------------------------------------------------- validation
+
+    async def _validate_loop(self) -> None:
+        while True:
+            try:
+                msgs = await self._events.fetch(1, timeout=1.0)
+            except nats.errors.TimeoutError:
+                continue
+            for msg in msgs:
+                await self._validate(msg.data.decode())
+                await msg.ack()
+
+    async def _validate(self, batch_id: str) -> None:
+        """Check the batch's input file; queue its lines (``in_progress``) or fail it."""
+        try:
+            batch, _ = await self.store.get_batch(batch_id)
+        except NotFound:
+            return
+        if batch.status != "validating":  # done before a crash, or cancelled meanwhile
+            return
+        try:
+            data = await self.store.file_content(batch.input_file_id)
+        except NotFound:
+            items, errors = [], [BatchError(code="invalid_file", message=f"file {batch.input_file_id} was deleted",
+                                            param="input_file_id")]
+        else:
+            items, errors = parse_batch_input(batch_id, data, batch.endpoint)
+        if errors:
+            def fail(b: Batch) -> Batch | None:
+                if b.status != "validating":
+                    return None
+                return b.model_copy(update=dict(status="failed", failed_at=now(), errors=BatchErrors(data=errors)))
+            await self.store.update_batch(batch_id, fail)
+            log.info("batch_failed_validation", batch_id=batch_id, errors=len(errors))
+            return
+        await self.store.enqueue_work(items)
+
+        def start(b: Batch) -> Batch | None:
+            if b.status != "validating":
+                return None
+            return b.model_copy(update=dict(status="in_progress", in_progress_at=now(),
+                                            request_counts=BatchRequestCounts(total=len(items))))
+        await self.store.update_batch(batch_id, start)
+        log.info("batch_started", batch_id=batch_id, lines=len(items))
+
+    # ---------------------------------------------------------------- work
+
+    async def _work_loop(self) -> None:
+        """Fetch as many lines as there are free slots (``batch_max_in_flight``), run each."""
+        while True:
+            await self._slots.acquire()  # at least one free slot, then every other free one
+            taken = 1
+            while not self._slots.locked():
+                await self._slots.acquire()
+                taken += 1
+            try:
+                msgs = await self._work.fetch(taken, timeout=1.0)
+            except nats.errors.TimeoutError:
+                msgs = []
+            for _ in range(taken - len(msgs)):
+                self._slots.release()
+            for msg in msgs:
+                task = asyncio.create_task(self._run(msg))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+
+    async def _run(self, msg) -> None:
+        keepalive = asyncio.create_task(self._in_progress(msg))
+        try:
+            item = BatchWorkItem.model_validate_json(msg.data)
+            batch = await self._batch(item.batch_id)
+            if batch is not None and batch.status == "validating":  # queued just before it went in_progress
+                await msg.nak(delay=STATUS_CACHE_S)
+                return
+            if batch is None or batch.status != "in_progress" or (batch.expires_at and now() >= batch.expires_at):
+                await msg.ack()  # cancelled, expired or gone: not run
+                return
+            output, ok = await run_line(self.serving, batch.endpoint, item.custom_id, item.body)
+            status = output.response.status_code if output.response else 500
+            attempt = msg.metadata.num_delivered if msg.metadata else 1
+            if status in RETRYABLE_STATUSES and attempt < self.settings.batch_max_attempts:
+                # the engine lost it (an executor gone, the server busy): run it again later
+                log.info("batch_line_retried", batch_id=item.batch_id, line=item.line, status=status,
+                         attempt=attempt)
+                await msg.nak(delay=min(2.0 * attempt, 10.0))
+                return
+            await self.store.put_result(item.batch_id, item.line, output, ok)
+            await msg.ack()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # NATS trouble: left unacknowledged, delivered again
+            log.exception("batch_line_failed")
+        finally:
+            keepalive.cancel()
+            self._slots.release()
+
+    async def _in_progress(self, msg) -> None:
+        while True:
+            await asyncio.sleep(self.settings.batch_ack_wait_s / 3)
+            try:
+                await msg.in_progress()
+            except Exception:
+                return
+
+    async def _batch(self, batch_id: str) -> Batch | None:
+        cached = self._status.get(batch_id)
+        if cached is not None and time.monotonic() - cached[0] < STATUS_CACHE_S:
+            return cached[1]
+        try:
+            batch, _ = await self.store.get_batch(batch_id)
+        except NotFound:
+            return None
+        self._status[batch_id] = (time.monotonic(), batch)
+        return batch
+
+    # ---------------------------------------------------------------- monitor
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.batch_monitor_interval_s)
+            try:
+                for batch in await self.store.list_batches():
+                    if batch.status in ("in_progress", "cancelling", "finalizing"):
+                        await self._monitor(batch)
+            except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:  # NATS away: next round
+                log.warning("batch_monitor_failed", error=str(exc) or type(exc).__name__)
+
+    async def _monitor(self, batch: Batch) -> None:
+        completed, failed = await self.store.result_counts(batch.id)
+        remaining = await self.store.remaining_work(batch.id)
+        expired = batch.status == "in_progress" and batch.expires_at is not None and now() >= batch.expires_at
+        if remaining and not expired:
+            if (completed, failed) != (batch.request_counts.completed, batch.request_counts.failed):
+                def count(b: Batch) -> Batch | None:
+                    if b.status not in ("in_progress", "cancelling"):
+                        return None
+                    return b.model_copy(update=dict(request_counts=BatchRequestCounts(
+                        total=b.request_counts.total, completed=completed, failed=failed)))
+                await self.store.update_batch(batch.id, count)
+            return
+        if remaining:  # expired: its lines are acknowledged unrun; finalize once they are gone
+            return
+        await self._finalize(batch)
+
+    async def _finalize(self, batch: Batch) -> None:
+        """Write the output and error files and end the batch (completed, cancelled or expired)."""
+        final = {"in_progress": "completed", "finalizing": "completed", "cancelling": "cancelled"}[batch.status]
+        if batch.status == "in_progress" and batch.expires_at is not None and now() >= batch.expires_at:
+            final = "expired"
+        if final == "completed" and batch.status == "in_progress":
+            batch = await self.store.update_batch(batch.id, lambda b: b.model_copy(update=dict(
+                status="finalizing", finalizing_at=now())) if b.status == "in_progress" else None)
+            if batch.status != "finalizing":
+                return
+        ok, failed = await self.store.read_results(batch.id)
+        suffix = batch.id.removeprefix("batch_")
+        output_id = error_id = None
+        if ok:
+            output_id = (await self.store.put_file(f"{batch.id}_output.jsonl", "batch_output", jsonl(ok),
+                                                   file_id=f"file-{suffix}-output")).id
+        if failed:
+            error_id = (await self.store.put_file(f"{batch.id}_error.jsonl", "batch_output", jsonl(failed),
+                                                  file_id=f"file-{suffix}-error")).id
+        stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[final]
+
+        def end(b: Batch) -> Batch | None:
+            if b.status not in ("in_progress", "finalizing", "cancelling"):
+                return None
+            counts = BatchRequestCounts(total=b.request_counts.total, completed=len(ok), failed=len(failed))
+            return b.model_copy(update={"status": final, stamp: now(), "output_file_id": output_id,
+                                        "error_file_id": error_id, "request_counts": counts})
+        batch = await self.store.update_batch(batch.id, end)
+        log.info("batch_finished", batch_id=batch.id, status=batch.status, completed=len(ok), failed=len(failed))
