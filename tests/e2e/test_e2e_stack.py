@@ -52,7 +52,7 @@ async def scheduler_stats(nats_url: str) -> SchedulerStats:
 @pytest.fixture(scope="module")
 def stack(nats_url, smollm2_path, tmp_path_factory):
     services = compose_commands()
-    assert set(services) == {"scheduler", "tokenizer", "detokenizer", "executor", "gateway"}
+    assert set(services) == {"scheduler", "tokenizer", "detokenizer", "executor", "gateway", "batch"}
     port = free_port()
     logs = tmp_path_factory.mktemp("stack-logs")
     procs = []
