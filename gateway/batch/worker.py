@@ -120,28 +120,44 @@ class BatchService(BusService):
             "pagedllm.batch.work.*", durable="batch-work", stream=WORK_STREAM,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.settings.batch_ack_wait_s,
                                   max_ack_pending=-1))
-        self.spawn(self._validate_loop())
-        self.spawn(self._work_loop())
-        self.spawn(self._monitor_loop())
+        self.spawn(self._forever("validate", self._validate_next))
+        self.spawn(self._forever("work", self._work_next))
+        self.spawn(self._forever("monitor", self._monitor_all))
 
     async def on_stop(self) -> None:
         for task in list(self._running):  # unacknowledged: delivered again to a replica
             task.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
+        for sub in (getattr(self, "_events", None), getattr(self, "_work", None)):
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # NATS gone: nothing to drain
+                    pass
         if self.client is not None:
             await self.client.stop()
 
-    # ---------------------------------------------------------------- validation
-
-    async def _validate_loop(self) -> None:
+    async def _forever(self, what: str, step) -> None:
+        """Run ``step()`` again and again; a failure (NATS away, JetStream busy) is logged and
+        retried a second later, so no transient trouble ends the service."""
         while True:
             try:
-                msgs = await self._events.fetch(1, timeout=1.0)
-            except nats.errors.TimeoutError:
+                await step()
+            except asyncio.CancelledError:
+                raise
+            except (TimeoutError, nats.errors.TimeoutError):
                 continue
-            for msg in msgs:
-                await self._validate(msg.data.decode())
-                await msg.ack()
+            except Exception as exc:
+                log.warning("batch_loop_failed", loop=what, error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(1.0)
+
+    # ---------------------------------------------------------------- validation
+
+    async def _validate_next(self) -> None:
+        """Validate the next created batch (acknowledged once done: a crash redoes it)."""
+        for msg in await self._events.fetch(1, timeout=1.0):
+            await self._validate(msg.data.decode())
+            await msg.ack()
 
     async def _validate(self, batch_id: str) -> None:
         """Check the batch's input file; queue its lines (``in_progress``) or fail it."""
@@ -178,24 +194,23 @@ class BatchService(BusService):
 
     # ---------------------------------------------------------------- work
 
-    async def _work_loop(self) -> None:
+    async def _work_next(self) -> None:
         """Fetch as many lines as there are free slots (``batch_max_in_flight``), run each."""
-        while True:
-            await self._slots.acquire()  # at least one free slot, then every other free one
-            taken = 1
-            while not self._slots.locked():
-                await self._slots.acquire()
-                taken += 1
-            try:
-                msgs = await self._work.fetch(taken, timeout=1.0)
-            except nats.errors.TimeoutError:
-                msgs = []
+        await self._slots.acquire()  # at least one free slot, then every other free one
+        taken = 1
+        while not self._slots.locked():
+            await self._slots.acquire()
+            taken += 1
+        msgs = []
+        try:
+            msgs = await self._work.fetch(taken, timeout=1.0)
+        finally:
             for _ in range(taken - len(msgs)):
                 self._slots.release()
-            for msg in msgs:
-                task = asyncio.create_task(self._run(msg))
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
+        for msg in msgs:
+            task = asyncio.create_task(self._run(msg))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
 
     async def _run(self, msg) -> None:
         keepalive = asyncio.create_task(self._in_progress(msg))
@@ -248,15 +263,11 @@ class BatchService(BusService):
 
     # ---------------------------------------------------------------- monitor
 
-    async def _monitor_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.batch_monitor_interval_s)
-            try:
-                for batch in await self.store.list_batches():
-                    if batch.status in ("in_progress", "cancelling", "finalizing"):
-                        await self._monitor(batch)
-            except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:  # NATS away: next round
-                log.warning("batch_monitor_failed", error=str(exc) or type(exc).__name__)
+    async def _monitor_all(self) -> None:
+        await asyncio.sleep(self.settings.batch_monitor_interval_s)
+        for batch in await self.store.list_batches():
+            if batch.status in ("in_progress", "cancelling", "finalizing"):
+                await self._monitor(batch)
 
     async def _monitor(self, batch: Batch) -> None:
         completed, failed = await self.store.result_counts(batch.id)
