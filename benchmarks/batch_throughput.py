@@ -54,13 +54,12 @@ def ttft(url: str, model: str, probes: int) -> list[float]:
         body = {"model": model, "messages": [{"role": "user", "content": f"Say something nice ({i})."}],
                 "max_tokens": 8, "temperature": 0, "stream": True}
         t0 = time.perf_counter()
+        first = None
         with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
-                if line.startswith("data: ") and '"content"' in line:
-                    out.append((time.perf_counter() - t0) * 1e3)
-                    break
-            for _ in r.iter_lines():
-                pass
+                if first is None and line.startswith("data: ") and '"content"' in line:
+                    first = (time.perf_counter() - t0) * 1e3
+        out.append(first)
     return out
 
 

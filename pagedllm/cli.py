@@ -140,6 +140,28 @@ def serving_defaults(settings: Settings) -> Settings:
     return settings.model_copy(update={"max_num_batched_tokens": CPU_SERVE_MAX_NUM_BATCHED_TOKENS})
 
 
+def _jetstream_store(cache_dir: Path) -> Path | None:
+    """``<cache_dir>/jetstream``, held with a lock for this process's life; None (a temporary
+    store) when another ``pagedllm serve`` holds it: two nats-servers on one store would
+    corrupt it."""
+    import fcntl
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(cache_dir / "jetstream.lock", "w")  # noqa: SIM115 - held until the process exits
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        print(f"pagedllm: another pagedllm serve uses {cache_dir / 'jetstream'}; this one keeps its batch jobs "
+              "in a temporary store (give it another --cache-dir to keep them)", file=sys.stderr)
+        return None
+    _held_locks.append(lock)
+    return cache_dir / "jetstream"
+
+
+_held_locks: list = []
+
+
 def cmd_run_batch(args: argparse.Namespace) -> None:
     """``pagedllm run-batch -i in.jsonl -o out.jsonl``: see ``pagedllm/run_batch.py``."""
     from pagedllm.run_batch import run_batch
@@ -166,7 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     info = model_info_or_exit(settings, "pagedllm")
     # JetStream's file store under the cache directory: batch jobs survive a restart of serve
-    nats_server = (EmbeddedNats(new_session=True, store_dir=settings.cache_dir / "jetstream")
+    nats_server = (EmbeddedNats(new_session=True, store_dir=_jetstream_store(settings.cache_dir))
                    if not settings.nats_url else None)
     procs: ServiceProcesses | None = None
     health = f"http://{settings.host}:{settings.port}/health"

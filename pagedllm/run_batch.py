@@ -12,11 +12,10 @@ error ``response``). A file that is not a valid batch input (a bad line, a dupli
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
-from gateway.batch.objects import BATCH_ENDPOINTS, BatchRequestOutput
+from gateway.batch.objects import BatchRequestOutput
 from gateway.batch.validation import parse_batch_input
 from gateway.batch.worker import run_line
 
@@ -24,32 +23,16 @@ MAX_IN_FLIGHT = 256  # lines submitted at once (the scheduler batches them)
 
 
 def read_batch_input(path: Path) -> list[tuple[str, str, dict[str, Any]]]:
-    """``(url, custom_id, body)`` per line of ``path``.
+    """``(url, custom_id, body)`` per line of ``path`` (each line with its own ``url``).
 
     Raises:
         ValueError: the file is not a valid batch input (the message names the line).
     """
-    data = path.read_bytes()
-    urls: dict[int, str] = {}
-    for number, raw in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
-        try:
-            line = json.loads(raw) if raw.strip() else None
-        except json.JSONDecodeError:
-            continue  # parse_batch_input names it
-        if isinstance(line, dict) and line.get("url") in BATCH_ENDPOINTS:
-            urls[number] = line["url"]
-    items, errors = [], []
-    for endpoint in BATCH_ENDPOINTS:  # each line checked against its own url; ids unique across both
-        found, errs = parse_batch_input("run-batch", data, endpoint)
-        items.extend(i for i in found if urls.get(i.line) == endpoint)
-        errors.extend(e for e in errs if e.code != "mismatched_url" and e.code != "empty_file")
-    if errors or not items:
-        first = errors[0].message if errors else "the input file has no request lines"
-        raise ValueError(f"{path}: {first}" + (f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""))
-    ids = [i.custom_id for i in items]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: a custom_id appears more than once")
-    return [(urls[i.line], i.custom_id, i.body) for i in sorted(items, key=lambda i: i.line)]
+    items, errors = parse_batch_input("run-batch", path.read_bytes(), None)
+    if errors:
+        more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+        raise ValueError(f"{path}: {errors[0].message}{more}")
+    return [(item.url, item.custom_id, item.body) for item in items]
 
 
 def run_batch(input_path: Path, output_path: Path, use_tqdm: bool = True, **engine_kwargs: Any) -> tuple[int, int]:

@@ -91,7 +91,8 @@ class Settings(BaseSettings):
     )
     num_detokenizer_shards: int = Field(1, ge=1)
     detokenizer_shard: int = Field(0, ge=0)
-    cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Converted models and the built CPU kernels")
+    cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Converted models, the built CPU kernels, and "
+                            "pagedllm serve's JetStream store (batch jobs)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)")
     step_timeout_s: float = Field(600.0, gt=0, description="Max seconds one executor step may take")
     heartbeat_interval_s: float = Field(1.0, gt=0)

@@ -136,6 +136,7 @@ class BatchWorkItem(BaseModel):
     line: int  # 1-based, in the input file
     custom_id: str
     body: dict[str, Any]
+    url: str = "/v1/chat/completions"  # the line's endpoint (a batch's lines all have the batch's)
 
 
 class BatchResponse(BaseModel):

@@ -66,7 +66,7 @@ async def create_file(request: Request) -> FileObject:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit + 64 * 1024:
         raise APIError.of(413, f"the file is larger than the {limit} bytes allowed", code="file_too_large")
-    form = await request.form(max_part_size=limit + 1)
+    form = await request.form(max_part_size=1 << 20)  # plain fields; the file part is spooled to disk
     upload, purpose = form.get("file"), form.get("purpose")
     if upload is None or isinstance(upload, str):
         raise APIError.of(400, "a multipart 'file' field is required", param="file")
@@ -168,9 +168,9 @@ async def cancel_batch(request: Request, batch_id: str) -> Batch:
         return b.model_copy(update=dict(status="cancelling", cancelling_at=now()))
 
     try:
-        batch = await _store(request).update_batch(batch_id, cancel)
+        batch, applied = await _store(request).transition(batch_id, cancel)
     except NotFound:
         raise _not_found("batch", batch_id) from None
-    if batch.status in ("completed", "failed", "expired", "finalizing"):
+    if not applied and batch.status != "cancelling":  # ended, or finalizing: too late
         raise APIError.of(400, f"Cannot cancel a batch with status '{batch.status}'.", param="batch_id")
     return batch

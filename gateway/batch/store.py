@@ -12,7 +12,7 @@
   done (:meth:`BatchStore.remaining_work`);
 - results: one message per line on the stream ``PAGEDLLM_BATCH_RESULTS`` (subject
   ``pagedllm.batch.result.<batch id>.ok|error``) published with the message id ``<batch
-  id>:<custom_id>``: JetStream drops a second publication of the same line within its
+  id>:<line>``: JetStream drops a second publication of the same line within its
   duplicate window (24 h, the completion window), so a line redelivered after a crash is
   stored once, and the per-subject counts are the batch's ``request_counts``.
 
@@ -116,7 +116,12 @@ class BatchStore:
 
     async def list_files(self, purpose: str | None = None) -> list[FileObject]:
         """Every file (of ``purpose``), newest first."""
-        files = [await self.get_file(key) for key in await self._keys(self.files)]
+        files = []
+        for key in await self._keys(self.files):
+            try:
+                files.append(await self.get_file(key))
+            except NotFound:  # deleted meanwhile
+                continue
         return sorted((f for f in files if purpose is None or f.purpose == purpose),
                       key=lambda f: (f.created_at, f.id), reverse=True)
 
@@ -148,14 +153,19 @@ class BatchStore:
         """Compare-and-set: apply ``change`` to the current batch and store the result if nobody
         changed the batch meanwhile, else read it again and retry. ``change`` returning None
         leaves the batch as it is. Returns the batch as stored. Raises: NotFound."""
+        batch, _ = await self.transition(batch_id, change)
+        return batch
+
+    async def transition(self, batch_id: str, change: Callable[[Batch], Batch | None]) -> tuple[Batch, bool]:
+        """:meth:`update_batch`, also saying whether ``change`` was applied (this caller won)."""
         while True:
             batch, revision = await self.get_batch(batch_id)
             changed = change(batch.model_copy(deep=True))
             if changed is None:
-                return batch
+                return batch, False
             try:
                 await self.batches.update(batch_id, changed.model_dump_json().encode(), last=revision)
-                return changed
+                return changed, True
             except nats.js.errors.KeyWrongLastSequenceError:
                 continue
 
@@ -184,10 +194,11 @@ class BatchStore:
         return (info.state.subjects or {}).get(work_subject(batch_id), 0)
 
     async def put_result(self, batch_id: str, line: int, output: BatchRequestOutput, ok: bool) -> None:
-        """Store one line's output (once per ``custom_id`` within the duplicate window)."""
+        """Store one line's output (once per line within the duplicate window; the line number,
+        not the ``custom_id``, keys it: NATS headers cannot carry every string)."""
         payload = json.dumps({"line": line, "output": output.model_dump(mode="json")}).encode()
         await self.js.publish(result_subject(batch_id, ok), payload,
-                              headers={"Nats-Msg-Id": f"{batch_id}:{output.custom_id}"})
+                              headers={"Nats-Msg-Id": f"result:{batch_id}:{line}"})
 
     async def result_counts(self, batch_id: str) -> tuple[int, int]:
         """(completed, failed) lines of the batch."""
@@ -196,10 +207,10 @@ class BatchStore:
         return subjects.get(result_subject(batch_id, True), 0), subjects.get(result_subject(batch_id, False), 0)
 
     async def read_results(self, batch_id: str) -> tuple[list[BatchRequestOutput], list[BatchRequestOutput]]:
-        """The batch's (successful, failed) outputs, each in input-file order, one per ``custom_id``."""
+        """The batch's (successful, failed) outputs, each in input-file order, one per line."""
         completed, failed = await self.result_counts(batch_id)
         total = completed + failed
-        lines: dict[str, tuple[int, bool, BatchRequestOutput]] = {}
+        lines: dict[int, tuple[int, bool, BatchRequestOutput]] = {}
         if total:
             sub = await self.js.pull_subscribe(
                 f"pagedllm.batch.result.{batch_id}.*", durable=None, stream=RESULTS_STREAM,
@@ -212,7 +223,7 @@ class BatchStore:
                         received += 1
                         record = json.loads(msg.data)
                         output = BatchRequestOutput.model_validate(record["output"])
-                        lines.setdefault(output.custom_id, (record["line"], msg.subject.endswith(".ok"), output))
+                        lines.setdefault(record["line"], (record["line"], msg.subject.endswith(".ok"), output))
             finally:
                 await sub.unsubscribe()
         ordered = sorted(lines.values(), key=lambda x: x[0])

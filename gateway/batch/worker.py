@@ -61,6 +61,7 @@ STATUS_CACHE_S = 0.5  # how stale a worker's view of a batch's status may be
 #: a line answered with one of these is run again (up to ``batch_max_attempts`` deliveries):
 #: the engine lost it or could not take it, the request itself may be fine
 RETRYABLE_STATUSES = (500, 502, 503, 504)
+FINALIZE_TAKEOVER_S = 60  # a batch finalizing this long lost its replica: another one finishes it
 
 
 async def run_line(serving: OpenAIServing, endpoint: str, custom_id: str, body: dict) -> tuple[BatchRequestOutput, bool]:
@@ -109,7 +110,11 @@ class BatchService(BusService):
 
     async def serve(self) -> None:
         assert self.bus is not None
-        self.store = await BatchStore(self.bus.nc).setup()
+        try:
+            self.store = await asyncio.wait_for(BatchStore(self.bus.nc).setup(), 10)
+        except Exception as exc:  # a NATS server without JetStream: nothing to do, but no failure
+            log.warning("batch_api_unavailable", error=str(exc) or type(exc).__name__)
+            return
         self.client = EngineClient(self.bus, self.model_info.name)
         await self.client.start()
         self.serving = OpenAIServing(self.settings, self.model_info, self.client, background=True)
@@ -160,7 +165,8 @@ class BatchService(BusService):
             await msg.ack()
 
     async def _validate(self, batch_id: str) -> None:
-        """Check the batch's input file; queue its lines (``in_progress``) or fail it."""
+        """Check the batch's input file; queue its lines (``in_progress``) or fail it. A file
+        this service cannot handle fails its batch, never the service."""
         try:
             batch, _ = await self.store.get_batch(batch_id)
         except NotFound:
@@ -173,7 +179,13 @@ class BatchService(BusService):
             items, errors = [], [BatchError(code="invalid_file", message=f"file {batch.input_file_id} was deleted",
                                             param="input_file_id")]
         else:
-            items, errors = parse_batch_input(batch_id, data, batch.endpoint)
+            limit = self.bus.nc.max_payload - 4096  # a queued line is one NATS message
+            try:
+                items, errors = await asyncio.to_thread(parse_batch_input, batch_id, data, batch.endpoint, limit)
+            except Exception as exc:
+                log.exception("batch_validation_crashed", batch_id=batch_id)
+                items, errors = [], [BatchError(code="invalid_file", message=f"the input file could not be read: "
+                                                f"{type(exc).__name__}")]
         if errors:
             def fail(b: Batch) -> Batch | None:
                 if b.status != "validating":
@@ -214,18 +226,24 @@ class BatchService(BusService):
 
     async def _run(self, msg) -> None:
         keepalive = asyncio.create_task(self._in_progress(msg))
+        attempt = msg.metadata.num_delivered if msg.metadata else 1
         try:
             item = BatchWorkItem.model_validate_json(msg.data)
             batch = await self._batch(item.batch_id)
-            if batch is not None and batch.status == "validating":  # queued just before it went in_progress
-                await msg.nak(delay=STATUS_CACHE_S)
+            # "validating": its lines are queued only once the whole file passed, just before
+            # the batch goes in_progress
+            if batch is None or batch.status not in ("validating", "in_progress"):
+                await msg.ack()  # cancelled or gone: not run
                 return
-            if batch is None or batch.status != "in_progress" or (batch.expires_at and now() >= batch.expires_at):
-                await msg.ack()  # cancelled, expired or gone: not run
+            if batch.expires_at and now() >= batch.expires_at:  # as OpenAI: in the error file
+                output = BatchRequestOutput(id=new_id("batch_req"), custom_id=item.custom_id, error=BatchLineError(
+                    code="batch_expired", message="This request could not be executed before the completion "
+                                                  "window expired."))
+                await self.store.put_result(item.batch_id, item.line, output, False)
+                await msg.ack()
                 return
             output, ok = await run_line(self.serving, batch.endpoint, item.custom_id, item.body)
             status = output.response.status_code if output.response else 500
-            attempt = msg.metadata.num_delivered if msg.metadata else 1
             if status in RETRYABLE_STATUSES and attempt < self.settings.batch_max_attempts:
                 # the engine lost it (an executor gone, the server busy): run it again later
                 log.info("batch_line_retried", batch_id=item.batch_id, line=item.line, status=status,
@@ -236,11 +254,27 @@ class BatchService(BusService):
             await msg.ack()
         except asyncio.CancelledError:
             raise
-        except Exception:  # NATS trouble: left unacknowledged, delivered again
-            log.exception("batch_line_failed")
+        except Exception as exc:  # NATS trouble or a bug: again later, then stored as failed
+            log.exception("batch_line_failed", attempt=attempt)
+            await self._give_up_or_retry(msg, attempt, exc)
         finally:
             keepalive.cancel()
             self._slots.release()
+
+    async def _give_up_or_retry(self, msg, attempt: int, exc: Exception) -> None:
+        """A line that raised: delivered again, or after ``batch_max_attempts`` stored as a 500."""
+        try:
+            if attempt < self.settings.batch_max_attempts:
+                await msg.nak(delay=min(2.0 * attempt, 10.0))
+                return
+            item = BatchWorkItem.model_validate_json(msg.data)
+            error = BatchLineError(code="server_error", message=f"the line failed {attempt} times: "
+                                                                f"{type(exc).__name__}")
+            await self.store.put_result(item.batch_id, item.line, BatchRequestOutput(
+                id=new_id("batch_req"), custom_id=item.custom_id, error=error), False)
+            await msg.ack()
+        except Exception:  # NATS away: JetStream delivers it again after ack_wait
+            log.warning("batch_line_left", attempt=attempt)
 
     async def _in_progress(self, msg) -> None:
         while True:
@@ -270,32 +304,37 @@ class BatchService(BusService):
                 await self._monitor(batch)
 
     async def _monitor(self, batch: Batch) -> None:
+        """Counts of a running batch; its end once no line of it is left on the work queue."""
+        if batch.status == "finalizing":  # another replica's job, unless it died at it
+            if now() - (batch.finalizing_at or 0) > FINALIZE_TAKEOVER_S:
+                claimed, won = await self.store.transition(batch.id, lambda b: b.model_copy(update=dict(
+                    finalizing_at=now())) if b.status == "finalizing" and b.finalizing_at == batch.finalizing_at
+                    else None)
+                if won:
+                    await self._finalize(claimed)
+            return
         completed, failed = await self.store.result_counts(batch.id)
-        remaining = await self.store.remaining_work(batch.id)
-        expired = batch.status == "in_progress" and batch.expires_at is not None and now() >= batch.expires_at
-        if remaining and not expired:
+        if await self.store.remaining_work(batch.id):
             if (completed, failed) != (batch.request_counts.completed, batch.request_counts.failed):
                 def count(b: Batch) -> Batch | None:
                     if b.status not in ("in_progress", "cancelling"):
                         return None
+                    counts = b.request_counts
                     return b.model_copy(update=dict(request_counts=BatchRequestCounts(
-                        total=b.request_counts.total, completed=completed, failed=failed)))
+                        total=counts.total, completed=max(completed, counts.completed),
+                        failed=max(failed, counts.failed))))
                 await self.store.update_batch(batch.id, count)
             return
-        if remaining:  # expired: its lines are acknowledged unrun; finalize once they are gone
-            return
+        if batch.status == "in_progress":  # exactly one replica wins this compare-and-set
+            batch, won = await self.store.transition(batch.id, lambda b: b.model_copy(update=dict(
+                status="finalizing", finalizing_at=now())) if b.status == "in_progress" else None)
+            if not won:
+                return
         await self._finalize(batch)
 
     async def _finalize(self, batch: Batch) -> None:
-        """Write the output and error files and end the batch (completed, cancelled or expired)."""
-        final = {"in_progress": "completed", "finalizing": "completed", "cancelling": "cancelled"}[batch.status]
-        if batch.status == "in_progress" and batch.expires_at is not None and now() >= batch.expires_at:
-            final = "expired"
-        if final == "completed" and batch.status == "in_progress":
-            batch = await self.store.update_batch(batch.id, lambda b: b.model_copy(update=dict(
-                status="finalizing", finalizing_at=now())) if b.status == "in_progress" else None)
-            if batch.status != "finalizing":
-                return
+        """Write the output and error files and end the batch: ``completed`` (from
+        ``finalizing``; ``expired`` when it passed its window with lines unrun) or ``cancelled``."""
         ok, failed = await self.store.read_results(batch.id)
         suffix = batch.id.removeprefix("batch_")
         output_id = error_id = None
@@ -305,13 +344,16 @@ class BatchService(BusService):
         if failed:
             error_id = (await self.store.put_file(f"{batch.id}_error.jsonl", "batch_output", jsonl(failed),
                                                   file_id=f"file-{suffix}-error")).id
-        stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[final]
+        expired = any(o.error is not None and o.error.code == "batch_expired" for o in failed)
 
         def end(b: Batch) -> Batch | None:
-            if b.status not in ("in_progress", "finalizing", "cancelling"):
+            if b.status not in ("finalizing", "cancelling"):
                 return None
+            final = "cancelled" if b.status == "cancelling" else "expired" if expired else "completed"
+            stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[final]
             counts = BatchRequestCounts(total=b.request_counts.total, completed=len(ok), failed=len(failed))
             return b.model_copy(update={"status": final, stamp: now(), "output_file_id": output_id,
                                         "error_file_id": error_id, "request_counts": counts})
         batch = await self.store.update_batch(batch.id, end)
+        self._status.pop(batch.id, None)
         log.info("batch_finished", batch_id=batch.id, status=batch.status, completed=len(ok), failed=len(failed))

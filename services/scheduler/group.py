@@ -53,21 +53,23 @@ class GroupState:
     def enqueue(self, req: Request, by_priority: bool, front: bool = False) -> None:
         """Add ``req`` to the waiting queue. ``by_priority``: the queue stays sorted by
         ``Request.sort_key``. Else FCFS: new requests join the back, but an interactive one
-        ahead of every background one never started (batch lines wait for interactive
-        requests); ``front`` (preempted or requeued ones) go ahead of every request never
-        started, in ``sort_key`` order among themselves."""
+        ahead of every background one (batch lines wait for interactive requests); ``front``
+        (preempted or requeued ones) go ahead of every request never started of their kind,
+        in ``sort_key`` order among themselves. So the queue reads: preempted interactive,
+        waiting interactive, preempted background, waiting background."""
         if by_priority:
             self.waiting.append(req)
             self.waiting.sort(key=Request.sort_key)
-        elif front:
+        elif front:  # a preempted background request goes behind every interactive one too
             i = 0
-            while (i < len(self.waiting) and self.waiting[i].status is RequestStatus.PREEMPTED
-                   and self.waiting[i].sort_key() <= req.sort_key()):
+            while i < len(self.waiting) and (
+                    (self.waiting[i].status is RequestStatus.PREEMPTED and self.waiting[i].sort_key() <= req.sort_key())
+                    or (req.background and not self.waiting[i].background)):
                 i += 1
             self.waiting.insert(i, req)
         elif not req.background:
             i = len(self.waiting)
-            while i > 0 and self.waiting[i - 1].background and self.waiting[i - 1].status is RequestStatus.WAITING:
+            while i > 0 and self.waiting[i - 1].background:  # the background ones are the tail
                 i -= 1
             self.waiting.insert(i, req)
         else:

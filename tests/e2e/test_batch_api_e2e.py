@@ -59,7 +59,7 @@ def served(smollm2_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--dtype", "float32",
          "--kv-cache-memory-bytes", str(64 << 20), "--log-level", "WARNING", "--batch-monitor-interval-s", "0.2",
-         "--batch-max-file-bytes", "200000"],
+         "--batch-max-file-bytes", "200000", "--batch-max-in-flight", "8"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline, line = time.monotonic() + 240, ""
     while "serving" not in line:

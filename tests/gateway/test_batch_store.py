@@ -76,3 +76,14 @@ async def test_lines_are_queued_once_and_results_stored_once_per_custom_id(store
     ok, failed = await store.read_results(batch.id)
     assert [o.custom_id for o in ok] == ["c0", "c1", "c3"] and [o.custom_id for o in failed] == ["c4"]
     assert ok[0].id == "batch_req_0"
+
+
+async def test_custom_ids_that_headers_would_mangle_are_stored_apart(store):
+    """NATS headers strip and fold whitespace: results are keyed by line, not custom_id."""
+    batch = new_batch("file-1", "/v1/completions", "24h", None)
+    ids = ["a", "a ", "a\n", "x y", "x\ny", " a"]
+    for line, custom_id in enumerate(ids, start=1):
+        await store.put_result(batch.id, line, BatchRequestOutput(id=f"r{line}", custom_id=custom_id), ok=True)
+    assert await store.result_counts(batch.id) == (6, 0)
+    ok, _ = await store.read_results(batch.id)
+    assert [o.custom_id for o in ok] == ids

@@ -63,6 +63,27 @@ def test_a_body_that_is_not_a_valid_request_is_left_to_the_line():
     assert errors == [] and items[0].body == {"temperature": "hot"}
 
 
+def test_lines_end_at_newline_only_and_odd_lines_fail_cleanly():
+    """U+2028 inside a JSON string is not a line break; nesting too deep to parse, a line over
+    the size a NATS message carries, and long values echoed in errors are all handled."""
+    sep = line("x\u2028y").replace("\\u2028", "\u2028")  # the raw character inside the string
+    items, errors = parse(sep + "\r")
+    assert errors == [] and items[0].custom_id == "x\u2028y"
+    deep = '{"custom_id": "d", "method": "POST", "url": "/v1/chat/completions", "body": ' + "[" * 100_000
+    long_url = line("u", url="/v1/" + "z" * 10_000)
+    _, errors = parse_batch_input("b", "\n".join([deep, long_url, line("big") + " " * 500]).encode(), CHAT,
+                                  max_line_bytes=400)
+    assert [(e.line, e.code) for e in errors] == [(1, "line_too_large"), (2, "line_too_large"), (3, "line_too_large")]
+    _, errors = parse_batch_input("b", "\n".join([deep, long_url]).encode(), CHAT)
+    assert [(e.line, e.code) for e in errors] == [(1, "invalid_json_line"), (2, "invalid_url")]
+    assert len(errors[1].message) < 200
+
+
+def test_without_an_endpoint_each_line_keeps_its_own_url():
+    items, errors = parse(line("a"), line("b", url="/v1/completions"), endpoint=None)
+    assert errors == [] and [i.url for i in items] == [CHAT, "/v1/completions"]
+
+
 def test_at_most_a_hundred_errors_are_listed():
     _, errors = parse(*["{bad"] * 150)
     assert len(errors) == 100 and errors[-1].code == "too_many_errors" and errors[-1].message == "and 51 more errors"

@@ -491,6 +491,25 @@ def test_background_requests_wait_for_interactive_ones_and_are_preempted_first()
     assert by_id["i0"].num_preemptions == 0 and by_id["b0"].num_preemptions > 0
 
 
+def test_fcfs_queue_puts_interactive_requests_ahead_of_background_ones():
+    """The waiting queue's order under FCFS: preempted interactive, waiting interactive,
+    preempted background, waiting background (each in arrival order)."""
+    from services.scheduler.group import GroupState
+    from services.scheduler.request import RequestStatus
+
+    group = GroupState.__new__(GroupState)  # only the queue is used
+    group.waiting = []
+    made = {}
+    for rid, seed, background, preempted in (("bw", 1, True, False), ("iw", 2, False, False),
+                                             ("bp", 3, True, True), ("ip", 4, False, True), ("iw2", 5, False, False)):
+        req = made[rid] = make_request(rid, prompt_len=4, max_tokens=2, seed=seed)
+        req.background = background
+        if preempted:
+            req.status = RequestStatus.PREEMPTED
+        group.enqueue(req, by_priority=False, front=preempted)
+    assert [r.request_id for r in group.waiting] == ["ip", "iw", "iw2", "bp", "bw"]
+
+
 def test_group_removal_requeues_requests_to_another_group():
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
     sched.add_group("a", num_blocks=32, block_size=16)
