@@ -37,7 +37,8 @@ def conversations(n: int) -> list[list[dict]]:
 def offline(args) -> float:
     from pagedllm import LLM, SamplingParams
 
-    with LLM(dtype=args.dtype) as llm:
+    extra = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
+    with LLM(dtype=args.dtype, **extra) as llm:
         llm.chat(conversations(2), SamplingParams(max_tokens=4), use_tqdm=False)
         t0 = time.perf_counter()
         outs = llm.chat(conversations(args.requests),
@@ -80,12 +81,16 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--probes", type=int, default=20)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="for both engines (default: each one's own: 8192 offline, 512 for serve on a CPU)")
     args = p.parse_args()
     rate_offline = offline(args)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
     serve = subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--dtype", args.dtype,
-                              "--log-level", "WARNING", "--max-num-seqs", "256"],
+                              "--log-level", "WARNING", "--max-num-seqs", "256"]
+                             + (["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+                                if args.max_num_batched_tokens else []),
                              env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         while "serving" not in serve.stdout.readline():

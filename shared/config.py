@@ -102,7 +102,7 @@ class Settings(BaseSettings):
         "answers them with a 503"
     )
     # --- batch API (gateway/batch/) ---
-    batch_max_in_flight: int = Field(64, ge=1, description="Batch lines one batch service runs at once")
+    batch_max_in_flight: int = Field(256, ge=1, description="Batch lines one batch service runs at once")
     batch_ack_wait_s: float = Field(
         30.0, gt=0, description="Seconds before JetStream delivers a batch line again when its batch service is silent")
     batch_max_attempts: int = Field(

@@ -139,7 +139,11 @@ class BatchStore:
     async def create_batch(self, batch: Batch) -> None:
         """Store a new batch and queue its validation (by a batch service)."""
         await self.batches.create(batch.id, batch.model_dump_json().encode())
-        await self.js.publish(CREATED_SUBJECT, batch.id.encode(), headers={"Nats-Msg-Id": f"created:{batch.id}"})
+        await self.notice_created(batch.id)
+
+    async def notice_created(self, batch_id: str) -> None:
+        """Queue the batch's validation (once per duplicate window, however often called)."""
+        await self.js.publish(CREATED_SUBJECT, batch_id.encode(), headers={"Nats-Msg-Id": f"created:{batch_id}"})
 
     async def get_batch(self, batch_id: str) -> tuple[Batch, int]:
         """The batch and its entry's revision. Raises: NotFound."""

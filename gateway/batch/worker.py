@@ -61,6 +61,7 @@ STATUS_CACHE_S = 0.5  # how stale a worker's view of a batch's status may be
 #: a line answered with one of these is run again (up to ``batch_max_attempts`` deliveries):
 #: the engine lost it or could not take it, the request itself may be fine
 RETRYABLE_STATUSES = (500, 502, 503, 504)
+RENOTICE_AFTER_S = 30  # a batch still validating this long may have lost its creation notice
 FINALIZE_TAKEOVER_S = 60  # a batch finalizing this long lost its replica: another one finishes it
 
 
@@ -302,6 +303,10 @@ class BatchService(BusService):
         for batch in await self.store.list_batches():
             if batch.status in ("in_progress", "cancelling", "finalizing"):
                 await self._monitor(batch)
+            elif batch.status == "validating" and now() - batch.created_at > RENOTICE_AFTER_S:
+                # its creation notice may never have been published (the gateway died between
+                # storing the batch and publishing): again (a duplicate is dropped by JetStream)
+                await self.store.notice_created(batch.id)
 
     async def _monitor(self, batch: Batch) -> None:
         """Counts of a running batch; its end once no line of it is left on the work queue."""

@@ -171,7 +171,7 @@ def test_a_batch_survives_kill_9_of_the_batch_service_and_executor_and_a_nats_re
     env.update(PAGEDLLM_NATS_URL=server.url, PAGEDLLM_MODEL=str(smollm2_path), PAGEDLLM_DTYPE="float32",
                PAGEDLLM_KV_CACHE_MEMORY_BYTES=str(64 << 20), PAGEDLLM_PORT=str(http_port),
                PAGEDLLM_LOG_LEVEL="WARNING", PAGEDLLM_BATCH_MONITOR_INTERVAL_S="0.3",
-               PAGEDLLM_BATCH_ACK_WAIT_S="6", PAGEDLLM_HEARTBEAT_INTERVAL_S="0.5",
+               PAGEDLLM_BATCH_ACK_WAIT_S="6", PAGEDLLM_BATCH_MAX_IN_FLIGHT="32", PAGEDLLM_HEARTBEAT_INTERVAL_S="0.5",
                PAGEDLLM_HEARTBEAT_TIMEOUT_S="3")
     procs = {name: _service(name, env) for name in ("scheduler", "tokenizer", "detokenizer", "executor", "gateway",
                                                     "batch")}
@@ -205,6 +205,7 @@ def test_a_batch_survives_kill_9_of_the_batch_service_and_executor_and_a_nats_re
         procs["executor"].wait(10)
         procs["executor"] = _service("executor", env)
         progress(500)
+        assert client.batches.retrieve(batch.id).status == "in_progress"  # the restart comes mid-batch
         server.stop()  # nats-server restarts on its file store (store_dir is kept)
         time.sleep(1.0)
         server = EmbeddedNats(port=nats_port, store_dir=store).start()
