@@ -15,9 +15,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from gateway.batch.lines import run_line
 from gateway.batch.objects import BatchRequestOutput
 from gateway.batch.validation import parse_batch_input
-from gateway.batch.worker import run_line
 
 MAX_IN_FLIGHT = 256  # lines submitted at once (the scheduler batches them)
 

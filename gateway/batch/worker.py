@@ -30,8 +30,8 @@ import time
 import nats.errors
 import nats.js.errors
 from nats.js.api import AckPolicy, ConsumerConfig
-from pydantic import ValidationError
 
+from gateway.batch.lines import jsonl, run_line
 from gateway.batch.objects import (
     Batch,
     BatchError,
@@ -39,15 +39,12 @@ from gateway.batch.objects import (
     BatchLineError,
     BatchRequestCounts,
     BatchRequestOutput,
-    BatchResponse,
     BatchWorkItem,
     new_id,
     now,
 )
 from gateway.batch.store import CREATED_SUBJECT, EVENTS_STREAM, WORK_STREAM, BatchStore, NotFound
 from gateway.batch.validation import parse_batch_input
-from gateway.errors import APIError, validation_error
-from gateway.protocol.requests import ChatCompletionRequest, CompletionRequest
 from gateway.serving import OpenAIServing
 from shared.bus import Bus
 from shared.config import Settings
@@ -63,36 +60,6 @@ STATUS_CACHE_S = 0.5  # how stale a worker's view of a batch's status may be
 RETRYABLE_STATUSES = (500, 502, 503, 504)
 RENOTICE_AFTER_S = 30  # a batch still validating this long may have lost its creation notice
 FINALIZE_TAKEOVER_S = 60  # a batch finalizing this long lost its replica: another one finishes it
-
-
-async def run_line(serving: OpenAIServing, endpoint: str, custom_id: str, body: dict) -> tuple[BatchRequestOutput, bool]:
-    """One batch line through ``serving`` as a non-streaming request: its output line and
-    whether it succeeded (status 200). An invalid body or a refused request is the error
-    body the endpoint would answer, with its status."""
-    model = ChatCompletionRequest if endpoint == "/v1/chat/completions" else CompletionRequest
-    request_id = new_id("batch_req")
-    try:
-        try:
-            request = model.model_validate({**body, "stream": False})
-        except ValidationError as exc:
-            raise validation_error(exc.errors()) from None
-        served = await serving.begin(request)
-        try:
-            response = await serving.collect(served)
-        finally:
-            serving.finish(served)
-    except APIError as exc:
-        out = BatchRequestOutput(id=request_id, custom_id=custom_id,
-                                 response=BatchResponse(status_code=exc.status, request_id=request_id, body=exc.body()),
-                                 error=BatchLineError(code=exc.error.code or exc.error.type, message=exc.error.message))
-        return out, False
-    body_json = response.model_dump(mode="json")
-    return BatchRequestOutput(id=request_id, custom_id=custom_id,
-                              response=BatchResponse(status_code=200, request_id=body_json["id"], body=body_json)), True
-
-
-def jsonl(outputs: list[BatchRequestOutput]) -> bytes:
-    return "".join(o.model_dump_json() + "\n" for o in outputs).encode()
 
 
 class BatchService(BusService):
