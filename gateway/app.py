@@ -12,7 +12,8 @@ HTTP endpoints (shapes of the OpenAI API reference and of vLLM's OpenAI server):
 
 Every error body is OpenAI-shaped (``gateway/errors.py``): invalid bodies are 400 (never
 FastAPI's 422), an unknown model is 404, an engine failure keeps its status (500 when
-unknown). The request logic behind the routes is ``gateway/serving.py``.
+unknown). The request logic behind the routes is ``gateway/serving.py``. With ``api_key`` set,
+``/v1`` needs a bearer key (``gateway/auth.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.auth import APIKeyMiddleware, parse_api_keys
 from gateway.batch.routes import router as batch_router
 from gateway.errors import APIError, validation_error
 from gateway.metrics import CONTENT_TYPE
@@ -46,6 +48,8 @@ def _error_response(exc: APIError, headers: dict[str, str] | None = None) -> JSO
 def create_app(settings: Settings, model_info: ModelInfo, client: EngineClient) -> FastAPI:
     """The FastAPI app of one gateway, serving ``model_info.name`` through ``client``."""
     app = FastAPI(title="pagedllm", description="OpenAI-compatible API of pagedllm", version="0.1.0")
+    if keys := parse_api_keys(settings.api_key):  # inside CORS: a refusal still carries its headers
+        app.add_middleware(APIKeyMiddleware, keys=keys)
     origins = [o.strip() for o in settings.allowed_origins.split(",") if o.strip()]
     if origins:  # browsers' preflight requests (OPTIONS) and CORS headers, as vLLM's defaults
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])

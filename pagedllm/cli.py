@@ -62,7 +62,17 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                                 metavar="true|false", help=field.description)
             continue
         typ, choices = _flag_type(field.annotation)
+        if name == "api_key":  # vLLM's --api-key K1 K2 ...: kept comma-separated
+            parser.add_argument(flag, dest=name, nargs="+", action=_JoinKeys, default=None, help=field.description)
+            continue
         parser.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=field.description)
+
+
+class _JoinKeys(argparse.Action):
+    """``--api-key K1 K2`` (or ``K1,K2``) as one comma-separated setting."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, ",".join(values))
 
 
 def validation_message(exc: ValidationError) -> str:

@@ -109,6 +109,9 @@ class Settings(BaseSettings):
         5, ge=1, description="Deliveries of a batch line the engine lost (5xx) before it is stored as failed")
     batch_monitor_interval_s: float = Field(1.0, gt=0, description="How often batches' counts and ends are checked")
     batch_max_file_bytes: int = Field(200 * 1024 * 1024, ge=1, description="Largest file /v1/files accepts (413 above)")
+    api_key: str | None = Field(
+        None, description="API keys the /v1 routes and the WebSocket require as 'Authorization: Bearer <key>' "
+        "(several: comma-separated, or --api-key K1 K2); None = open, as vLLM")
     allowed_origins: str = Field(
         "*", description="Browser origins allowed by CORS, comma-separated ('*' = any, as vLLM; '' = none)"
     )
