@@ -129,6 +129,14 @@ def is_connection_error(exc: BaseException) -> bool:
     return type(exc) is nats.errors.Error and any(m in str(exc) for m in _HANDSHAKE_ERROR_MESSAGES)
 
 
+def redact_url(url: str) -> str:
+    """``url`` without the credentials of its user-info part (``nats://***@host:port``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest.split("/", 1)[0]:
+        return url
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+
+
 class ConnectionEvents:
     """nats.py's ``error_cb``, ``disconnected_cb`` and ``reconnected_cb`` for one connection:
     one short structured log line per event, instead of nats.py's default ``nats: encountered
@@ -143,7 +151,7 @@ class ConnectionEvents:
 
     def __init__(self, name: str, url: str) -> None:
         self.name = name
-        self.url = url
+        self.url = redact_url(url)  # logged: never with its credentials
         self.errors = 0  # connection errors since the connection was last up
         self._last_logged = 0.0
         self.client: Client | None = None  # set once connected

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -60,15 +61,21 @@ class EmbeddedNats:
     Use as a context manager or call ``start()`` / ``stop()``; ``url`` is its address.
     ``store_dir``: where JetStream keeps its file store (kept across restarts: ``pagedllm
     serve``'s batches survive it); None: a temporary directory, removed by ``stop``.
+
+    It listens on 127.0.0.1 only and requires ``token`` (default: one generated here), which
+    ``url`` carries (``nats://<token>@127.0.0.1:<port>``), so another local user cannot publish
+    steps or read requests; a server restarted on the same port takes the same token.
     """
 
-    def __init__(self, port: int | None = None, new_session: bool = False, store_dir: Path | None = None) -> None:
+    def __init__(self, port: int | None = None, new_session: bool = False, store_dir: Path | None = None,
+                 token: str | None = None) -> None:
         self.store_dir = store_dir
+        self.token = token or secrets.token_urlsafe(24)
         self.port = port or free_port()
         # new_session: out of the terminal's process group, so Ctrl-C reaches only the owner,
         # which then stops its services before the server (``pagedllm serve``)
         self.new_session = new_session
-        self.url = f"nats://127.0.0.1:{self.port}"
+        self.url = f"nats://{self.token}@127.0.0.1:{self.port}"
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
 
@@ -80,6 +87,7 @@ class EmbeddedNats:
         conf.write_text(
             f"listen: 127.0.0.1:{self.port}\nmax_payload: {MAX_PAYLOAD_BYTES}\n"
             f"jetstream {{ store_dir: {json.dumps(str(store))} }}\n"
+            f"authorization {{ token: {json.dumps(self.token)} }}\n"
         )
         self._proc = subprocess.Popen(
             [find_nats_server(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

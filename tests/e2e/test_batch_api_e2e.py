@@ -208,7 +208,7 @@ def test_a_batch_survives_kill_9_of_the_batch_service_and_executor_and_a_nats_re
         assert client.batches.retrieve(batch.id).status == "in_progress"  # the restart comes mid-batch
         server.stop()  # nats-server restarts on its file store (store_dir is kept)
         time.sleep(1.0)
-        server = EmbeddedNats(port=nats_port, store_dir=store).start()
+        server = EmbeddedNats(port=nats_port, store_dir=store, token=server.token).start()
         batch = wait_for(client, batch.id, ("completed", "failed"), 600)
         assert batch.status == "completed", batch
         assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == \

@@ -198,7 +198,7 @@ async def test_a_nats_outage_is_logged_as_one_line_per_event(monkeypatch):
     try:
         server.stop()
         await asyncio.sleep(2)  # about four reconnect attempts
-        server = EmbeddedNats(port=server.port).start()
+        server = EmbeddedNats(port=server.port, token=server.token).start()
         deadline = time.monotonic() + 20
         while not any(e[0] == "nats_reconnected" for e in log.events):  # logged by a callback task
             assert time.monotonic() < deadline, log.events
