@@ -74,6 +74,12 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
         raise RuntimeError(f"{' '.join(cmd)} timed out after {timeout} s") from None
 
 
+def find_compiler() -> str | None:
+    """The C compiler builds use: ``$CC``, else ``gcc``, else ``cc``; None when there is none."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    return cc if cc and shutil.which(cc) else None
+
+
 def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None) -> Path:
     """Compile the kernels (if not already built) and return the shared library's path.
 
@@ -85,7 +91,7 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (), cache_
         RuntimeError: no C compiler, or a compiler command failed (its output in the message)
             or ran past its timeout (``PROBE_TIMEOUT_S``, ``COMPILE_TIMEOUT_S``).
     """
-    cc = compiler or os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    cc = compiler or find_compiler()
     if not cc or not shutil.which(cc):
         raise RuntimeError(f"no C compiler found ({cc or 'gcc/cc'}; set CC or install gcc)")
     compile_flags = [*COMPILE_FLAGS, *extra_flags]

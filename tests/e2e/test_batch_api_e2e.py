@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from processes import clean_env, start_serve, start_service, stop_all
 
 from shared.config import DEFAULT_MODEL_NAME
 from shared.nats_server import EmbeddedNats, free_port
@@ -53,20 +54,10 @@ def comparable(body: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def served(smollm2_path):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
-    env["PAGEDLLM_CACHE_DIR"] = str(smollm2_path.parent)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--dtype", "float32",
-         "--kv-cache-memory-bytes", str(64 << 20), "--log-level", "WARNING", "--batch-monitor-interval-s", "0.2",
-         "--batch-max-file-bytes", "200000", "--batch-max-in-flight", "8"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline, line = time.monotonic() + 240, ""
-    while "serving" not in line:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"serve did not start: {proc.stderr.read()[-3000:]}")
-        line = proc.stdout.readline()
+    proc, port, _ = start_serve(
+        smollm2_path.parent, "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), "--log-level",
+        "WARNING", "--batch-monitor-interval-s", "0.2", "--batch-max-file-bytes", "200000",
+        "--batch-max-in-flight", "8")
     try:
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     finally:
@@ -153,11 +144,6 @@ def test_bad_input_fails_validation_naming_lines_and_oversized_files_are_413(ser
     assert r.choices[0].message.content is not None  # the server still serves
 
 
-def _service(name: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "service", name], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 @pytest.mark.timeout(900)
 def test_a_batch_survives_kill_9_of_the_batch_service_and_executor_and_a_nats_restart(smollm2_path, tmp_path):
     """A 1,000-line batch on real processes and a nats-server with a file store: the batch
@@ -167,14 +153,13 @@ def test_a_batch_survives_kill_9_of_the_batch_service_and_executor_and_a_nats_re
     nats_port, http_port = free_port(), free_port()
     store = tmp_path / "jetstream"
     server = EmbeddedNats(port=nats_port, store_dir=store).start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
-    env.update(PAGEDLLM_NATS_URL=server.url, PAGEDLLM_MODEL=str(smollm2_path), PAGEDLLM_DTYPE="float32",
-               PAGEDLLM_KV_CACHE_MEMORY_BYTES=str(64 << 20), PAGEDLLM_PORT=str(http_port),
-               PAGEDLLM_LOG_LEVEL="WARNING", PAGEDLLM_BATCH_MONITOR_INTERVAL_S="0.3",
-               PAGEDLLM_BATCH_ACK_WAIT_S="6", PAGEDLLM_BATCH_MAX_IN_FLIGHT="32", PAGEDLLM_HEARTBEAT_INTERVAL_S="0.5",
-               PAGEDLLM_HEARTBEAT_TIMEOUT_S="3")
-    procs = {name: _service(name, env) for name in ("scheduler", "tokenizer", "detokenizer", "executor", "gateway",
-                                                    "batch")}
+    env = clean_env(PAGEDLLM_NATS_URL=server.url, PAGEDLLM_MODEL=str(smollm2_path), PAGEDLLM_DTYPE="float32",
+                    PAGEDLLM_KV_CACHE_MEMORY_BYTES=str(64 << 20), PAGEDLLM_PORT=str(http_port),
+                    PAGEDLLM_LOG_LEVEL="WARNING", PAGEDLLM_BATCH_MONITOR_INTERVAL_S="0.3",
+                    PAGEDLLM_BATCH_ACK_WAIT_S="6", PAGEDLLM_BATCH_MAX_IN_FLIGHT="32",
+                    PAGEDLLM_HEARTBEAT_INTERVAL_S="0.5", PAGEDLLM_HEARTBEAT_TIMEOUT_S="3")
+    names = ("scheduler", "tokenizer", "detokenizer", "executor", "gateway", "batch")
+    procs = {name: start_service(name, env) for name in names}
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0)
     try:
         deadline = time.monotonic() + 240
@@ -199,11 +184,11 @@ def test_a_batch_survives_kill_9_of_the_batch_service_and_executor_and_a_nats_re
         progress(100)
         procs["batch"].send_signal(signal.SIGKILL)  # lines it held are delivered again
         procs["batch"].wait(10)
-        procs["batch"] = _service("batch", env)
+        procs["batch"] = start_service("batch", env)
         progress(300)
         procs["executor"].send_signal(signal.SIGKILL)  # running lines: 503, retried
         procs["executor"].wait(10)
-        procs["executor"] = _service("executor", env)
+        procs["executor"] = start_service("executor", env)
         progress(500)
         assert client.batches.retrieve(batch.id).status == "in_progress"  # the restart comes mid-batch
         server.stop()  # nats-server restarts on its file store (store_dir is kept)
@@ -220,14 +205,7 @@ def test_a_batch_survives_kill_9_of_the_batch_service_and_executor_and_a_nats_re
             direct = client.chat.completions.create(**lines[i]["body"]).model_dump(mode="json", exclude_unset=True)
             assert comparable(out[i]["response"]["body"]) == comparable(direct)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs.values(), timeout=20)
         server.stop()
 
 

@@ -8,11 +8,11 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
 import pytest
+from processes import start_service, stop_all
 
 from shared.bus import Bus
 from shared.engine_client import EngineClient
@@ -27,11 +27,7 @@ QUESTIONS = [f"Question {i}: name a fruit that is {c}." for i, c in
 
 
 def start(name: str, env: dict[str, str], group: str | None = None) -> subprocess.Popen:
-    e = dict(env)
-    if group:
-        e["PAGEDLLM_GROUP_ID"] = group
-    return subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "service", name], env=e,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return start_service(name, {**env, "PAGEDLLM_GROUP_ID": group} if group else env)
 
 
 async def generate_all(client: EngineClient, params: SamplingParams) -> list[list[int]]:
@@ -102,14 +98,7 @@ async def test_two_groups_spread_share_and_survive_a_killed_group(nats_url, smol
     finally:
         await client.stop()
         await bus.close()
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs.values())
 
 
 class _StubRunner:

@@ -15,29 +15,16 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from processes import left_running
+from processes import start_serve as serve
 
 from shared.nats_server import free_port
 
 
 def start_serve(smollm2_path) -> tuple[subprocess.Popen, int, str]:
-    """``pagedllm serve`` in its own session, once it prints that it serves: (process, port,
-    the line it printed)."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
-    env["PAGEDLLM_CACHE_DIR"] = str(smollm2_path.parent)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--dtype", "float32",
-         "--kv-cache-memory-bytes", str(64 << 20), "--log-level", "WARNING"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    deadline = time.monotonic() + 180
-    line = ""
-    while "serving" not in line:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"serve did not start: {proc.stderr.read()[-3000:]}")
-        line = proc.stdout.readline()
-    return proc, port, line
+    """``pagedllm serve`` of the default model in float32 (``processes.start_serve``)."""
+    return serve(smollm2_path.parent, "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20),
+                 "--log-level", "WARNING")
 
 
 def test_serve_answers_and_shuts_down_cleanly(smollm2_path):
@@ -101,19 +88,8 @@ def test_serve_killed_with_sigkill_leaves_no_orphans(smollm2_path):
     finally:
         proc.kill()
         proc.wait(10)
-    def running(p: psutil.Process) -> bool:  # a dead orphan may stay a zombie until init reaps it
-        try:
-            return p.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    deadline = time.monotonic() + 20
-    while (alive := [p for p in children if running(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    names = [p.name() for p in alive]
-    for leftover in alive:
-        leftover.kill()
-    assert not alive, names
+    alive = left_running(children)
+    assert not alive, alive
 
 
 def test_an_embedded_nats_server_dies_with_its_owner():

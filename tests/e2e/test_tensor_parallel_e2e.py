@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from processes import clean_env, left_running, start_serve, start_service, stop_all
 from transformers import LlamaConfig, Qwen2Config
 
 from pagedllm import LLM, SamplingParams
@@ -113,19 +114,8 @@ def test_engine_features_under_tp2_give_tp1_outputs(tmp_path, smollm2_path):
 
 
 def _serve_tp2(smollm2_path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
-    env["PAGEDLLM_CACHE_DIR"] = str(smollm2_path.parent)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--tensor-parallel-size", "2",
-         "--kv-cache-memory-bytes", str(32 << 20), "--log-level", "WARNING"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline, line = time.monotonic() + 240, ""
-    while "serving" not in line:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"serve did not start: {proc.stderr.read()[-3000:]}")
-        line = proc.stdout.readline()
+    proc, port, _ = start_serve(smollm2_path.parent, "--tensor-parallel-size", "2", "--kv-cache-memory-bytes",
+                                str(32 << 20), "--log-level", "WARNING")
     return proc, port
 
 
@@ -192,26 +182,15 @@ def test_kill_9_of_a_rank_ends_every_request_and_leaves_no_process(smollm2_path)
     stderr = proc.stderr.read()
     assert "tensor-parallel" in stderr and "service executor exited" in stderr, stderr[-3000:]
 
-    def running(p: psutil.Process) -> bool:
-        try:
-            return p.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    deadline = time.monotonic() + 20
-    while (alive := [p for p in tree if running(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for leftover in alive:
-        leftover.kill()
-    assert not alive, [p.cmdline() for p in alive]
+    alive = left_running(tree)
+    assert not alive, alive
 
 
 def _service(name: str, env: dict[str, str], group: str | None = None, tp: int = 1, **settings: str) -> subprocess.Popen:
     e = dict(env, PAGEDLLM_TENSOR_PARALLEL_SIZE=str(tp), **{f"PAGEDLLM_{k.upper()}": v for k, v in settings.items()})
     if group:
         e["PAGEDLLM_GROUP_ID"] = group
-    return subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "service", name], env=e,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return start_service(name, e, stderr=subprocess.PIPE)
 
 
 @pytest.mark.timeout(600)
@@ -234,10 +213,9 @@ async def test_a_group_losing_a_rank_is_dropped_its_requests_recomputed_elsewher
     from shared.subjects import Subjects
 
     model = f"tp-{uuid.uuid4().hex[:6]}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
-    env.update(PAGEDLLM_NATS_URL=nats_url, PAGEDLLM_MODEL=str(smollm2_path), PAGEDLLM_SERVED_MODEL_NAME=model,
-               PAGEDLLM_DTYPE="float32", PAGEDLLM_KV_CACHE_MEMORY_BYTES=str(32 << 20),
-               PAGEDLLM_HEARTBEAT_INTERVAL_S="0.5", PAGEDLLM_HEARTBEAT_TIMEOUT_S="3", PAGEDLLM_LOG_LEVEL="WARNING")
+    env = clean_env(PAGEDLLM_NATS_URL=nats_url, PAGEDLLM_MODEL=str(smollm2_path), PAGEDLLM_SERVED_MODEL_NAME=model,
+                    PAGEDLLM_DTYPE="float32", PAGEDLLM_KV_CACHE_MEMORY_BYTES=str(32 << 20),
+                    PAGEDLLM_HEARTBEAT_INTERVAL_S="0.5", PAGEDLLM_HEARTBEAT_TIMEOUT_S="3", PAGEDLLM_LOG_LEVEL="WARNING")
     procs = {name: _service(name, env) for name in ("scheduler", "tokenizer", "detokenizer")}
     procs["ga"] = _service("executor", env, "ga", tp=2)
     procs["gb"] = _service("executor", env, "gb")
@@ -313,15 +291,7 @@ async def test_a_group_losing_a_rank_is_dropped_its_requests_recomputed_elsewher
     finally:
         await client.stop()
         await bus.close()
-        everything = list(procs.values())
-        for p in everything:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in everything:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs.values())
     def ours(p: psutil.Process) -> bool:  # a process of this test's stack still running
         try:
             return (p.info["environ"] or {}).get("PAGEDLLM_SERVED_MODEL_NAME") == model and p.status() != "zombie"

@@ -133,9 +133,18 @@ class TensorParallelDriver:
         self.broken = False  # a call failed: the ranks may be anywhere in it, send nothing more
 
     def _send(self, message: RankMessage) -> None:
+        """Broadcast ``message``; a failed broadcast breaks the group for good.
+
+        Raises:
+            RuntimeError: the group failed (now or earlier).
+        """
         if self.broken:
             raise RuntimeError("the tensor-parallel group failed earlier")
-        self.tp.broadcast_bytes(encode(message))
+        try:
+            self.tp.broadcast_bytes(encode(message))
+        except BaseException:
+            self.broken = True
+            raise
 
     def execute(self, plan: StepPlan) -> StepResult:
         """:meth:`ModelRunner.execute` on every rank; the result is rank 0's.
@@ -143,11 +152,11 @@ class TensorParallelDriver:
         Raises:
             RuntimeError: a collective failed (a rank died): the group cannot go on.
         """
+        self._send(RankMessage("step", plan, self._sampled))
+        self._sampled = {}
         try:
-            self._send(RankMessage("step", plan, self._sampled))
-            self._sampled = {}
             result = self.runner.execute(plan)
-        except BaseException:
+        except BaseException:  # the other ranks may be anywhere inside the step
             self.broken = True
             raise
         self._sampled = dict(result.sampled_token_ids)
@@ -155,21 +164,13 @@ class TensorParallelDriver:
 
     def reset(self) -> None:
         """:meth:`ModelRunner.reset` on every rank."""
-        try:
-            self._send(RankMessage("reset"))
-        except BaseException:
-            self.broken = True
-            raise
+        self._send(RankMessage("reset"))
         self._sampled = {}
         self.runner.reset()
 
     def keepalive(self) -> None:
         """Tell the waiting ranks that rank 0 is alive (raises if one is not)."""
-        try:
-            self._send(RankMessage("keepalive"))
-        except BaseException:
-            self.broken = True
-            raise
+        self._send(RankMessage("keepalive"))
 
     def stop(self) -> None:
         """Ask the other ranks to exit (not after a failure: they may be inside a collective)."""
