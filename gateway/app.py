@@ -36,7 +36,7 @@ from shared.config import Settings
 from shared.engine_client import EngineClient
 from shared.logging import get_logger
 from shared.model_source import ModelInfo
-from shared.service import engine_ready
+from shared.service import NO_EXECUTOR_GROUP, engine_missing
 
 log = get_logger(__name__)
 
@@ -81,13 +81,17 @@ def create_app(settings: Settings, model_info: ModelInfo, client: EngineClient) 
     async def health() -> Response:
         """200 when the engine can serve: NATS is up, every engine service answers a ping
         (each of the ``num_detokenizer_shards`` detokenizer shards) and the scheduler has an
-        executor group; else 503 (also while the gateway drains before it stops)."""
+        executor group; else 503 naming what is missing (the engine is degraded: a service
+        restarting), or that the gateway drains before it stops."""
         if serving.draining:
             raise APIError.of(503, "the server is shutting down", code="server_shutting_down")
         if not client.connected:
             raise APIError.of(503, "the NATS connection is down", code="service_unavailable")
-        if not await engine_ready(client.bus, model_info.name, settings.num_detokenizer_shards):
-            raise APIError.of(503, "the engine is not ready (a service or executor group is missing)",
+        if missing := await engine_missing(client.bus, model_info.name, settings.num_detokenizer_shards):
+            silent = [name for name in missing if name != NO_EXECUTOR_GROUP]
+            parts = ([f"not answering: {', '.join(silent)}"] if silent else []) + (
+                ["no executor group registered"] if NO_EXECUTOR_GROUP in missing else [])
+            raise APIError.of(503, f"the engine is degraded ({'; '.join(parts)}); requests in flight wait for it",
                               code="service_unavailable")
         return JSONResponse({"status": "ok"})
 

@@ -188,8 +188,10 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     import urllib.request
 
-    from pagedllm.launcher import ServiceProcesses, model_info_or_exit, pinned_settings
-    from shared.logging import configure_logging
+    from pagedllm.launcher import model_info_or_exit, pinned_settings
+    from pagedllm.supervisor import CrashLoopError, ServiceProcesses
+    from shared.bus import redact_url
+    from shared.logging import configure_logging, get_logger
     from shared.nats_server import EmbeddedNats
 
     settings = serving_defaults(settings_from_args(args))
@@ -208,9 +210,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
         procs = ServiceProcesses(pinned_settings(settings, info, url))
         procs.start()
         while True:
-            dead = procs.poll()
-            if dead is not None:
-                raise SystemExit(f"pagedllm: service {dead} exited; stopping")
+            if nats_server is not None and nats_server.restart_if_dead():
+                get_logger("pagedllm.serve").warning("nats_server_restarted", port=nats_server.port)
+            try:
+                procs.supervise()
+            except CrashLoopError as exc:
+                raise SystemExit(f"pagedllm: {exc}") from None
             if not ready:
                 try:
                     with urllib.request.urlopen(health, timeout=1) as resp:
@@ -219,7 +224,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     pass
                 if ready:
                     print(f"pagedllm: serving {info.name} on http://{settings.host}:{settings.port}/v1 "
-                          f"(NATS {url})", flush=True)
+                          f"(NATS {redact_url(url)})", flush=True)
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass

@@ -1,13 +1,10 @@
 """Starting services: by name in this process (``pagedllm service NAME``, the offline
-``LLM``) or as child processes (``pagedllm serve``)."""
+``LLM``); as supervised child processes (``pagedllm serve``) see ``pagedllm/supervisor.py``."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
-import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Coroutine
@@ -17,7 +14,6 @@ from shared.bus import Bus
 from shared.config import Settings
 from shared.logging import get_logger
 from shared.model_source import ModelInfo, load_model_info
-from shared.nats_server import die_with_parent
 
 log = get_logger(__name__)
 
@@ -68,50 +64,6 @@ def service_instances(name: str, settings: Settings) -> list[tuple[str, Settings
     if name != "detokenizer" or shards == 1:
         return [(name, settings)]
     return [(f"{name}.{n}", settings.model_copy(update={"detokenizer_shard": n})) for n in range(shards)]
-
-
-class ServiceProcesses:
-    """Each service in its own child process (``python -m pagedllm.cli service NAME``), one
-    per detokenizer shard (see :func:`service_instances`)."""
-
-    def __init__(self, settings: Settings, names: tuple[str, ...] = SERVICE_NAMES) -> None:
-        self.settings = settings
-        self.names = names
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self) -> None:
-        base = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
-        for name in self.names:
-            for label, settings in service_instances(name, self.settings):
-                env = {**base, **settings.to_env()}
-                self.procs[label] = subprocess.Popen(
-                    [sys.executable, "-m", "pagedllm.cli", "service", name], env=env, start_new_session=True,
-                    # serve gone means its NATS server too: nothing is left to drain, so no graceful stop
-                    preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
-                )
-
-    def poll(self) -> str | None:
-        """The name of a service that exited, if any."""
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                return name
-        return None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the gateway first and wait while it drains (its requests in flight finish,
-        the engine still behind it), then the other services; kill what outlives ``timeout``."""
-        first = [self.procs[n] for n in ("gateway",) if n in self.procs]
-        rest = [p for n, p in self.procs.items() if n != "gateway"]
-        for group in (first, rest):
-            for proc in group:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in group:
-                try:
-                    proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
 
 
 class InProcessServices:

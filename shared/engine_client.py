@@ -3,7 +3,7 @@
 Used by the HTTP gateway and by the offline ``LLM`` API, so it knows nothing of HTTP.
 One client is one gateway id: the detokenizer publishes one ``GatewayStep`` per step to
 ``pagedllm.gw.<gateway_id>``, and the client routes each ``RequestDelta`` in it to the
-queue of its request (one ``_Pending`` per request in flight, as SGLang's ``ReqState``)::
+queue of its request (one ``InFlight`` per request, as SGLang's ``ReqState``)::
 
     client = EngineClient(bus, model_info.name)
     await client.start()
@@ -11,6 +11,10 @@ queue of its request (one ``_Pending`` per request in flight, as SGLang's ``ReqS
     if reply.error is None:
         async for delta in client.stream("cmpl-1"):
             print(delta.text, end="")
+
+A request the engine loses (its scheduler or detokenizer died, a NATS outage dropped an
+update) is resubmitted with the tokens its client already has, so its stream continues
+where it stopped (``shared/inflight.py``).
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
+import nats.errors
 from nats.aio.subscription import Subscription
 
 from shared import subjects
 from shared.bus import Bus
+from shared.inflight import InFlight, Received
 from shared.liveness import MissCounter
 from shared.logging import get_logger
 from shared.messages import (
@@ -38,6 +43,7 @@ from shared.messages import (
     RequestsKnown,
     RequestsQuery,
     SamplingParams,
+    SchedulerStarted,
     ServiceError,
     TokenizeReply,
     TokenizeRequest,
@@ -52,18 +58,6 @@ def new_request_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex}"
 
 
-@dataclass
-class _Pending:
-    """One request in flight: submitted, its stream not ended yet."""
-
-    queue: asyncio.Queue[RequestDelta]  # its deltas, for ``stream``
-    num_samples: int  # n: the stream ends when all n are finished
-    last_output: float  # time.monotonic() of its last delta (of its submission before any)
-    # the scheduler's verdict (None: accepted), for submit(notify_accepted=True); None when
-    # not asked for, or once ``wait_accepted`` has it
-    verdict: asyncio.Future[ServiceError | None] | None = None
-
-
 class EngineClient:
     """Talks to the tokenizer (requests), the detokenizer (outputs) and the scheduler (aborts).
 
@@ -71,12 +65,16 @@ class EngineClient:
         bus: a connected bus; the client does not close it.
         model: the served model name (selects the subjects).
         gateway_id: this client's id in ``pagedllm.gw.<gateway_id>``; default a new uuid hex.
-        tokenize_timeout_s: how long ``submit`` waits for the tokenizer's reply.
+        tokenize_timeout_s: how long ``submit`` waits for the tokenizer's reply (and retries
+            while no tokenizer is there: one restarting).
 
-    Requests are watched so that none hangs when a service dies: a request with no output
-    for ``liveness_idle_s`` seconds is checked with the scheduler every ``liveness_check_s``;
-    one that the scheduler does not hold (or that goes unanswered) twice in a row ends with
-    a 503 error (its scheduler restarted, or its detokenizer died with its outputs).
+    No request hangs or is lost when a service dies. A request the engine says it lost (a
+    ``request_lost`` error: its detokenizer or scheduler stopped), one whose deltas skip
+    tokens, and one the scheduler does not hold (asked when a scheduler starts, and for a
+    request with no output for ``liveness_idle_s`` seconds every ``liveness_check_s``, twice
+    in a row) is resubmitted with its client's tokens so far (``InFlight.resubmission``);
+    after ``MAX_RESUBMITS`` attempts, or for an n > 1 request with output already, it ends
+    with a 503 ``request_lost`` error.
     """
 
     liveness_idle_s = 10.0
@@ -90,39 +88,46 @@ class EngineClient:
         self.subjects = Subjects(model)
         self.gateway_id = gateway_id or uuid.uuid4().hex
         self.tokenize_timeout_s = tokenize_timeout_s
-        self._pending: dict[str, _Pending] = {}  # request id -> its state
+        self._pending: dict[str, InFlight] = {}  # the client's request id -> its state
+        self._engine_ids: dict[str, str] = {}  # the id the engine knows -> the client's request id
         self._misses: MissCounter[str] = MissCounter(limit=2)  # liveness checks it was missing in a row
-        self._sub: Subscription | None = None
-        self._ping_sub: Subscription | None = None
-        self._watch: asyncio.Task | None = None
+        self._subs: list[Subscription] = []
+        self._tasks: set[asyncio.Task] = set()
+        self.num_resubmitted = 0  # resubmissions over the client's life
 
     async def start(self) -> None:
         """Subscribe to this gateway's subject (flushed, so no output can be missed)."""
-        self._sub = await self.bus.subscribe(subjects.gateway(self.gateway_id), GatewayStep, self._on_step)
-        # the scheduler's check that this gateway still wants its requests (it aborts them when
-        # nobody answers here: the gateway died without aborting them)
-        self._ping_sub = await self.bus.subscribe(subjects.gateway_ping(self.gateway_id), Ping, self._on_ping)
+        self._subs = [
+            await self.bus.subscribe(subjects.gateway(self.gateway_id), GatewayStep, self._on_step),
+            # the scheduler's check that this gateway still wants its requests (it aborts them when
+            # nobody answers here: the gateway died without aborting them)
+            await self.bus.subscribe(subjects.gateway_ping(self.gateway_id), Ping, self._on_ping),
+            await self.bus.subscribe(self.subjects.scheduler_started, SchedulerStarted, self._on_scheduler_started),
+        ]
         await self.bus.flush()
-        self._watch = asyncio.create_task(self._watch_liveness())
+        self._spawn(self._watch_liveness())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def stop(self) -> None:
         """Abort every request still in flight (their streams end) and unsubscribe."""
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
+        for task in list(self._tasks):
+            task.cancel()
         pending = list(self._pending)
         if pending:
             try:
                 await self.abort(pending)
             except Exception:  # the connection is gone: the streams still end
                 log.warning("abort_on_stop_failed", num_requests=len(pending))
-        for sub in (self._sub, self._ping_sub):
-            if sub is not None:
-                try:
-                    await sub.unsubscribe()
-                except Exception:  # already closed or draining
-                    pass
-        self._sub = self._ping_sub = None
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # already closed or draining
+                pass
+        self._subs = []
 
     async def _on_ping(self, _: Ping) -> Pong:
         return Pong(service="gateway")
@@ -139,57 +144,108 @@ class EngineClient:
 
     async def _on_step(self, step: GatewayStep) -> None:
         now = time.monotonic()
-        for request_id in step.accepted:
-            self._accept(request_id, now)
+        for engine_id in step.accepted:
+            if (pending := self._current(engine_id)) is not None:
+                pending.last_output = now
+                self._settle(pending, None)
         for delta in step.outputs:
-            self._deliver(delta, now)
+            if (pending := self._current(delta.request_id)) is None:
+                continue  # finished, aborted, an earlier attempt's or someone else's
+            delta.request_id = pending.request_id
+            pending.last_output = now
+            if pending.receive(delta) is Received.LOST:
+                self._lost(pending, why=delta.error.message if delta.error else "it skipped output tokens")
+                continue
+            self._settle(pending, delta.error)
+            pending.queue.put_nowait(delta)
 
-    def _accept(self, request_id: str, now: float) -> None:
-        """The scheduler queued the request: the verdict for ``wait_accepted`` (nothing is queued
-        for ``stream``)."""
-        pending = self._pending.get(request_id)
-        if pending is None:  # unknown ids: finished, aborted or someone else's
-            return
-        pending.last_output = now
-        if pending.verdict is not None and not pending.verdict.done():
-            pending.verdict.set_result(None)
+    def _current(self, engine_id: str) -> InFlight | None:
+        """The request the engine knows as ``engine_id``, if that is its current attempt."""
+        request_id = self._engine_ids.get(engine_id)
+        return self._pending.get(request_id) if request_id is not None else None
 
-    def _deliver(self, delta: RequestDelta, now: float) -> None:
-        """Queue one delta for ``stream``; the first output or error is also the scheduler's
-        verdict for ``wait_accepted``."""
-        pending = self._pending.get(delta.request_id)
-        if pending is None:  # unknown ids: finished, aborted or someone else's
-            return
-        pending.last_output = now
+    @staticmethod
+    def _settle(pending: InFlight, error: ServiceError | None) -> None:
+        """The scheduler's verdict for ``wait_accepted``: the first acceptance, output or error."""
         if pending.verdict is not None and not pending.verdict.done():
-            pending.verdict.set_result(delta.error)
-        pending.queue.put_nowait(delta)
+            pending.verdict.set_result(error)
+
+    def _lost(self, pending: InFlight, why: str) -> None:
+        """The engine lost the request: resubmit it (in a task), or end it with a 503."""
+        if not pending.recoverable:
+            log.warning("request_lost", request_id=pending.request_id, attempts=pending.attempts, reason=why)
+            self._end(pending, ServiceError(
+                message="the engine lost this request (a scheduler or detokenizer restarted or is unreachable); "
+                        "send it again", type="server_error", code="request_lost", status=503))
+            return
+        if pending.submitted:  # not already being resubmitted
+            pending.submitted = False
+            log.warning("request_resubmitting", request_id=pending.request_id, reason=why,
+                        output_tokens=len(pending.outputs[0]), attempt=pending.attempts + 1)
+            self._spawn(self._resubmit(pending))
+
+    def _end(self, pending: InFlight, error: ServiceError) -> None:
+        """End every sample's stream with ``error``."""
+        self._settle(pending, error)
+        pending.queue.put_nowait(RequestDelta(request_id=pending.request_id, finished=True, finish_reason="error",
+                                              error=error))
+
+    async def _resubmit(self, pending: InFlight) -> None:
+        """Send the request's next attempt through the tokenizer; the attempt before it is
+        aborted at the scheduler (if it still runs there, for nobody)."""
+        old = pending.engine_id
+        message = pending.resubmission()
+        self._engine_ids.pop(old, None)
+        self._engine_ids[pending.engine_id] = pending.request_id
+        self.num_resubmitted += 1
+        try:
+            await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=[old]))
+            reply = await self.bus.request(self.subjects.tokenize, message, TokenizeReply,
+                                           timeout=self.tokenize_timeout_s)
+        except Exception as exc:  # no tokenizer or NATS away: the liveness check tries again
+            log.warning("resubmit_failed", request_id=pending.request_id, error=repr(exc))
+            reply = None
+        if self._pending.get(pending.request_id) is not pending:  # ended meanwhile (aborted)
+            return
+        pending.last_output = time.monotonic()
+        pending.submitted = True
+        if reply is not None and reply.error is not None:  # refused now (it was accepted before)
+            self._end(pending, reply.error)
+
+    async def _on_scheduler_started(self, _: SchedulerStarted) -> None:
+        """A scheduler (re)started: resubmit at once what it does not hold."""
+        self._spawn(self._check_held([p for p in self._pending.values() if p.submitted], rounds=1))
 
     async def _watch_liveness(self) -> None:
-        """End requests the engine lost (see the class docstring)."""
+        """Resubmit idle requests the scheduler does not hold (see the class docstring)."""
         while True:
             await asyncio.sleep(self.liveness_check_s)
             now = time.monotonic()
-            idle = [rid for rid, p in self._pending.items() if now - p.last_output > self.liveness_idle_s]
-            self._misses.retain(idle)  # output since: "in a row" starts again
-            if not idle:
-                continue
-            try:
-                reply = await self.bus.request(self.subjects.requests_get, RequestsQuery(request_ids=idle),
-                                               RequestsKnown, timeout=2.0)
-                known = set(reply.known)
-            except Exception:  # no scheduler answers: it holds nothing for us now
-                known = set()
-            for rid in idle:
-                if rid in known:
-                    self._misses.hit(rid)
-                elif self._misses.miss(rid) and rid in self._pending:
-                    log.warning("request_lost", request_id=rid)
-                    self._deliver(RequestDelta(
-                        request_id=rid, finished=True, finish_reason="error",
-                        error=ServiceError(message="the engine lost this request (a scheduler or detokenizer "
-                                                   "restarted or is unreachable); send it again",
-                                           type="server_error", code="request_lost", status=503)), now)
+            idle = [p for p in self._pending.values() if p.submitted and now - p.last_output > self.liveness_idle_s]
+            self._misses.retain([p.engine_id for p in idle])  # output since: "in a row" starts again
+            if idle:
+                await self._check_held(idle, rounds=self._misses.limit)
+
+    async def _check_held(self, requests: list[InFlight], rounds: int) -> None:
+        """Ask the scheduler which of ``requests`` it holds; one missing ``rounds`` checks in a
+        row (a scheduler that does not answer holds nothing) is lost."""
+        if not requests:
+            return
+        try:
+            reply = await self.bus.request(self.subjects.requests_get,
+                                           RequestsQuery(request_ids=[p.engine_id for p in requests]),
+                                           RequestsKnown, timeout=2.0)
+            known = set(reply.known)
+        except Exception:  # no scheduler answers: it holds nothing for us now
+            known = set()
+        for pending in requests:
+            engine_id = pending.engine_id
+            if engine_id in known:
+                self._misses.hit(engine_id)
+            elif self._pending.get(pending.request_id) is pending and pending.submitted and \
+                    (rounds == 1 or self._misses.miss(engine_id)):
+                self._misses.hit(engine_id)
+                self._lost(pending, why="its scheduler does not hold it")
 
     async def submit(
         self,
@@ -215,7 +271,8 @@ class EngineClient:
         prompt text (a chat request's as the template rendered it; token ids decoded).
         ``notify_accepted``: the scheduler says when it accepts the request; ``wait_accepted``
         waits for that. ``background``: a batch line, which the scheduler admits after every
-        interactive request and preempts first.
+        interactive request and preempts first. While no tokenizer serves the model (one
+        restarting), the request is sent again every 0.25 s until ``tokenize_timeout_s``.
 
         Returns:
             The tokenizer's reply. When ``reply.error`` is set the request was refused and
@@ -223,7 +280,7 @@ class EngineClient:
 
         Raises:
             nats.errors.TimeoutError: no tokenizer replied within ``tokenize_timeout_s``.
-            nats.errors.NoRespondersError: no tokenizer serves this model.
+            nats.errors.NoRespondersError: no tokenizer served this model within it.
             shared.bus.RemoteError: the tokenizer's handler failed on the request (it may have
                 submitted it: abort it).
             ValueError: ``request_id`` is already in flight.
@@ -245,18 +302,29 @@ class EngineClient:
             notify_accepted=notify_accepted,
             background=background,
         )
-        pending = self._pending[request_id] = _Pending(
-            queue=asyncio.Queue(), num_samples=sampling_params.n, last_output=time.monotonic(),
+        pending = self._pending[request_id] = InFlight(
+            request_id=request_id, message=message, queue=asyncio.Queue(), last_output=time.monotonic(),
             verdict=asyncio.get_running_loop().create_future() if notify_accepted else None)
+        self._engine_ids[request_id] = request_id
+        deadline = time.monotonic() + self.tokenize_timeout_s
         try:
-            reply = await self.bus.request(
-                self.subjects.tokenize, message, TokenizeReply, timeout=self.tokenize_timeout_s
-            )
+            while True:
+                try:
+                    reply = await self.bus.request(self.subjects.tokenize, message, TokenizeReply,
+                                                   timeout=max(0.1, deadline - time.monotonic()))
+                    break
+                except nats.errors.NoRespondersError:
+                    if time.monotonic() + 0.25 >= deadline:
+                        raise
+                    await asyncio.sleep(0.25)
         except BaseException:
             self._drop(request_id, pending)
             raise
         if reply.error is not None:
             self._drop(request_id, pending)
+        else:
+            pending.submitted = True
+            pending.last_output = time.monotonic()
         return reply
 
     async def wait_accepted(self, request_id: str) -> ServiceError | None:
@@ -302,28 +370,29 @@ class EngineClient:
 
     async def abort(self, request_ids: list[str], reason: FinishReason = "abort") -> None:
         """Tell the scheduler to stop these requests; their streams end with an abort delta."""
+        engine_ids = []
         for request_id in request_ids:
             pending = self._pending.get(request_id)
             self._forget(request_id)
+            engine_ids.append(pending.engine_id if pending is not None else request_id)
             if pending is not None:
                 for index in range(pending.num_samples):
                     pending.queue.put_nowait(
                         RequestDelta(request_id=request_id, index=index, finished=True, finish_reason="abort")
                     )
-        if request_ids:
-            await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=request_ids, reason=reason))
+        if engine_ids:
+            await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=engine_ids, reason=reason))
 
     async def fail_all(self, error: ServiceError) -> None:
         """End every request in flight with ``error`` (each stream yields it and ends) and
         abort them at the scheduler: a gateway shutting down answers its clients."""
-        pending = list(self._pending)
-        now = time.monotonic()
-        for request_id in pending:
-            self._deliver(RequestDelta(request_id=request_id, finished=True, finish_reason="error", error=error), now)
+        pending = list(self._pending.values())
+        for request in pending:
+            self._end(request, error)
         if pending:
-            await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=pending))
+            await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=[p.engine_id for p in pending]))
 
-    def _drop(self, request_id: str, pending: _Pending) -> None:
+    def _drop(self, request_id: str, pending: InFlight) -> None:
         """Forget ``request_id`` if ``pending`` is still its state (not a later request's)."""
         if self._pending.get(request_id) is pending:
             self._forget(request_id)
@@ -332,8 +401,9 @@ class EngineClient:
         """Drop the client's state about ``request_id`` (a ``wait_accepted`` still waiting
         gets an error)."""
         pending = self._pending.pop(request_id, None)
-        self._misses.hit(request_id)  # its row of misses ends with it
-        verdict = pending.verdict if pending is not None else None
-        if verdict is not None and not verdict.done():
-            verdict.set_result(ServiceError(message="the request was aborted before the scheduler accepted it",
-                                            type="server_error", code="request_aborted", status=503))
+        if pending is None:
+            return
+        self._engine_ids.pop(pending.engine_id, None)
+        self._misses.hit(pending.engine_id)  # its row of misses ends with it
+        self._settle(pending, ServiceError(message="the request was aborted before the scheduler accepted it",
+                                           type="server_error", code="request_aborted", status=503))

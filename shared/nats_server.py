@@ -105,6 +105,19 @@ class EmbeddedNats:
         self.stop()
         raise TimeoutError("nats-server did not start")
 
+    def restart_if_dead(self) -> bool:
+        """Start the server again (same port, token and store) if it was started and has
+        died since; returns whether it did.
+
+        Raises:
+            RuntimeError, TimeoutError: as ``start``.
+        """
+        if self._proc is None or self._proc.poll() is None:
+            return False
+        self.stop()
+        self.start()
+        return True
+
     def stop(self) -> None:
         if self._proc and self._proc.poll() is None:
             self._proc.terminate()

@@ -300,21 +300,48 @@ def engine_ping_names(num_detokenizer_shards: int) -> tuple[str, ...]:
     return ("tokenizer", "scheduler", "executor", *(f"detokenizer.{n}" for n in range(num_detokenizer_shards)))
 
 
-async def engine_ready(bus: Bus, model: str, num_detokenizer_shards: int, timeout: float = 1.0) -> bool:
-    """True when every service of :func:`engine_ping_names` answers a ping (each of the
-    ``num_detokenizer_shards`` detokenizer shards included) and the scheduler has an
-    executor group.
+#: in :func:`engine_missing`: the scheduler answers but has no executor group registered
+NO_EXECUTOR_GROUP = "executor group"
+
+
+async def engine_missing(bus: Bus, model: str, num_detokenizer_shards: int, timeout: float = 1.0) -> list[str]:
+    """What the engine lacks to serve: the name of each service of :func:`engine_ping_names`
+    that does not answer a ping (pinged together), and ``NO_EXECUTOR_GROUP`` when the
+    scheduler has no executor group registered. Empty: ready.
 
     Raises:
         ValueError: ``num_detokenizer_shards`` < 1.
     """
-    try:
-        for service in engine_ping_names(num_detokenizer_shards):
+    names = engine_ping_names(num_detokenizer_shards)
+
+    async def answers(service: str) -> bool:
+        try:
             await bus.request(subjects.ping(model, service), Ping(), Pong, timeout=timeout)
-        stats = await bus.request(subjects.Subjects(model).stats_get, StatsQuery(), SchedulerStats, timeout)
-    except (nats.errors.TimeoutError, nats.errors.NoRespondersError, RemoteError):
-        return False
-    return bool(stats.groups)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, RemoteError):
+            return False
+        return True
+
+    answered = await asyncio.gather(*(answers(name) for name in names))
+    missing = [name for name, ok in zip(names, answered, strict=True) if not ok]
+    if "scheduler" not in missing:
+        try:
+            stats = await bus.request(subjects.Subjects(model).stats_get, StatsQuery(), SchedulerStats, timeout)
+            if not stats.groups:
+                missing.append(NO_EXECUTOR_GROUP)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, RemoteError):
+            missing.append("scheduler")
+    return missing
+
+
+async def engine_ready(bus: Bus, model: str, num_detokenizer_shards: int, timeout: float = 1.0) -> bool:
+    """True when :func:`engine_missing` finds nothing missing: every service answers a ping
+    (each of the ``num_detokenizer_shards`` detokenizer shards included) and the scheduler
+    has an executor group.
+
+    Raises:
+        ValueError: ``num_detokenizer_shards`` < 1.
+    """
+    return not await engine_missing(bus, model, num_detokenizer_shards, timeout)
 
 
 async def wait_engine_ready(bus: Bus, model: str, num_detokenizer_shards: int, timeout: float = 300.0) -> None:

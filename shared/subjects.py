@@ -64,6 +64,10 @@ class Subjects:
         return f"{self.base}.stats.get"
 
     @property
+    def scheduler_started(self) -> str:  # SchedulerStarted
+        return f"{self.base}.scheduler.started"
+
+    @property
     def requests_get(self) -> str:  # RequestsQuery -> RequestsKnown (request/reply)
         return f"{self.base}.requests.get"
 

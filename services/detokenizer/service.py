@@ -7,8 +7,10 @@ gateway (a ``RequestDelta`` per updated request) and, when stop strings matched,
 A finished request's state is dropped at once, as is that of a request the scheduler ended
 without a last output (``DetokStep.released``); later updates for it are ignored. An update
 for a request this shard never registered (its state went with a detokenizer that was
-replaced, or its first output was sent while none served the shard) fails it: a
-``FailRequests`` with a 503 ``request_lost``, which the scheduler reports to its gateway.
+replaced, or its first output was sent while none served the shard), or one that skips
+tokens (``TokenUpdate.num_output_tokens``: an update lost in a NATS outage), fails it: a
+``FailRequests`` with a 503 ``request_lost``, which the scheduler reports to its gateway
+(whose ``EngineClient`` resubmits it with the tokens its client has).
 """
 
 from __future__ import annotations
@@ -171,6 +173,13 @@ class DetokenizerService(BusService):
         lost: list[str] = []
         for update in step.updates:
             req = self.requests.get(update.request_id)
+            if req is not None and update.num_output_tokens and \
+                    req.num_output_tokens + len(update.new_token_ids) != update.num_output_tokens:
+                # an update before this one was lost (a NATS outage): its text would be missing
+                log.warning("update_missed", request_id=req.request_id, have=req.num_output_tokens,
+                            total=update.num_output_tokens, new=len(update.new_token_ids))
+                del self.requests[req.request_id]
+                req = None
             if req is None:
                 if update.request_id in self._finished:
                     log.debug("update_ignored", request_id=update.request_id, reason="finished")
@@ -202,6 +211,7 @@ class DetokenizerService(BusService):
             request_id=new.request_id,
             gateway_id=new.gateway_id,
             num_prompt_tokens=new.num_prompt_tokens,
+            num_output_tokens=new.num_output_tokens,
             client_request_id=new.parent_request_id,
             index=new.index,
             detok=IncrementalDetokenizer(
@@ -210,7 +220,7 @@ class DetokenizerService(BusService):
                 skip_special_tokens=new.skip_special_tokens,
                 stop=new.stop,
                 include_stop_str_in_output=new.include_stop_str_in_output,
-                min_tokens=new.min_tokens,
+                min_tokens=max(0, new.min_tokens - new.num_output_tokens),
             ),
             prompt_logprobs=self._decode_prompt_logprobs(new),
         )

@@ -58,6 +58,7 @@ class Outputs:
                     stop_reason=req.stop_reason,
                     num_cached_tokens=req.num_cached_tokens,
                     logprobs=req.pending_logprobs,
+                    num_output_tokens=len(req.output_token_ids),
                 )
             )
             req.pending_output_ids, req.pending_logprobs = [], []
@@ -93,11 +94,14 @@ class Outputs:
 def _new_request(req: Request) -> DetokNewRequest:
     p = req.sampling_params
     with_prompt_logprobs = req.needs_prompt_logprobs  # all of them came: sent once, here
+    # the tokens before this first update: the prompt, and a resubmitted request's outputs
+    known = req.all_token_ids[:req.num_tokens - len(req.pending_output_ids)]
     return DetokNewRequest(
         request_id=req.request_id,
         gateway_id=req.gateway_id,
-        prompt_tail_ids=req.prompt_token_ids[-PROMPT_TAIL_TOKENS:],
+        prompt_tail_ids=known[-PROMPT_TAIL_TOKENS:],
         num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=len(known) - req.num_prompt_tokens,
         stop=p.stop,
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens,

@@ -88,6 +88,8 @@ class Request:
             arrival_time=msg.arrival_time or now,
             cache_extra_keys=(msg.cache_salt,) if msg.cache_salt else (),
             background=msg.background,
+            # resubmitted after the engine lost it: recomputed like a preempted request's outputs
+            output_token_ids=list(msg.output_token_ids),
         )
 
     def fork_child(self, index: int) -> Request:

@@ -65,12 +65,12 @@ class StepOutcome:
 class Scheduler:
     """Owns every request's state and one ``KVCacheManager`` per executor group."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, first_step_id: int = 1) -> None:
         self.config = config
         self.groups: dict[str, GroupState] = {}
         self.requests: dict[str, Request] = {}
         self.unrouted: list[Request] = []  # no group can hold them yet
-        self._step_id = 0
+        self._step_id = first_step_id - 1
         # requests of failed steps that run alone until they sample (fail_step); empty almost
         # always, so the step loop pays one truth test for them
         self.suspects: set[str] = set()

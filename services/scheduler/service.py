@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import uuid
 from collections import defaultdict
 
 import nats.errors
@@ -38,6 +39,7 @@ from shared.messages import (
     RegisterGroup,
     RequestsKnown,
     RequestsQuery,
+    SchedulerStarted,
     SchedulerStats,
     ServiceError,
     StatsQuery,
@@ -68,11 +70,15 @@ class SchedulerService(BusService):
                 policy=settings.scheduling_policy,
                 enable_prefix_caching=settings.enable_prefix_caching,
                 async_scheduling=settings.async_scheduling,
-            )
+            ),
+            # above every step id a scheduler before this one planned (microseconds since the
+            # epoch): an executor re-registering with this one drops the older plans it holds
+            first_step_id=time.time_ns() // 1000,
         )
         self.liveness = Liveness(settings.heartbeat_timeout_s, settings.step_timeout_s)
         self.outputs = Outputs(self.subjects, settings.num_detokenizer_shards)
         self.stopping = False  # stop() began: no plan is sent any more (its requests are about to fail)
+        self.instance_id = uuid.uuid4().hex
 
     def exclusive(self) -> Exclusive:
         return Exclusive(self.name, "scheduler")
@@ -93,6 +99,8 @@ class SchedulerService(BusService):
         await self.subscribe(s.requests_get, RequestsQuery, self._on_requests_query)
         for loop in (self._watchdog(), self._publish_stats(), self._watch_peers()):
             self.spawn(loop)
+        # the gateways resubmit what a scheduler before this one took with it
+        await b.publish(s.scheduler_started, SchedulerStarted(instance_id=self.instance_id))
 
     async def start(self) -> None:
         await super().start()

@@ -117,6 +117,7 @@ class TokenizerService(BusService):
                     arrival_time=request.arrival_time or time.time(),
                     notify_accepted=request.notify_accepted,
                     background=request.background,
+                    output_token_ids=request.output_token_ids,
                 ),
             )
         except nats.errors.MaxPayloadError:  # not sent: refuse it rather than leave the client waiting

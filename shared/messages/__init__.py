@@ -36,6 +36,7 @@ from shared.messages.control import (
     RegisterGroup,
     RequestsKnown,
     RequestsQuery,
+    SchedulerStarted,
     SchedulerStats,
     StatsQuery,
     SubmitRequest,
@@ -65,7 +66,7 @@ __all__ = [
     "CachedRequestData", "DecodedLogprobs", "DetokNewRequest", "DetokStep", "FailRequests", "FinishReason",
     "GatewayStep", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
     "PromptLogprobs", "RegisterAck", "RegisterGroup", "RequestDelta", "RequestsKnown", "RequestsQuery",
-    "SampleLogprobs", "SamplingParams", "SchedulerStats", "ServiceError", "StatsQuery", "StepMessage",
+    "SampleLogprobs", "SamplingParams", "SchedulerStarted", "SchedulerStats", "ServiceError", "StatsQuery", "StepMessage",
     "StepPlan", "StepResult", "SubmitRequest", "TokenLogprob", "TokenUpdate", "TokenizeReply",
     "TokenizeRequest",
 ]

@@ -34,6 +34,10 @@ class TokenizeRequest(Message):
     notify_accepted: bool = False
     # a batch line: admitted after every interactive request waiting, preempted first
     background: bool = False
+    # a request resubmitted after the engine lost it (EngineClient): the output tokens its client
+    # already has, which the scheduler recomputes as after a preemption and which count
+    # against max_tokens; generation continues after them
+    output_token_ids: list[int] = Field(default_factory=list)
 
 
 class TokenizeReply(Message):
@@ -58,6 +62,7 @@ class SubmitRequest(Message):
     cache_salt: str | None = None
     notify_accepted: bool = False  # name it in the gateway's GatewayStep.accepted once queued
     background: bool = False  # a batch line: after interactive requests, preempted first
+    output_token_ids: list[int] = Field(default_factory=list)  # resubmitted: see TokenizeRequest
 
 
 class AbortRequests(Message):
@@ -164,6 +169,13 @@ class RequestsKnown(Message):
     """The ids of a ``RequestsQuery`` that the scheduler holds (a request, or samples of it)."""
 
     known: list[str] = Field(default_factory=list)
+
+
+class SchedulerStarted(Message):
+    """A scheduler has started (published once it serves): the gateways resubmit the requests
+    in flight that it does not hold (a scheduler that died took them with it)."""
+
+    instance_id: str
 
 
 class Ping(Message):

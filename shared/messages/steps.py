@@ -125,6 +125,9 @@ class DetokNewRequest(StepMessage, kw_only=True):
     first_prompt_token_id: int | None = None  # with prompt_logprobs: the prompt token they start after
     parent_request_id: str | None = None  # n > 1: the client's request id of this sample
     index: int = 0  # n > 1: which sample (choice index)
+    # output tokens before its first update (a resubmitted request's: its client has their text);
+    # prompt_tail_ids then ends with them
+    num_output_tokens: int = 0
 
 
 class TokenUpdate(StepMessage, kw_only=True):
@@ -134,6 +137,9 @@ class TokenUpdate(StepMessage, kw_only=True):
     stop_reason: int | str | None = None  # the stop token id that ended the request
     num_cached_tokens: int = 0
     logprobs: list[SampleLogprobs] = field(default_factory=list)  # one per new token, if asked
+    # the request's output tokens after this update: a shard that counts fewer before it missed
+    # an update (lost in a NATS outage) and reports the request lost rather than skip text
+    num_output_tokens: int = 0
 
 
 class DetokStep(StepMessage, kw_only=True):

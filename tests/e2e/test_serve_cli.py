@@ -265,18 +265,20 @@ def test_a_gateway_whose_port_is_taken_says_so_in_one_line(nats_url, smollm2_pat
 def test_serve_and_llm_start_one_detokenizer_per_shard(monkeypatch):
     """With two shards, serve (child processes) and LLM (in-process services) start shards 0
     and 1: readiness waits for every shard, so one detokenizer would never be ready."""
-    from pagedllm import launcher
+    from pagedllm import launcher, supervisor
     from shared.config import Settings
 
     settings = Settings(num_detokenizer_shards=2, nats_url="nats://127.0.0.1:1")
     started: list[tuple[str, str]] = []
 
     class Popen:
+        stderr = None
+
         def __init__(self, argv, env, **_):
             started.append((argv[-1], env.get("PAGEDLLM_DETOKENIZER_SHARD", "")))
 
-    monkeypatch.setattr(launcher.subprocess, "Popen", Popen)
-    procs = launcher.ServiceProcesses(settings, names=("scheduler", "detokenizer"))
+    monkeypatch.setattr(supervisor.subprocess, "Popen", Popen)
+    procs = supervisor.ServiceProcesses(settings, names=("scheduler", "detokenizer"))
     procs.start()
     assert started == [("scheduler", "0"), ("detokenizer", "0"), ("detokenizer", "1")]
     assert list(procs.procs) == ["scheduler", "detokenizer.0", "detokenizer.1"]

@@ -235,23 +235,28 @@ def test_an_executor_dropped_after_a_step_timeout_registers_again(smollm2_path, 
 
 
 @pytest.mark.timeout(300)
-def test_a_request_whose_outputs_or_detokenizer_state_are_lost_ends_with_a_503(smollm2_path, monkeypatch):
-    """No client waits forever on a detokenizer that died:
+def test_a_request_whose_outputs_or_detokenizer_state_are_lost_goes_again_and_gives_its_tokens(
+        smollm2_path, monkeypatch):
+    """No client waits forever on a detokenizer that died, and none loses its request:
     - its outputs lost (or the scheduler restarted and forgot the request): a request with no
-      output that the scheduler no longer holds ends with a 'request_lost' error;
-    - its state lost (a detokenizer that replaced one that died gets updates for requests it
-      never registered): each fails at once with a 503 request_lost (through the scheduler,
-      which knows its gateway) and frees its blocks, instead of generating to max_tokens for
-      nobody.
-    The engine then serves as before."""
+      output that the scheduler no longer holds is resubmitted by its client;
+    - its state lost mid-generation (a detokenizer that replaced one that died gets updates
+      for requests it never registered): each fails at once at the scheduler (freeing its
+      blocks) with a 503 request_lost, which its client turns into a resubmission with the
+      tokens it has: generation continues after them, with the undisturbed greedy tokens;
+    - lost for good (every attempt's outputs dropped): after MAX_RESUBMITS, a 503.
+    The engine then serves as before, every block free."""
     from pagedllm import LLM, SamplingParams
     from services.detokenizer.service import DetokenizerService
+    from shared import inflight
     from shared.engine_client import EngineClient
 
     monkeypatch.setattr(EngineClient, "liveness_idle_s", 0.5)
     monkeypatch.setattr(EngineClient, "liveness_check_s", 0.25)
+    monkeypatch.setattr(inflight, "MAX_RESUBMITS", 2)
     original_handle, original_process = DetokenizerService.handle, DetokenizerService.process
-    dropping = {"on": False}
+    original_resubmit = EngineClient._resubmit
+    dropping = {"on": False, "until_resubmitted": False}
     steps = {"n": 0, "lose_at": -1}
 
     async def handle(self, step):
@@ -264,25 +269,36 @@ def test_a_request_whose_outputs_or_detokenizer_state_are_lost_ends_with_a_503(s
             self.requests.clear()  # as if a new detokenizer had taken the shard over
         return original_process(self, step)
 
+    async def resubmit(self, pending):
+        if dropping["until_resubmitted"]:
+            dropping["on"] = False
+        await original_resubmit(self, pending)
+
     monkeypatch.setattr(DetokenizerService, "handle", handle)
     monkeypatch.setattr(DetokenizerService, "process", process)
+    monkeypatch.setattr(EngineClient, "_resubmit", resubmit)
     llm = LLM(model=str(smollm2_path), dtype="float32")
     try:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         baseline = llm.generate(["One, two,"], params, use_tqdm=False)[0].outputs[0].token_ids
-        dropping["on"] = True
+        dropping.update(on=True, until_resubmitted=True)
+        assert llm.generate(["One, two,"], params, use_tqdm=False)[0].outputs[0].token_ids == baseline
+        assert llm._client.num_resubmitted == 1
+
+        long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        long_baseline = llm.generate(["One, two,"], long, use_tqdm=False)[0].outputs[0].token_ids
+        steps["lose_at"] = steps["n"] + 8  # mid-decode: the client has tokens by then
+        assert llm.generate(["One, two,"], long, use_tqdm=False)[0].outputs[0].token_ids == long_baseline
+        assert llm._client.num_resubmitted == 2
+        assert_idle(llm)  # the lost attempt was freed at the scheduler
+
+        dropping.update(on=True, until_resubmitted=False)
         with pytest.raises(ValueError, match="the engine lost this request"):
             llm.generate(["One, two,"], params, use_tqdm=False)
+        assert llm._client.num_resubmitted == 4
         dropping["on"] = False
         assert llm.generate(["One, two,"], params, use_tqdm=False)[0].outputs[0].token_ids == baseline
-
-        steps["lose_at"] = steps["n"] + 5
-        with pytest.raises(ValueError, match="the detokenizer lost this request's state"):
-            llm.generate(["One, two,"], SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True),
-                         use_tqdm=False)
-        assert_idle(llm)  # aborted at the scheduler, blocks freed
-        assert steps["n"] < steps["lose_at"] + 5  # it did not run on to max_tokens
-        assert llm.generate(["One, two,"], params, use_tqdm=False)[0].outputs[0].token_ids == baseline
+        assert_idle(llm)
     finally:
         llm.close()
 
