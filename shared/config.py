@@ -97,6 +97,9 @@ class Settings(BaseSettings):
     step_timeout_s: float = Field(600.0, gt=0, description="Max seconds one executor step may take")
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_timeout_s: float = Field(10.0, gt=0)
+    executor_wait_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds requests wait for an executor group once the last one is gone (one "
+        "restarting loads its model) before they fail with a 503")
     gateway_drain_timeout_s: float = Field(
         5.0, ge=0, description="On stop, seconds the gateway lets in-flight HTTP requests finish before it "
         "answers them with a 503"

@@ -93,13 +93,18 @@ class Liveness:
 
     Args:
         heartbeat_timeout_s: silence that drops a group; a result missing that long after an
-            idle heartbeat; the wait for a group before the waiting requests fail.
+            idle heartbeat.
         step_timeout_s: the longest a step may run.
+        executor_wait_timeout_s: the wait for a group, once the last one is gone (it may be
+            restarting), before the waiting requests fail; None: ``heartbeat_timeout_s``.
     """
 
-    def __init__(self, heartbeat_timeout_s: float, step_timeout_s: float) -> None:
+    def __init__(self, heartbeat_timeout_s: float, step_timeout_s: float,
+                 executor_wait_timeout_s: float | None = None) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.step_timeout_s = step_timeout_s
+        self.executor_wait_timeout_s = heartbeat_timeout_s if executor_wait_timeout_s is None \
+            else executor_wait_timeout_s
         self.groups: dict[str, GroupWatch] = {}
         self.peers: MissCounter[tuple[str, str]] = MissCounter(2)  # ("gateway", id) / ("detokenizer", shard)
         self.groups_lost: tuple[float, ServiceError] | None = None  # since when none is left, and why
@@ -171,11 +176,11 @@ class Liveness:
 
     def fail_waiting(self, now: float, has_groups: bool, has_waiting: bool) -> FailWaiting | None:
         """Whether the waiting requests fail now: no group for longer than
-        ``heartbeat_timeout_s`` since the last one went, and some wait."""
+        ``executor_wait_timeout_s`` since the last one went, and some wait."""
         if self.groups_lost is None or has_groups:
             return None
         since, cause = self.groups_lost
-        if now - since <= self.heartbeat_timeout_s or not has_waiting:
+        if now - since <= self.executor_wait_timeout_s or not has_waiting:
             return None
         error = ServiceError(message=f"no executor group is available (the last one: {cause.message})",
                              type="server_error", code="no_executor", status=503)

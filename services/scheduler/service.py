@@ -75,7 +75,8 @@ class SchedulerService(BusService):
             # epoch): an executor re-registering with this one drops the older plans it holds
             first_step_id=time.time_ns() // 1000,
         )
-        self.liveness = Liveness(settings.heartbeat_timeout_s, settings.step_timeout_s)
+        self.liveness = Liveness(settings.heartbeat_timeout_s, settings.step_timeout_s,
+                                 settings.executor_wait_timeout_s)
         self.outputs = Outputs(self.subjects, settings.num_detokenizer_shards)
         self.stopping = False  # stop() began: no plan is sent any more (its requests are about to fail)
         self.instance_id = uuid.uuid4().hex

@@ -140,7 +140,7 @@ def test_a_request_that_fails_every_step_fails_alone(smollm2_path, monkeypatch):
 @pytest.mark.timeout(300)
 def test_requests_fail_when_no_group_registers_again(smollm2_path, monkeypatch):
     """When the last group fails a step and does not register again within
-    heartbeat_timeout_s, its requeued requests fail with its error instead of hanging."""
+    executor_wait_timeout_s, its requeued requests fail with its error instead of hanging."""
     import asyncio
     import time
 
@@ -156,7 +156,7 @@ def test_requests_fail_when_no_group_registers_again(smollm2_path, monkeypatch):
         await original_register(self)
 
     monkeypatch.setattr(executor_service.ExecutorService, "_register", register_once)
-    llm = LLM(model=str(smollm2_path), dtype="float32", heartbeat_timeout_s=1.0)
+    llm = LLM(model=str(smollm2_path), dtype="float32", heartbeat_timeout_s=1.0, executor_wait_timeout_s=1.0)
     try:
         original_execute = ModelRunner.execute
         calls = {"n": 0}

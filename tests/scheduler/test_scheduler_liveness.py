@@ -161,6 +161,13 @@ def test_the_waiting_requests_fail_when_no_group_came_back_in_heartbeat_timeout_
     assert live.fail_waiting(200.0, has_groups=False, has_waiting=True) is None
 
 
+def test_the_wait_for_a_restarting_group_can_be_longer_than_the_heartbeat_timeout():
+    live = Liveness(heartbeat_timeout_s=10.0, step_timeout_s=STEP, executor_wait_timeout_s=60.0)
+    live.group_dropped(100.0, ServiceError(message="executor group lost"), groups_left=0)
+    assert live.fail_waiting(150.0, has_groups=False, has_waiting=True) is None
+    assert live.fail_waiting(160.5, has_groups=False, has_waiting=True).error.code == "no_executor"
+
+
 def test_a_group_dropped_while_others_remain_starts_no_wait(live):
     live.group_dropped(100.0, ServiceError(message="lost"), groups_left=1)
     assert live.groups_lost is None
