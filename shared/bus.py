@@ -130,8 +130,9 @@ def is_connection_error(exc: BaseException) -> bool:
 
 
 #: how nats-server words a refusal of a connection's credentials (a wrong password or token, a
-#: user JWT it does not trust, expired or revoked); nats.py raises them as a plain ``Error``
-_AUTHORIZATION_ERROR_MESSAGES = ("authorization violation", "authentication")
+#: user JWT it does not trust, expired or revoked); nats.py raises them as a plain ``Error``.
+#: Not its "Authentication Timeout" (a CONNECT that came late): that one may pass next time.
+_AUTHORIZATION_ERROR_MESSAGES = ("authorization violation", "authentication expired", "authentication revoked")
 
 
 def is_authorization_error(exc: BaseException) -> bool:

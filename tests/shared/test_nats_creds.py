@@ -15,16 +15,17 @@ import socket
 import subprocess
 import time
 
+import nats.errors
 import nkeys
 import pytest
+from processes import clean_env, start_service, stop_all
 from pydantic import ValidationError
 
 from shared import subjects
-from shared.bus import Bus, NatsAuthorizationError
+from shared.bus import Bus, NatsAuthorizationError, is_authorization_error
 from shared.config import Settings
 from shared.messages import Ping, Pong
 from shared.nats_server import find_nats_server, free_port
-from tests.processes import clean_env, start_service, stop_all
 
 UNLIMITED = {"subs": -1, "data": -1, "payload": -1}  # NATS limits: -1 = none (0 would allow nothing)
 
@@ -122,6 +123,13 @@ async def test_a_connection_without_credentials_is_refused_at_once(jwt_server):
         assert message.startswith(f"NATS at {url.replace('user:s3cret', '***')} refused the credentials of "
                                   "connection 'intruder'"), message
         assert "s3cret" not in message and "PAGEDLLM_NATS_CREDS" in message
+
+
+def test_only_a_refusal_of_the_credentials_ends_a_new_connection():
+    assert is_authorization_error(nats.errors.Error("nats: 'Authorization Violation'"))
+    assert is_authorization_error(nats.errors.Error("nats: 'User Authentication Expired'"))
+    assert not is_authorization_error(nats.errors.Error("nats: 'Authentication Timeout'"))  # may pass next time
+    assert not is_authorization_error(ConnectionRefusedError("refused"))
 
 
 async def test_a_user_of_an_account_the_server_does_not_trust_is_refused(jwt_server):
