@@ -141,7 +141,8 @@ def run_one_service(name: str, settings: Settings) -> None:
         SystemExit: one line ``pagedllm service NAME: <reason>`` (status 1) when the service
             cannot start: no ``nats_url``, a model that is not there or too short for
             ``max_model_len``, another instance already serving the same thing, or an
-            ``OSError`` such as the gateway's port in use; or cannot go on
+            ``OSError`` such as the gateway's port in use or NATS refusing the credentials
+            (``NatsAuthorizationError``); or cannot go on
             (``FatalServiceError``: the scheduler refused the executor's group).
     """
     from shared.logging import configure_logging

@@ -41,10 +41,13 @@ class LLM:
         model: a local Hugging Face model directory; ``None`` = the bundled SmolLM2.
         dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
         **kwargs: any engine setting of :class:`shared.config.Settings` by its vLLM name
-            (``max_model_len``, ``block_size``, ``num_gpu_blocks_override``, ...).
+            (``max_model_len``, ``block_size``, ``num_gpu_blocks_override``, ...); with
+            ``nats_url`` (and its credentials, or ``nats_creds``) the services run on that NATS
+            server instead of an embedded one.
 
     Raises:
         ValueError: an invalid setting (the message names it) or a model that is not available.
+        shared.bus.NatsAuthorizationError: the NATS server of ``nats_url`` refused the credentials.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs: Any) -> None:
@@ -71,7 +74,7 @@ class LLM:
         atexit.register(self.close)
 
     async def _connect_client(self) -> tuple[Bus, EngineClient]:
-        bus = await Bus.connect(self.settings.nats_url, name="llm")
+        bus = await Bus.connect(self.settings.nats_url, name="llm", creds=self.settings.nats_creds)
         client = EngineClient(bus, self.model_info.name)
         await client.start()
         return bus, client

@@ -12,11 +12,11 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgpack
 import msgspec
-import nats
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -129,6 +129,25 @@ def is_connection_error(exc: BaseException) -> bool:
     return type(exc) is nats.errors.Error and any(m in str(exc) for m in _HANDSHAKE_ERROR_MESSAGES)
 
 
+#: how nats-server words a refusal of a connection's credentials (a wrong password or token, a
+#: user JWT it does not trust, expired or revoked); nats.py raises them as a plain ``Error``.
+#: Not its "Authentication Timeout" (a CONNECT that came late): that one may pass next time.
+_AUTHORIZATION_ERROR_MESSAGES = ("authorization violation", "authentication expired", "authentication revoked")
+
+
+def is_authorization_error(exc: BaseException) -> bool:
+    """Whether ``exc``, given to nats.py's ``error_cb``, says the server refused this
+    connection's credentials (none given, or wrong ones)."""
+    if isinstance(exc, nats.errors.AuthorizationError):
+        return True
+    return isinstance(exc, nats.errors.Error) and any(m in str(exc).lower() for m in _AUTHORIZATION_ERROR_MESSAGES)
+
+
+class NatsAuthorizationError(PermissionError):
+    """The NATS server refused the credentials of a new connection (``Bus.connect``): trying
+    again would not help. The message names the server without its credentials."""
+
+
 def redact_url(url: str) -> str:
     """``url`` without the credentials of its user-info part (``nats://***@host:port``)."""
     scheme, sep, rest = url.partition("://")
@@ -147,6 +166,11 @@ class ConnectionEvents:
     then at most once per ``CONNECTION_ERROR_LOG_INTERVAL_S``, with ``errors``, the number of
     connection errors since the connection was last up. Another NATS error (slow consumer,
     ...) is one line each; any other exception keeps its traceback.
+
+    Before the first connection is up, a refusal of the credentials (:func:`is_authorization_error`)
+    ends the connection attempt with a :class:`NatsAuthorizationError` (raised from
+    ``on_error``, out of nats.py's connect); once connected, a refusal while reconnecting (the
+    server's configuration changed) is logged as a connection error and retried.
     """
 
     def __init__(self, name: str, url: str) -> None:
@@ -157,7 +181,11 @@ class ConnectionEvents:
         self.client: Client | None = None  # set once connected
 
     async def on_error(self, exc: Exception) -> None:
-        if not is_connection_error(exc):
+        if self.client is None and is_authorization_error(exc):
+            raise NatsAuthorizationError(
+                f"NATS at {self.url} refused the credentials of connection {self.name!r} ({exc}): check the user "
+                "and password or token in the NATS URL, or the credentials file (PAGEDLLM_NATS_CREDS)")
+        if not is_connection_error(exc) and not is_authorization_error(exc):
             if isinstance(exc, nats.errors.Error):  # slow consumer, drain timeout, ...: says what it is
                 log.warning("nats_error", connection=self.name, error=str(exc) or type(exc).__name__)
             else:
@@ -208,15 +236,33 @@ class Bus:
         self._subs: list[Subscription] = []
 
     @classmethod
-    async def connect(cls, url: str, name: str = "pagedllm") -> Bus:
+    async def connect(cls, url: str, name: str = "pagedllm", creds: Path | str | None = None) -> Bus:
         """Connect to ``url``, retrying for ever (every 0.5 s) until the server answers, and
         reconnecting the same way after a loss; errors, disconnections and reconnections are
-        logged as one line each (:class:`ConnectionEvents`)."""
+        logged as one line each (:class:`ConnectionEvents`).
+
+        Credentials: a user and password or a token in ``url`` (``nats://user:pw@host:4222``,
+        ``nats://token@host:4222``), or ``creds``, a NATS credentials file (a user JWT and its
+        NKey seed, as ``nsc`` writes it), read at each connection attempt.
+
+        Raises:
+            FileNotFoundError: ``creds`` is not a file.
+            NatsAuthorizationError: the server refused the credentials (none, or wrong ones).
+        """
+        if creds is not None and not Path(creds).is_file():
+            raise FileNotFoundError(f"NATS credentials file {str(creds)!r} not found")
         events = ConnectionEvents(name, url)
-        nc = await nats.connect(  # drain_timeout: a stop with the server gone waits 5 s, not 30
-            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5, drain_timeout=5,
-            error_cb=events.on_error, disconnected_cb=events.on_disconnected, reconnected_cb=events.on_reconnected,
-        )
+        nc = Client()
+        try:
+            await nc.connect(  # drain_timeout: a stop with the server gone waits 5 s, not 30
+                url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
+                drain_timeout=5, user_credentials=None if creds is None else str(creds),
+                error_cb=events.on_error, disconnected_cb=events.on_disconnected,
+                reconnected_cb=events.on_reconnected,
+            )
+        except NatsAuthorizationError:
+            await nc.close()
+            raise
         events.client = nc
         events.on_connected()
         return cls(nc)

@@ -36,8 +36,9 @@ class Settings(BaseSettings):
 
     Raises:
         pydantic.ValidationError: a value is out of range (``detokenizer_shard`` not below
-            ``num_detokenizer_shards``, an unknown ``log_level``, ...), or a setting that a
-            later version implements was asked for (the message names the parameter).
+            ``num_detokenizer_shards``, an unknown ``log_level``, a ``nats_creds`` file that is
+            not there, ...), or a setting that a later version implements was asked for (the
+            message names the parameter).
     """
 
     model_config = SettingsConfigDict(env_prefix="PAGEDLLM_", extra="forbid", protected_namespaces=())
@@ -83,7 +84,12 @@ class Settings(BaseSettings):
     )
 
     # --- services ---
-    nats_url: str | None = Field(None, description="NATS server URL; None = start an embedded one")
+    nats_url: str | None = Field(
+        None, description="NATS server URL, with a user and password (nats://user:pw@host:4222) or a token "
+        "(nats://token@host:4222) where the server requires them; None = start an embedded one")
+    nats_creds: Path | None = Field(
+        None, description="NATS credentials file (.creds: a user JWT and its NKey seed), for every service and "
+        "the offline engine")
     host: str = "127.0.0.1"
     port: int = 8000
     group_id: str | None = Field(
@@ -137,6 +143,27 @@ class Settings(BaseSettings):
         if rank is not None and self.tensor_parallel_size > 1 and self.tensor_parallel_master_port is None:
             raise ValueError("tensor_parallel_rank needs tensor_parallel_master_port: every rank of the "
                              "group meets rank 0 at tensor_parallel_master_addr:tensor_parallel_master_port")
+        return self
+
+    @field_validator("nats_creds")
+    @classmethod
+    def _check_nats_creds(cls, v: Path | None) -> Path | None:
+        """The file, ``~`` expanded; one that is not there is refused now rather than at every
+        connection attempt."""
+        if v is None:
+            return None
+        v = v.expanduser()
+        if not v.is_file():
+            raise ValueError(f"nats_creds: no such file {str(v)!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_nats_creds_has_url(self) -> Settings:
+        """The embedded nats-server (no ``nats_url``) takes only its own token: credentials are
+        for a server given by ``nats_url``."""
+        if self.nats_creds is not None and not self.nats_url:
+            raise ValueError("nats_creds needs nats_url: the credentials are for the NATS server it names "
+                             "(the embedded one takes only its own token)")
         return self
 
     @field_validator("log_level")

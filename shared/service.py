@@ -159,13 +159,16 @@ class BusService:
 
         Raises:
             ValueError: no bus was given and ``settings.nats_url`` is None.
+            NatsAuthorizationError: the NATS server refused the credentials (``nats_url``'s
+                user and password or token, ``nats_creds``).
             ServiceConflictError: another instance already serves what ``exclusive`` names.
         """
         await self.load()
         if self.bus is None:
             if not self.settings.nats_url:
                 raise ValueError(f"{type(self).__name__} needs settings.nats_url (or a connected bus)")
-            self.bus = await Bus.connect(self.settings.nats_url, name=self.connection_name)
+            self.bus = await Bus.connect(self.settings.nats_url, name=self.connection_name,
+                                         creds=self.settings.nats_creds)
         try:
             if (exclusive := self.exclusive()) is not None:
                 await refuse_if_served(self.bus, self.model_info.name, exclusive.ping_name, exclusive.what,

@@ -1,5 +1,6 @@
 """End to end over real NATS: the service commands of docker-compose.yml started as plain
-processes against a real nats-server, the default SmolLM2 model, the official openai client."""
+processes against the compose file's nats-server (deploy/nats.conf: each service connects as
+its own user, allowed only its subjects), the default SmolLM2 model, the official openai client."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import openai
 import pytest
 import websockets
 import yaml
+from processes import compose_nats_passwords, compose_nats_url, start_compose_nats, stop_all
 
 from shared.bus import Bus
 from shared.config import DEFAULT_MODEL_NAME
@@ -50,9 +52,30 @@ async def scheduler_stats(nats_url: str) -> SchedulerStats:
 
 
 @pytest.fixture(scope="module")
-def stack(nats_url, smollm2_path, tmp_path_factory):
+def compose_nats(tmp_path_factory):
+    """deploy/nats.conf's nats-server: ``(its directory, the services' passwords, its port)``;
+    no user broke a permission (its log says so) by the end."""
+    workdir = tmp_path_factory.mktemp("compose-nats")
+    passwords = compose_nats_passwords()
+    proc, port = start_compose_nats(workdir, passwords)
+    yield workdir, passwords, port
+    stop_all([proc])
+    violations = [line for line in (workdir / "nats-server.log").read_text().splitlines() if "Violation" in line]
+    assert not violations, violations[:5]
+
+
+@pytest.fixture(scope="module")
+def nats_url(compose_nats):
+    """The gateway's URL (the tests read the scheduler's statistics as the gateway does)."""
+    _, passwords, port = compose_nats
+    return compose_nats_url(compose_commands()["gateway"][1]["PAGEDLLM_NATS_URL"], passwords, port)
+
+
+@pytest.fixture(scope="module")
+def stack(compose_nats, nats_url, smollm2_path, tmp_path_factory):
     services = compose_commands()
     assert set(services) == {"scheduler", "tokenizer", "detokenizer", "executor", "gateway", "batch"}
+    _, passwords, nats_port = compose_nats
     port = free_port()
     logs = tmp_path_factory.mktemp("stack-logs")
     procs = []
@@ -61,7 +84,8 @@ def stack(nats_url, smollm2_path, tmp_path_factory):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
         env.update(environment)
         env.update(
-            PAGEDLLM_NATS_URL=nats_url,  # the compose network's `nats` is our local server here
+            # the compose network's `nats` is our local server here, each service its own user
+            PAGEDLLM_NATS_URL=compose_nats_url(environment["PAGEDLLM_NATS_URL"], passwords, nats_port),
             PAGEDLLM_HOST="127.0.0.1",
             PAGEDLLM_PORT=str(port),
             PAGEDLLM_DTYPE="float32",
@@ -271,3 +295,24 @@ async def test_echo_logprobs_score_a_continuation_as_hugging_face(client, smollm
         for p in range(1, len(ids)):
             best = ref[p - 1].argmax().item()
             assert max(lp.top_logprobs[p].values()) == pytest.approx(ref[p - 1, best].item(), abs=1e-3)
+
+
+async def test_a_batch_job_runs_through_the_gateway_and_the_batch_service(client):
+    """The Files and Batch API across the gateway and the batch service, each its own NATS user
+    (JetStream's API, the batch streams, the file and batch buckets)."""
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": 4, "temperature": 0}}
+             for i, q in enumerate(["Say hello.", "Name a fruit."])]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    file = await client.files.create(file=("questions.jsonl", data), purpose="batch")
+    batch = await client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := await client.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        await asyncio.sleep(0.3)
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+    out = [json.loads(x) for x in (await client.files.content(batch.output_file_id)).text.splitlines()]
+    assert [o["custom_id"] for o in out] == ["q0", "q1"]
+    assert all(o["response"]["status_code"] == 200 for o in out)
+    assert (await client.files.delete(file.id)).deleted
