@@ -119,9 +119,9 @@ def _serve_tp2(smollm2_path) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
-def _stream(port: int, prompt: str, out: dict) -> None:
+def _stream(port: int, prompt: str, out: dict, max_tokens: int = 400) -> None:
     """One streamed completion: its text, finish reason or error event, and whether it ended."""
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 400, "temperature": 0,
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     out.update(text="", finish_reason=None, error=None, done=False, status=None)
     try:
@@ -143,12 +143,12 @@ def _stream(port: int, prompt: str, out: dict) -> None:
         out["error"] = {"transport": type(exc).__name__}
 
 
-def test_kill_9_of_a_rank_ends_every_request_and_leaves_no_process(smollm2_path):
+def test_kill_9_of_a_rank_restarts_the_group_and_every_stream_completes(smollm2_path):
     """``pagedllm serve --tensor-parallel-size 2`` with 8 streams running: ``kill -9`` of rank 1
     takes the group down (rank 0 sees its collective fail or the process exit, tells the
-    scheduler and exits); every stream ends (a clear 503 error event, or its tokens), none
-    hangs, and every process of the stack is gone once serve has stopped. (serve stops with
-    its executor until supervision restarts services: its streams end ``server_shutting_down``.)"""
+    scheduler and exits); serve's supervisor starts the executor, both ranks, again; the
+    streams' requests are recomputed on it and every one completes, none hangs; once serve
+    has stopped, no process of the stack (the killed group's included) is left."""
     proc, port = _serve_tp2(smollm2_path)
     try:
         tree = psutil.Process(proc.pid).children(recursive=True)
@@ -156,7 +156,7 @@ def test_kill_9_of_a_rank_ends_every_request_and_leaves_no_process(smollm2_path)
         rank1 = [p for p in executors if p.ppid() != proc.pid]
         assert len(executors) == 2 and len(rank1) == 1, [p.cmdline() for p in executors]
         outs = [{} for _ in range(8)]
-        threads = [threading.Thread(target=_stream, args=(port, PROMPTS[i], outs[i])) for i in range(8)]
+        threads = [threading.Thread(target=_stream, args=(port, PROMPTS[i], outs[i], 96)) for i in range(8)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 120
@@ -165,23 +165,18 @@ def test_kill_9_of_a_rank_ends_every_request_and_leaves_no_process(smollm2_path)
         assert sum(bool(o.get("text")) for o in outs) >= 4, outs  # they are running
         rank1[0].send_signal(signal.SIGKILL)
         for t in threads:
-            t.join(90)
+            t.join(240)
         assert not any(t.is_alive() for t in threads), "a stream hung"
-        assert proc.wait(60) != 0  # serve stops: its executor exited
+        assert proc.poll() is None  # serve carries on
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
+            proc.wait(60)
     for out in outs:
-        assert out["status"] == 200, out
-        ended_with_error = out["error"] is not None
-        assert ended_with_error or out["finish_reason"] == "length", out
-        if ended_with_error and "transport" not in out["error"]:
-            assert out["error"]["code"] in ("no_executor", "server_shutting_down", "request_lost"), out
-    assert any(out["error"] is not None for out in outs)  # the kill interrupted them
+        assert out["status"] == 200 and out["error"] is None and out["finish_reason"] == "length", out
     stderr = proc.stderr.read()
-    assert "tensor-parallel" in stderr and "service executor exited" in stderr, stderr[-3000:]
-
+    assert "tensor-parallel" in stderr and "service_died" in stderr and "service_restarting" in stderr, \
+        stderr[-3000:]
     alive = left_running(tree)
     assert not alive, alive
 
