@@ -14,8 +14,10 @@ import asyncio
 import json
 import re
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -40,7 +42,7 @@ def server(smollm2_path):
     # serve's stderr carries every service's log lines: read it, or a full pipe blocks them
     reader = threading.Thread(target=lambda: logs.extend(iter(proc.stderr.readline, "")), daemon=True)
     reader.start()
-    yield port, logs
+    yield port, logs, proc.pid
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(60)
@@ -79,7 +81,7 @@ async def run_streams(port: int, on_started=None) -> list[str | BaseException]:
 
 @pytest.fixture(scope="module")
 def reference(server):
-    port, _ = server
+    port, _, _ = server
     texts = asyncio.run(run_streams(port))
     assert all(isinstance(t, str) and t for t in texts), texts
     return texts
@@ -131,7 +133,7 @@ async def idle(port: int) -> bool:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["tokenizer", "detokenizer", "scheduler", "executor", "nats-server", "gateway"])
 def test_a_killed_part_is_restarted_and_no_stream_is_lost(server, reference, name):
-    port, logs = server
+    port, logs, _ = server
     seen: dict[str, object] = {}
 
     async def kill_and_watch() -> None:
@@ -161,6 +163,20 @@ def test_a_killed_part_is_restarted_and_no_stream_is_lost(server, reference, nam
     restarted = "nats_server_restarted" if name == "nats-server" else f"service='{name}'"
     assert any("service_restarting" in line or "nats_server_restarted" in line for line in logs
                if restarted in line), logs[-20:]
+
+
+@pytest.mark.timeout(300)
+def test_mixed_traffic_with_client_aborts_leaves_nothing_behind(server):
+    """``benchmarks/soak.py``'s traffic for 20 s (the benchmark runs minutes and checks memory):
+    no 5xx, client aborts among the requests, and then no request running or waiting and
+    every block free."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from soak import soak
+
+    port, _, pid = server
+    counts, _, running, usage = asyncio.run(soak(port, 20, 16, seed=1, root=psutil.Process(pid)))
+    assert counts["5xx"] == 0 and counts["2xx"] > 16 and counts["aborted"] > 0, counts
+    assert running == 0 and usage == 0
 
 
 async def _degraded(port: int):
