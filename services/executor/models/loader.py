@@ -70,18 +70,19 @@ def _checkpoint_tensors(files: list[Path]) -> Iterator[CheckpointTensor]:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, model_dir: Path | str, stacked_params_mapping: StackedParamsMapping,
-                 skip: Callable[[str], bool]) -> None:
+                 skip: Callable[[str], bool], rename: Callable[[str], str] | None = None) -> None:
     """Load every parameter of ``model`` from the checkpoint in ``model_dir`` (one file, or
     the shards of ``model.safetensors.index.json``).
 
-    Checkpoint names without the ``model.`` prefix are read with it. A tensor that matches no
-    parameter is ignored when ``skip(name)`` (rotary caches, a tied ``lm_head.weight``).
+    Each checkpoint name goes through ``rename`` first (an architecture whose checkpoints name
+    things otherwise); names without the ``model.`` prefix are read with it. A tensor that
+    matches no parameter is ignored when ``skip(name)`` (rotary caches, a tied ``lm_head.weight``).
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` in ``model_dir``.
         ValueError: a parameter is missing, has the wrong shape (``<name>: checkpoint shape
             ... != expected ...``), or the checkpoint holds tensors this architecture does not
-            know (e.g. Qwen3's q_norm).
+            know.
     """
     model_dir = Path(model_dir)
     files = safetensors_files(model_dir)
@@ -94,7 +95,7 @@ def load_weights(model: nn.Module, model_dir: Path | str, stacked_params_mapping
     loaded: set[str] = set()
     unexpected: list[str] = []
     for tensor in _checkpoint_tensors(files):
-        name = tensor.name
+        name = rename(tensor.name) if rename is not None else tensor.name
         key = name if name in targets or name.startswith("model.") else "model." + name
         if key not in targets:
             if not skip(name):
