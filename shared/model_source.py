@@ -145,7 +145,8 @@ def load_model_info(settings: Settings) -> ModelInfo:
     path = resolve_model_path(settings.model, settings.cache_dir)
     config = json.loads((path / "config.json").read_text())
     text_config = config.get("text_config", config)
-    limit = int(text_config.get("max_position_embeddings", 2048))
+    # GPT-2 names it n_positions
+    limit = int(text_config.get("max_position_embeddings") or text_config.get("n_positions") or 2048)
     max_len = settings.max_model_len or limit
     if max_len > limit:
         raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={limit}")

@@ -127,8 +127,15 @@ class AttentionBackend(ABC):
         value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:  # [T, H, D], dtype of query
-        """Cache the new tokens' K/V at ``meta.slot_mapping`` and return the attention output."""
+        """Cache the new tokens' K/V at ``meta.slot_mapping`` and return the attention output.
+
+        ``sliding_window`` w: a token attends to the last w positions, itself included
+        (Mistral, Gemma 2's local layers); ``soft_cap`` c: scores become ``c * tanh(s / c)``
+        before the softmax (Gemma 2). Their semantics are :func:`kernels.reference.paged_attention`'s.
+        """
 
 
     def native_rows(
@@ -149,10 +156,11 @@ class ReferenceBackend(AttentionBackend):
 
     name = "reference"
 
-    def forward(self, query, key, value, key_cache, value_cache, meta, scale):
+    def forward(self, query, key, value, key_cache, value_cache, meta, scale, sliding_window=None, soft_cap=None):
         reference.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         return reference.paged_attention(
-            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+            sliding_window, soft_cap,
         )
 
 
@@ -173,9 +181,14 @@ class TorchBackend(AttentionBackend):
         if native:
             ops.load()  # build the C kernel now, not during the first step
 
-    def forward(self, query, key, value, key_cache, value_cache, meta, scale):
-        return torch_attn.paged_attention(query, key, value, key_cache, value_cache,
-                                          self.plan(query, key_cache, meta), scale)
+    def forward(self, query, key, value, key_cache, value_cache, meta, scale, sliding_window=None, soft_cap=None):
+        plan = self.plan(query, key_cache, meta)
+        if sliding_window is None and soft_cap is None:
+            return torch_attn.paged_attention(query, key, value, key_cache, value_cache, plan, scale)
+        # a window or a soft cap: one sequence at a time in float32 (the oracle's arithmetic)
+        torch_attn.write_kv(key, value, key_cache, value_cache, plan)
+        return reference.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                         meta.query_start_loc, scale, sliding_window, soft_cap)
 
     def native_rows(self, meta, key_cache, num_heads, head_dim, dtype) -> attention_plan.NativeRows | None:
         if not self.native:
@@ -225,11 +238,11 @@ class TritonBackend(AttentionBackend):
         self._attention = triton_attention.paged_attention
         self._cache = triton_cache.reshape_and_cache
 
-    def forward(self, query, key, value, key_cache, value_cache, meta, scale):
+    def forward(self, query, key, value, key_cache, value_cache, meta, scale, sliding_window=None, soft_cap=None):
         self._cache(key, value, key_cache, value_cache, meta.slot_mapping)
         return self._attention(
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            sliding_window, soft_cap, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
         )
 
 

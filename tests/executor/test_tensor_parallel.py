@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from services.executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from services.executor.models.loader import CheckpointTensor
+from services.executor.models.loader import open_safetensors
 from services.executor.parallel.group import TensorParallelGroup, current_tp_group, use_tp_group
 from services.executor.parallel.partition import HeadShard, attention_heads, balanced_range
 from shared.nats_server import free_port
@@ -65,7 +64,7 @@ def _rank(rank: int, world: int = 2) -> TensorParallelGroup:
 
 def test_layers_built_under_a_group_hold_their_rank_share_and_recombine_to_the_whole(tmp_path):
     """Each rank's parameters are its slice of the checkpoint tensor, read through
-    ``get_slice``; the ranks' column-parallel outputs concatenated, and their row-parallel
+    ``narrow``; the ranks' column-parallel outputs concatenated, and their row-parallel
     partial outputs summed, are the whole layer's."""
     torch.manual_seed(0)
     hidden, head, heads, kv_heads, inter, vocab = 16, 2, 9, 3, 10, 11
@@ -77,8 +76,7 @@ def test_layers_built_under_a_group_hold_their_rank_share_and_recombine_to_the_w
     }
     save_file(tensors, tmp_path / "w.safetensors")
     x = torch.randn(5, hidden)
-    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
-        ckpt = {name: CheckpointTensor(f, name) for name in tensors}
+    with open_safetensors(tmp_path / "w.safetensors") as ckpt:
         qkv_out, gate_up_out, down_sum, o_sum, logits = {}, {}, 0, 0, []
         for rank in range(2):
             with use_tp_group(_rank(rank)):
@@ -121,10 +119,28 @@ def test_layers_built_under_a_group_hold_their_rank_share_and_recombine_to_the_w
 
 def test_a_checkpoint_tensor_of_the_wrong_shape_is_refused_before_it_is_read(tmp_path):
     save_file({"w": torch.randn(7, 16)}, tmp_path / "w.safetensors")
-    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f, use_tp_group(_rank(1)):
+    with open_safetensors(tmp_path / "w.safetensors") as ckpt, use_tp_group(_rank(1)):
         layer = RowParallelLinear(8, 7)
         with pytest.raises(ValueError, match=r"checkpoint shape \(7, 16\) != expected \(7, 8\)"):
-            layer.weight_loader(layer.weight, CheckpointTensor(f, "w"))
+            layer.weight_loader(layer.weight, ckpt["w"])
+
+
+def test_a_checkpoint_tensor_is_read_in_chunks_rows_and_columns(tmp_path, monkeypatch):
+    """The pread reader gives safetensors' values: whole, a row range, a column range, and
+    copied into a parameter of another dtype in chunks smaller than the tensor."""
+    from services.executor.models import loader
+
+    tensors = {"f32": torch.randn(37, 12), "bf16": torch.randn(5, 3, 4).to(torch.bfloat16), "i64": torch.arange(3)}
+    save_file(tensors, tmp_path / "w.safetensors")
+    monkeypatch.setattr(loader, "READ_CHUNK_BYTES", 100)  # 2 rows of f32[12] per chunk
+    with open_safetensors(tmp_path / "w.safetensors") as ckpt:
+        for name, t in tensors.items():
+            assert ckpt[name].shape == tuple(t.shape) and torch.equal(ckpt[name].load(), t)
+        assert torch.equal(ckpt["f32"].narrow(0, 5, 9), tensors["f32"][5:14])
+        assert torch.equal(ckpt["f32"].narrow(1, 3, 4), tensors["f32"][:, 3:7])
+        dst = torch.empty(37, 12, dtype=torch.bfloat16)
+        ckpt["f32"].copy_into(dst)
+        assert torch.equal(dst, tensors["f32"].to(torch.bfloat16))
 
 
 RANK_SCRIPT = """

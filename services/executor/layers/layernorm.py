@@ -81,3 +81,37 @@ class RMSNorm(FastModule):
             return rms_norm(x, self.weight, self.variance_epsilon, self.ln_weight)
         x = x.add_(residual)
         return rms_norm(x, self.weight, self.variance_epsilon, self.ln_weight), x
+
+
+class LayerNorm(FastModule):
+    """``F.layer_norm`` with a weight and (optionally) a bias (GPT-2, GPT-NeoX, OPT, Falcon, Phi)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, params_dtype: torch.dtype | None = None,
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype), requires_grad=False)
+            set_weight_attrs(self.bias, {"weight_loader": default_weight_loader})
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, n] -> [T, n]
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class GemmaRMSNorm(FastModule):
+    """Gemma's RMSNorm: ``x * rsqrt(mean(x ** 2) + eps) * (1 + weight)``, computed in float32
+    and rounded once to the input's dtype, as Hugging Face's ``GemmaRMSNorm``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, n] -> [T, n] (also [T, heads, D] over D)
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)

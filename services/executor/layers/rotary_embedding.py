@@ -1,11 +1,13 @@
 """Rotary position embeddings (RoPE, Su et al. 2021) in Hugging Face's ``rotate_half`` form.
 
-:func:`get_rope` builds the embedding for a model's RoPE parameters (``default``, or Llama
-3.1's ``llama3`` frequency scaling). The model computes cos and sin once per step
-(:meth:`RotaryEmbedding.forward`) and every attention layer rotates its q and k heads in one
-go with them (:func:`apply_rope`). Same arithmetic as ``transformers.modeling_rope_utils``
-(``_compute_default_rope_parameters``, ``_compute_llama3_parameters``) and
-``modeling_llama.apply_rotary_pos_emb``.
+:func:`get_rope` builds the embedding for a model's RoPE parameters (``default``; ``linear``
+position interpolation; Llama 3.1's ``llama3`` frequency scaling; Phi-3's ``longrope``),
+over the first ``rotary_dim`` dimensions of each head (GPT-NeoX's partial rotary; all of them
+by default). The model computes cos and sin once per step (:meth:`RotaryEmbedding.forward`)
+and every attention layer rotates its q and k heads in one go with them (:func:`apply_rope`).
+Same arithmetic as ``transformers.modeling_rope_utils`` (``_compute_default_rope_parameters``,
+``_compute_linear_scaling_rope_parameters``, ``_compute_llama3_parameters``,
+``_compute_longrope_parameters``) and ``modeling_llama.apply_rotary_pos_emb``.
 """
 
 from __future__ import annotations
@@ -23,33 +25,93 @@ def apply_rope(
     cos: torch.Tensor,  # [T, 1, D]
     sin_signed: torch.Tensor,  # [T, 1, D], (-sin, +sin) halves
 ) -> torch.Tensor:  # [T, heads, D]
-    """``x * cos + rotate_half(x) * sin`` with the sign of ``rotate_half`` folded into ``sin_signed``."""
+    """``x * cos + rotate_half(x) * sin`` with the sign of ``rotate_half`` folded into ``sin_signed``;
+    with a ``cos`` narrower than ``x`` (partial rotary, ``[T, 1, R]``), over the first R
+    dimensions of each head only, the others passed through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary_dim], cos, sin_signed), x[..., rotary_dim:]), dim=-1)
     swapped = x.roll(x.shape[-1] // 2, dims=-1)  # [T, heads, D], halves exchanged (new tensor)
     return swapped.mul_(sin_signed).add_(x * cos)  # same roundings as HF in every dtype
 
 
 class RotaryEmbedding(FastModule):
-    """RoPE with the inverse frequencies ``base ** (-2i / head_size)``.
+    """RoPE with the inverse frequencies ``base ** (-2i / rotary_dim)`` over the first
+    ``rotary_dim`` (default ``head_size``) dimensions of a head.
 
-    ``inv_freq`` ``[head_size // 2]`` float32 is computed on the CPU (as HF does) and kept on
-    ``device``; it is not a parameter.
+    ``inv_freq`` ``[rotary_dim // 2]`` float32 is computed on the CPU (as HF does) and kept on
+    ``device``; it is not a parameter. ``attention_scaling`` multiplies cos and sin (1 but for
+    longrope).
     """
 
-    def __init__(self, head_size: int, base: float, dtype: torch.dtype, device: torch.device | str) -> None:
+    attention_scaling = 1.0
+
+    def __init__(self, head_size: int, base: float, dtype: torch.dtype, device: torch.device | str,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_size, self.base, self.dtype = head_size, base, dtype
-        self.inv_freq = self._compute_inv_freq().to(device)  # [D/2] float32
+        self.rotary_dim = rotary_dim or head_size
+        self.inv_freq = self._compute_inv_freq().to(device)  # [R/2] float32
 
-    def _compute_inv_freq(self) -> torch.Tensor:  # [D/2] float32, on the CPU
-        dim = self.head_size
+    def _compute_inv_freq(self) -> torch.Tensor:  # [R/2] float32, on the CPU
+        dim = self.rotary_dim
         return 1.0 / (self.base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin ``[T, 1, D]`` in the model dtype for ``positions [T]``."""
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2] float32
-        cos = torch.cat((freqs, freqs), dim=-1).cos()  # [T, D]
+        """cos and sign-folded sin ``[T, 1, R]`` in the model dtype for ``positions [T]``."""
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, R/2] float32
+        cos = torch.cat((freqs, freqs), dim=-1).cos()  # [T, R]
         sin = freqs.sin()
-        sin = torch.cat((-sin, sin), dim=-1)  # [T, D], rotate_half's sign folded in
+        sin = torch.cat((-sin, sin), dim=-1)  # [T, R], rotate_half's sign folded in
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
+
+
+class LinearScalingRotaryEmbedding(RotaryEmbedding):
+    """Position interpolation (Chen et al. 2023): positions divided by ``factor``, i.e.
+    ``inv_freq / factor``."""
+
+    def __init__(self, head_size: int, base: float, dtype: torch.dtype, device: torch.device | str,
+                 factor: float, rotary_dim: int | None = None) -> None:
+        self.factor = factor
+        super().__init__(head_size, base, dtype, device, rotary_dim)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        return super()._compute_inv_freq() / self.factor
+
+
+class LongRopeRotaryEmbedding(RotaryEmbedding):
+    """Phi-3's LongRoPE: each frequency divided by its own factor, ``long_factor`` for a
+    sequence longer than ``original_max_position`` tokens, else ``short_factor`` (as Hugging
+    Face decides per forward pass by the sequence's length; here per sequence of the step,
+    from ``seq_lens``), and cos and sin scaled by ``sqrt(1 + log(f) / log(original))`` with
+    ``f = max_position / original_max_position`` (1 when ``f <= 1``)."""
+
+    def __init__(self, head_size: int, base: float, dtype: torch.dtype, device: torch.device | str,
+                 short_factor: list[float], long_factor: list[float], max_position: int,
+                 original_max_position: int, rotary_dim: int | None = None) -> None:
+        factor = max_position / original_max_position
+        self.attention_scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max_position))
+        self.original_max_position = original_max_position
+        super().__init__(head_size, base, dtype, device, rotary_dim)
+        base_inv_freq = self.inv_freq
+        self.inv_freq = base_inv_freq / torch.tensor(short_factor, dtype=torch.float32, device=base_inv_freq.device)
+        self.long_inv_freq = base_inv_freq / torch.tensor(long_factor, dtype=torch.float32, device=base_inv_freq.device)
+
+    def forward(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin ``[T, 1, R]`` for ``positions [T]``; ``seq_lens [T]``: the
+        length of each token's sequence in this step (default: the largest position + 1)."""
+        if seq_lens is None:
+            long = positions.new_full(positions.shape, int(positions.max()) + 1 > self.original_max_position
+                                      if positions.numel() else False, dtype=torch.bool)
+        else:
+            long = seq_lens > self.original_max_position
+        inv_freq = torch.where(long.unsqueeze(1), self.long_inv_freq.unsqueeze(0), self.inv_freq.unsqueeze(0))
+        freqs = positions.float().unsqueeze(1) * inv_freq  # [T, R/2] float32
+        cos = torch.cat((freqs, freqs), dim=-1).cos() * self.attention_scaling
+        sin = freqs.sin()
+        sin = torch.cat((-sin, sin), dim=-1) * self.attention_scaling
         return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
 
 
@@ -81,18 +143,27 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
 def get_rope(head_size: int, rope_parameters: dict[str, Any], dtype: torch.dtype,
              device: torch.device | str) -> RotaryEmbedding:
     """The rotary embedding for ``rope_parameters`` (the flat dict of
-    :func:`services.executor.models.hf_config.rope_parameters`: ``rope_type``, ``rope_theta``
-    and the scaling's own keys).
+    :func:`services.executor.models.hf_config.rope_parameters`: ``rope_type``, ``rope_theta``,
+    ``partial_rotary_factor`` (the share of each head rotated, default 1) and the scaling's
+    own keys).
 
     Raises:
-        ValueError: a ``rope_type`` other than ``default`` and ``llama3``.
+        ValueError: a ``rope_type`` other than ``default``, ``linear``, ``llama3`` and ``longrope``.
     """
     rope_type, base = rope_parameters["rope_type"], rope_parameters["rope_theta"]
+    rotary_dim = int(head_size * rope_parameters.get("partial_rotary_factor", 1.0))
     if rope_type == "default":
-        return RotaryEmbedding(head_size, base, dtype, device)
+        return RotaryEmbedding(head_size, base, dtype, device, rotary_dim)
+    if rope_type == "linear":
+        return LinearScalingRotaryEmbedding(head_size, base, dtype, device, rope_parameters["factor"], rotary_dim)
     if rope_type == "llama3":
         return Llama3RotaryEmbedding(
             head_size, base, dtype, device, rope_parameters["factor"], rope_parameters["low_freq_factor"],
             rope_parameters["high_freq_factor"], rope_parameters["original_max_position_embeddings"],
         )
-    raise ValueError(f"rope_type={rope_type!r} is not supported (only 'default' and 'llama3')")
+    if rope_type == "longrope":
+        return LongRopeRotaryEmbedding(
+            head_size, base, dtype, device, rope_parameters["short_factor"], rope_parameters["long_factor"],
+            rope_parameters["max_position_embeddings"], rope_parameters["original_max_position_embeddings"],
+            rotary_dim)
+    raise ValueError(f"rope_type={rope_type!r} is not supported (only 'default', 'linear', 'llama3' and 'longrope')")

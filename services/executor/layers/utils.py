@@ -71,7 +71,8 @@ def copy_checked(dst: torch.Tensor, loaded_weight: torch.Tensor | Any) -> None:
     """``dst.copy_(loaded_weight)`` (cast to ``dst``'s dtype) after checking the shapes.
 
     ``loaded_weight`` is a tensor, or a checkpoint tensor not read yet (``models/loader.py``'s
-    ``CheckpointTensor``: ``shape``, ``narrow`` and ``load``), read only once the shapes agree.
+    ``CheckpointTensor``: ``shape``, ``narrow``, ``load``, ``copy_into``), read only once the
+    shapes agree, chunk by chunk into ``dst``.
 
     Raises:
         ValueError: ``checkpoint shape (...) != expected (...)`` (the loader prefixes the
@@ -79,7 +80,10 @@ def copy_checked(dst: torch.Tensor, loaded_weight: torch.Tensor | Any) -> None:
     """
     if tuple(loaded_weight.shape) != tuple(dst.shape):
         raise ValueError(f"checkpoint shape {tuple(loaded_weight.shape)} != expected {tuple(dst.shape)}")
-    dst.copy_(loaded_weight if isinstance(loaded_weight, torch.Tensor) else loaded_weight.load())
+    if isinstance(loaded_weight, torch.Tensor):
+        dst.copy_(loaded_weight)
+    else:  # read in chunks straight into dst
+        loaded_weight.copy_into(dst)
 
 
 def narrow_checked(loaded_weight: torch.Tensor | Any, dim: int, start: int, length: int,

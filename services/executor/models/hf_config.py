@@ -16,7 +16,13 @@ def config_value(cfg: Any, name: str, default: Any = None) -> Any:
 
 
 # model_type -> the class AutoModelForCausalLM builds for it, for configs without ``architectures``
-_CAUSAL_LM_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_CAUSAL_LM_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "opt": "OPTForCausalLM",
+    "falcon": "FalconForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 def architectures_of(hf_config: Any) -> list[str]:
@@ -55,52 +61,73 @@ def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype
 
 
 def check_supported(hf_config: Any) -> None:
-    """Refuse what this implementation would compute wrongly.
+    """Refuse what the Llama-family implementation would compute wrongly.
 
     Raises:
-        ValueError: sliding-window attention (Mistral ``sliding_window`` below
-            ``max_position_embeddings``, Qwen2 ``use_sliding_window`` layers), an activation
-            other than SiLU, or an unsupported RoPE type.
+        ValueError: an activation other than SiLU, or an unsupported RoPE type.
     """
-    max_pos = config_value(hf_config, "max_position_embeddings", 0)
-    window = config_value(hf_config, "sliding_window")
-    archs = architectures_of(hf_config)
-    if "MistralForCausalLM" in archs and window is not None and window < max_pos:
-        raise ValueError(
-            f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window attention "
-            "is not supported by this Mistral implementation"
-        )
-    if "sliding_attention" in (config_value(hf_config, "layer_types") or []) or (
-        config_value(hf_config, "use_sliding_window", False) and window is not None and window < max_pos
-    ):
-        raise ValueError(f"sliding-window attention layers (sliding_window={window}) are not supported")
     act = config_value(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
     rope_parameters(hf_config)
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """RoPE settings as one flat dict with ``rope_type`` and ``rope_theta``.
+def layer_sliding_windows(hf_config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window (tokens, itself included; None: the whole context),
+    as Hugging Face applies them: ``layer_types`` (``"sliding_attention"`` layers, e.g. Qwen2's
+    ``use_sliding_window`` from ``max_window_layers`` on, Gemma 2/3's alternation) when the
+    config has it, else ``sliding_window`` on every layer (Mistral) when set. A window of at
+    least ``max_position_embeddings`` tokens changes nothing and is None here (the fast
+    kernels serve such layers)."""
+    window = config_value(hf_config, "sliding_window")
+    if window is not None and window >= (config_value(hf_config, "max_position_embeddings") or window + 1):
+        window = None
+    num_layers = config_value(hf_config, "num_hidden_layers")
+    layer_types = config_value(hf_config, "layer_types")
+    if layer_types:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    return [window] * num_layers
 
-    transformers 5 keeps them in ``config.rope_parameters``; older configs use ``rope_theta``
-    plus an optional ``rope_scaling`` dict (``type`` or ``rope_type``). Both are read.
+
+#: the RoPE types :func:`rope_parameters` accepts (``services/executor/layers/rotary_embedding.py``)
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """RoPE settings as one flat dict with ``rope_type``, ``rope_theta`` and
+    ``partial_rotary_factor`` (the share of each head rotated).
+
+    transformers 5 keeps them in ``config.rope_parameters`` (per layer type for Gemma 3:
+    ``{"sliding_attention": {...}, "full_attention": {...}}``, read for ``layer_type``); older
+    configs use ``rope_theta`` plus an optional ``rope_scaling`` dict (``type`` or
+    ``rope_type``) and ``partial_rotary_factor`` / ``rotary_pct``. All are read.
 
     Raises:
-        ValueError: a rope type other than ``default`` / ``llama3``, or per-layer-type RoPE.
+        ValueError: a rope type not in ``ROPE_TYPES``, per-layer-type RoPE without a
+            ``layer_type`` (or without that type), or a scaling without its keys.
     """
     params = config_value(hf_config, "rope_parameters") or config_value(hf_config, "rope_scaling") or {}
     params = dict(params)
     if any(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"per-layer-type RoPE parameters are not supported: {sorted(params)}")
+        if layer_type is None or not isinstance(params.get(layer_type), dict):
+            raise ValueError(f"per-layer-type RoPE parameters {sorted(params)} need a layer type (got {layer_type!r})")
+        params = dict(params[layer_type])
     params.setdefault("rope_theta", config_value(hf_config, "rope_theta") or 10000.0)
+    params.setdefault("partial_rotary_factor", config_value(hf_config, "partial_rotary_factor")
+                      or config_value(hf_config, "rotary_pct") or 1.0)
     rope_type = params.get("rope_type", params.get("type")) or "default"
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"rope_type={rope_type!r} is not supported (only 'default' and 'llama3')")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type={rope_type!r} is not supported (only {', '.join(map(repr, ROPE_TYPES))})")
     params["rope_type"] = rope_type
-    if rope_type == "llama3":
-        params.setdefault("original_max_position_embeddings", config_value(hf_config, "max_position_embeddings"))
-        for key in ("factor", "low_freq_factor", "high_freq_factor"):
-            if key not in params:
-                raise ValueError(f"llama3 RoPE needs {key!r} in rope parameters")
+    max_position = config_value(hf_config, "max_position_embeddings")
+    if rope_type in ("llama3", "longrope"):
+        params.setdefault("original_max_position_embeddings",
+                          config_value(hf_config, "original_max_position_embeddings") or max_position)
+    needs = {"llama3": ("factor", "low_freq_factor", "high_freq_factor"), "linear": ("factor",),
+             "longrope": ("short_factor", "long_factor")}.get(rope_type, ())
+    for key in needs:
+        if key not in params:
+            raise ValueError(f"{rope_type} RoPE needs {key!r} in rope parameters")
+    if rope_type == "longrope":
+        params["max_position_embeddings"] = max_position
     return params

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2) on a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral with its sliding window, Qwen2) on a paged KV cache.
 
 Hugging Face's ``modeling_llama`` (``LlamaAttention``, ``LlamaMLP``, ``LlamaDecoderLayer``,
 ``LlamaModel``, ``LlamaForCausalLM``) on vLLM's layers (``services/executor/layers/``) and flat
@@ -63,6 +63,7 @@ from services.executor.models.hf_config import (
     check_supported,
     config_value,
     head_dim_of,
+    layer_sliding_windows,
     num_kv_heads_of,
     rope_parameters,
 )
@@ -82,10 +83,12 @@ class LlamaArgs:
     qkv_bias: bool  # Qwen2, or attention_bias
     o_bias: bool  # attention_bias (not Qwen2)
     mlp_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm of each q and k head before RoPE
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> LlamaArgs:
-        qwen2 = "Qwen2ForCausalLM" in architectures_of(hf_config)
+        archs = architectures_of(hf_config)
+        qwen2 = "Qwen2ForCausalLM" in archs
         attention_bias = bool(config_value(hf_config, "attention_bias", False))
         return cls(
             hidden_size=config_value(hf_config, "hidden_size"),
@@ -97,6 +100,7 @@ class LlamaArgs:
             qkv_bias=qwen2 or attention_bias,
             o_bias=attention_bias and not qwen2,
             mlp_bias=bool(config_value(hf_config, "mlp_bias", False)),
+            qk_norm="Qwen3ForCausalLM" in archs,
         )
 
 
@@ -120,7 +124,8 @@ class LlamaAttention(FastModule):
     """Multi-head attention with GQA: q/k/v in one matmul, RoPE on q and k, paged attention,
     o_proj. Under tensor parallelism: this rank's heads, o_proj summing over the ranks."""
 
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, backend: AttentionBackend,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(args.hidden_size, args.head_dim, args.num_heads, args.num_kv_heads,
                                           bias=args.qkv_bias, params_dtype=dtype)
@@ -129,7 +134,10 @@ class LlamaAttention(FastModule):
         self.qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
         self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias,
                                         params_dtype=dtype, input_range=self.qkv_proj.row_ranges[0])
-        self.attn = Attention(self.num_heads, args.head_dim, args.head_dim**-0.5, self.num_kv_heads, backend)
+        self.attn = Attention(self.num_heads, args.head_dim, args.head_dim**-0.5, self.num_kv_heads, backend,
+                              sliding_window=sliding_window)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
 
     def forward(
         self,
@@ -141,7 +149,12 @@ class LlamaAttention(FastModule):
     ) -> torch.Tensor:  # [T, hidden]
         t, nh, nkv, d = hidden_states.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(hidden_states)  # [T, (H + 2 Hkv) D]
-        qk = apply_rope(qkv[:, : self.qk_size].view(t, nh + nkv, d), cos, sin)  # [T, H + Hkv, D]
+        qk = qkv[:, : self.qk_size].view(t, nh + nkv, d)
+        if self.q_norm is not None:  # Qwen3: each head normed over D
+            q = self.q_norm(qk[:, :nh].reshape(t * nh, d)).view(t, nh, d)
+            k = self.k_norm(qk[:, nh:].reshape(t * nkv, d)).view(t, nkv, d)
+            qk = torch.cat((q, k), dim=1)
+        qk = apply_rope(qk, cos, sin)  # [T, H + Hkv, D]
         v = qkv[:, self.qk_size :].view(t, nkv, d)  # [T, Hkv, D]
         attn_output = self.attn(qk[:, :nh], qk[:, nh:], v, kv_cache, attn_metadata)  # [T, H, D]
         return self.o_proj(attn_output.reshape(t, nh * d))
@@ -150,10 +163,11 @@ class LlamaAttention(FastModule):
 class LlamaDecoderLayer(FastModule):
     """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
 
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, backend: AttentionBackend,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.hidden_size = args.hidden_size
-        self.self_attn = LlamaAttention(args, dtype, backend)
+        self.self_attn = LlamaAttention(args, dtype, backend, sliding_window)
         self.mlp = LlamaMLP(args, dtype)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
@@ -182,8 +196,8 @@ class LlamaModel(FastModule):
         super().__init__()
         self.dtype = dtype
         self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype, backend)
-                                    for _ in range(config_value(hf_config, "num_hidden_layers")))
+        self.sliding_windows = layer_sliding_windows(hf_config)  # Mistral's, Qwen2's sliding layers
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype, backend, window) for window in self.sliding_windows)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.rotary_emb = get_rope(args.head_dim, rope_parameters(hf_config), dtype, device)
         self.attn_backend = backend
@@ -298,10 +312,16 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         for layer in self.model.layers:
             layer.input_layernorm.set_form(kernels.layer_norm_form)
             layer.post_attention_layernorm.set_form(kernels.layer_norm_form)
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                if norm is not None:  # per head: never the C kernel's fused residual form
+                    norm.set_form("torch" if kernels.layer_norm_form == "native" else kernels.layer_norm_form)
         self.model.norm.set_form(kernels.final_norm_form)
         self.model.single_row_gemv = kernels.single_row_gemv
-        # one C call for every layer has no all-reduce between them: a single rank only
-        self.model.native_layers_enabled = kernels.native_matmuls and self.tp_size == 1
+        # one C call for every layer has no all-reduce between them (a single rank only) and
+        # no sliding window
+        self.model.native_layers_enabled = (kernels.native_matmuls and self.tp_size == 1
+                                            and not any(self.model.sliding_windows)
+                                            and self.model.layers[0].self_attn.q_norm is None)
         self.model.native_layers = None
         self.kernels = kernels
 
@@ -314,7 +334,7 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         Raises:
             FileNotFoundError: no ``*.safetensors`` in ``model_dir``.
             ValueError: a parameter is missing, has the wrong shape, or the checkpoint holds
-                tensors this architecture does not know (e.g. Qwen3's q_norm).
+                tensors this architecture does not know.
         """
         restore_weights(self)  # the parameters must hold their shapes to be loaded into
         loader.load_weights(self, model_dir, self.stacked_params_mapping, skip=self._skip_checkpoint_tensor)

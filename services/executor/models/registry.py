@@ -1,19 +1,28 @@
-"""Architectures (``config.json``'s ``architectures``) -> the model class that implements them."""
+"""Architectures (``config.json``'s ``architectures``) -> the model class that implements them.
+
+Classes are imported when first asked for, so a process loads only its model's module.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from services.executor.models.hf_config import architectures_of, check_supported, config_value
-from services.executor.models.llama import LlamaForCausalLM
+from services.executor.models.hf_config import architectures_of, config_value
 
-# architecture name in config.json -> our class (Mistral and Qwen2 are Llama with small differences:
-# Qwen2 has q/k/v biases, Mistral's sliding window is refused by check_supported)
-MODEL_CLASSES: dict[str, type] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
+# architecture name in config.json -> "module:Class" under services.executor.models. Mistral,
+# Qwen2 and Qwen3 are Llama with small differences (a sliding window, q/k/v biases, q/k norms).
+MODEL_CLASSES: dict[str, str] = {
+    "LlamaForCausalLM": "llama:LlamaForCausalLM",
+    "MistralForCausalLM": "llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "llama:LlamaForCausalLM",
 }
+
+
+def supported_architectures() -> list[str]:
+    """Every ``architectures`` value this engine loads, sorted."""
+    return sorted(MODEL_CLASSES)
 
 
 def get_model_class(hf_config: Any) -> type:
@@ -21,17 +30,18 @@ def get_model_class(hf_config: Any) -> type:
     ``model_type``, as ``AutoModelForCausalLM`` picks it).
 
     Raises:
-        ValueError: the architecture is not supported (the message names it), or the config
-            asks for something the implementation does not do (e.g. Mistral sliding window).
+        ValueError: the architecture is not supported (the message names it and lists the
+            supported ones).
     """
     archs = architectures_of(hf_config)
     for arch in archs:
-        cls = MODEL_CLASSES.get(arch)
-        if cls is not None:
-            check_supported(hf_config)
-            return cls
+        target = MODEL_CLASSES.get(arch)
+        if target is not None:
+            module, cls = target.split(":")
+            return getattr(importlib.import_module(f"services.executor.models.{module}"), cls)
+    supported = ", ".join(supported_architectures())
     if not archs:
         model_type = config_value(hf_config, "model_type")
         raise ValueError(f"the model's config.json has no 'architectures' entry, and model_type={model_type!r} "
-                         f"is none of this engine's; supported architectures: {sorted(MODEL_CLASSES)}")
-    raise ValueError(f"unsupported model architecture {archs!r}; supported: {sorted(MODEL_CLASSES)}")
+                         f"is none of this engine's; supported architectures: {supported}")
+    raise ValueError(f"unsupported model architecture {archs!r}; supported: {supported}")

@@ -1,0 +1,117 @@
+"""What every decoder-only model class gives the model runner, written once: the attention
+backend shared by its layers, logits, loading a Hugging Face checkpoint and the kernels'
+weight forms. Each architecture (``gpt2.py``, ``gpt_neox.py``, ...) builds its layers in
+``__init__`` and writes ``forward``; ``llama.py`` keeps its own (its CPU fast path).
+
+The model runner's contract (``services/executor/model_runner.py``):
+
+- ``forward(input_ids [T] int64, positions [T] int64, kv_caches, attn_metadata) -> [T, hidden]``;
+- ``compute_logits(hidden [N, hidden]) -> [N, vocab] float32`` (None off rank 0);
+- ``load_weights(model_dir)``; ``num_kv_heads_per_rank`` and ``head_dim`` size the KV cache;
+- ``attn_backend`` (settable: every :class:`Attention` layer gets it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.executor.attention import AttentionBackend, get_attention_backend
+from services.executor.layers.attention import Attention
+from services.executor.layers.layernorm import RMSNorm
+from services.executor.layers.selection import (
+    KernelChoice,
+    KernelSwitches,
+    restore_weights,
+    select_kernels,
+    use_linear_methods,
+)
+from services.executor.layers.utils import FastModule
+from services.executor.models import loader
+from services.executor.parallel.group import current_tp_group
+
+
+class PagedCausalLM(KernelSwitches, FastModule):
+    """Base of a causal LM over a paged KV cache.
+
+    Args:
+        hf_config: the ``transformers`` config of the checkpoint.
+        dtype: parameter / activation / KV cache dtype.
+        device: where parameters live (allocated uninitialised by the subclass under
+            ``torch.device(device)``; :meth:`load_weights` fills them).
+        attn_backend: an :class:`AttentionBackend` or a name for :func:`get_attention_backend`.
+        native_cpu_kernels: allow the native bf16 GEMM for the matmuls (``layers/selection.py``).
+
+    A subclass sets ``self.lm_head`` (with ``compute_logits``), ``num_kv_heads_per_rank`` and
+    ``head_dim``, and may set ``stacked_params_mapping`` (checkpoint shards loaded into merged
+    parameters), ``checkpoint_prefix`` (the prefix its checkpoints put before the decoder's
+    names that this class names under ``model.``, e.g. GPT-2's ``transformer.``) and
+    ``skip_checkpoint_tensor`` (tensors to ignore: rotary caches, attention masks, a tied
+    head).
+    """
+
+    stacked_params_mapping: list[tuple[str, str, str | int]] = []
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
+                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False) -> None:
+        super().__init__()
+        device = torch.device(device)
+        if isinstance(attn_backend, str):
+            attn_backend = get_attention_backend(attn_backend, device)
+        self.hf_config, self.dtype, self.device = hf_config, dtype, device
+        self._attn_backend = attn_backend
+        self.tp_size = current_tp_group().world_size  # layers built under use_tp_group take their rank's part
+        self.kernel_request = {"native_norms": False, "native_matmuls": native_cpu_kernels}
+        self.kernels = select_kernels(dtype, device, **self.kernel_request)
+
+    def attention_layers(self) -> Iterator[Attention]:
+        return (m for m in self.modules() if isinstance(m, Attention))
+
+    @property
+    def attn_backend(self) -> AttentionBackend:
+        return self._attn_backend
+
+    @attn_backend.setter
+    def attn_backend(self, backend: AttentionBackend) -> None:
+        self._attn_backend = backend
+        for attn in self.attention_layers():
+            attn.backend = backend
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] f32
+        """Logits in float32 (``ParallelLMHead.compute_logits``); None off rank 0."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    def use_kernels(self, kernels: KernelChoice) -> None:
+        """Compute the matmuls (and any RMSNorm) with ``kernels`` from now on."""
+        use_linear_methods(self, kernels)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.set_form("layer_norm" if kernels.final_norm_form == "layer_norm" else "torch")
+        self.kernels = kernels
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this class's parameters are named (default: as is)."""
+        return name
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """Whether a checkpoint tensor that names no parameter is ignored (not an error)."""
+        return "rotary_emb" in name or ".attn.bias" in name or ".attn.masked_bias" in name or (
+            getattr(self, "tie_word_embeddings", False) and name == "lm_head.weight")
+
+    @torch.no_grad()
+    def load_weights(self, model_dir: Path | str) -> None:
+        """Load the Hugging Face safetensors checkpoint (``loader.load_weights``, each tensor
+        renamed by :meth:`checkpoint_name`), then derive the kernels' weight forms.
+
+        Raises:
+            FileNotFoundError: no ``*.safetensors`` in ``model_dir``.
+            ValueError: a parameter is missing or has the wrong shape, or the checkpoint holds
+                tensors this architecture does not know.
+        """
+        restore_weights(self)
+        loader.load_weights(self, model_dir, self.stacked_params_mapping, skip=self.skip_checkpoint_tensor,
+                            rename=self.checkpoint_name)
+        self.use_kernels(self.kernels)
