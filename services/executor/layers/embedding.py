@@ -1,4 +1,5 @@
-"""The vocabulary embedding and the LM head (vLLM's ``VocabParallelEmbedding`` / ``ParallelLMHead``).
+"""The vocabulary embedding and the LM head (vLLM's ``VocabParallelEmbedding`` / ``ParallelLMHead``),
+and learned absolute position embeddings (``LearnedPositionEmbedding``).
 
 Both hold a ``weight`` ``[vocab, hidden]`` created by a linear method (rows = vocabulary
 entries), so the storage choices of ``layers/selection.py`` apply to them as to any linear
@@ -12,7 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
-from services.executor.layers.utils import FastModule, copy_checked, narrow_checked
+from services.executor.layers.utils import (
+    FastModule,
+    copy_checked,
+    default_weight_loader,
+    narrow_checked,
+    set_weight_attrs,
+)
 from services.executor.parallel.group import current_tp_group
 from services.executor.parallel.partition import balanced_range
 
@@ -100,3 +107,23 @@ def refine_top_logits(
     rows_w = weight[ids.flatten()].view(n, ids.shape[1], -1).float()  # [N, num, hidden]
     exact = torch.bmm(rows_w, hidden.float().unsqueeze(2)).squeeze(2)  # [N, num] float32
     logits.scatter_(1, ids, exact)
+
+
+class LearnedPositionEmbedding(FastModule):
+    """Absolute learned position embeddings (GPT-2's ``wpe``, OPT's ``embed_positions``):
+    ``weight[positions + offset]``, the whole table on every rank (it is small).
+
+    ``offset``: the rows before position 0 (OPT's ``OPTLearnedPositionalEmbedding`` keeps 2,
+    a relic of fairseq's padding positions); ``weight`` is ``[num_positions + offset, hidden]``.
+    """
+
+    def __init__(self, num_positions: int, embedding_dim: int, params_dtype: torch.dtype | None = None,
+                 offset: int = 0) -> None:
+        super().__init__()
+        self.offset = offset
+        self.weight = nn.Parameter(torch.empty(num_positions + offset, embedding_dim, dtype=params_dtype),
+                                   requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
+        return F.embedding(positions + self.offset if self.offset else positions, self.weight)

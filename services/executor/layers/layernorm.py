@@ -84,21 +84,24 @@ class RMSNorm(FastModule):
 
 
 class LayerNorm(FastModule):
-    """``F.layer_norm`` with a weight and (optionally) a bias (GPT-2, GPT-NeoX, OPT, Falcon, Phi)."""
+    """``F.layer_norm`` with a weight and (optionally) a bias (GPT-2, GPT-NeoX, OPT, Falcon, Phi);
+    ``elementwise_affine=False``: neither (``nn.LayerNorm``'s option; some OPT checkpoints)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, params_dtype: torch.dtype | None = None,
-                 bias: bool = True) -> None:
+                 bias: bool = True, elementwise_affine: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype), requires_grad=False)
-        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
-        self.bias = None
-        if bias:
+        self.normalized_shape = (hidden_size,)
+        self.weight = self.bias = None
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype), requires_grad=False)
+            set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+        if bias and elementwise_affine:
             self.bias = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype), requires_grad=False)
             set_weight_attrs(self.bias, {"weight_loader": default_weight_loader})
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, n] -> [T, n]
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 class GemmaRMSNorm(FastModule):
