@@ -17,6 +17,7 @@ MODEL_CLASSES: dict[str, str] = {
     "MistralForCausalLM": "llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "llama:LlamaForCausalLM",
+    "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
 }
 
 
