@@ -53,7 +53,8 @@ def paged_greedy(
                 positions += range(computed[i], computed[i] + n)
                 query_lens.append(n)
                 seq_lens.append(computed[i] + n)
-            meta = AttentionMetadata.build(query_lens, seq_lens, blocks, block_size)
+            meta = AttentionMetadata.build(query_lens, seq_lens, blocks, block_size,
+                                           num_prompt_tokens=[len(p) for p in prompts])
             hidden = model(torch.tensor(ids), torch.tensor(positions), caches, meta)  # [T, hidden]
             start = 0
             for i, n in enumerate(query_lens):

@@ -41,6 +41,8 @@ class AttentionMetadata:
         query_lens, seq_lens_list: the same lengths as Python lists.
         max_query_len, max_seq_len: their maxima.
         num_decodes: sequences with exactly one new token (computed when not given).
+        num_prompt_tokens: each sequence's prompt length (None: not known), for what depends on
+            the whole prompt while it is prefilled in chunks (LongRoPE's choice of factors).
     ``backend_state`` is filled by a backend on the first layer with data derived from this
     metadata (gather indices, masks) and reused by the other layers of the same forward pass.
     Sequences may come in any order (the runner puts decodes first, which saves a copy).
@@ -55,6 +57,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decodes: int | None = None
+    num_prompt_tokens: list[int] | None = None
     backend_state: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +82,7 @@ class AttentionMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        num_prompt_tokens: Sequence[int] | None = None,
     ) -> AttentionMetadata:
         """Build the metadata from host lists (tests, simple drivers).
 
@@ -87,6 +91,7 @@ class AttentionMetadata:
             seq_lens: cached context + new tokens of each sequence (``>= query_lens``).
             block_tables: physical block ids of each sequence, enough for ``seq_lens``.
             block_size: tokens per cache block.
+            num_prompt_tokens: each sequence's prompt length, when known.
         """
         query_lens, seq_lens = list(map(int, query_lens)), list(map(int, seq_lens))
         max_blocks = max((len(t) for t in block_tables), default=0) or 1
@@ -109,6 +114,7 @@ class AttentionMetadata:
             seq_lens_list=seq_lens,
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
+            num_prompt_tokens=None if num_prompt_tokens is None else list(map(int, num_prompt_tokens)),
         )
 
 

@@ -277,6 +277,7 @@ class ModelRunner:
             seq_lens_list=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            num_prompt_tokens=[s.num_prompt_tokens for s in states],
         )
         input_ids = torch.tensor(ids_list, dtype=torch.int64, device=dev)  # [T]
         return input_ids, torch.from_numpy(pos).to(dev), meta, logits_rows, sample_states

@@ -82,36 +82,57 @@ class LinearScalingRotaryEmbedding(RotaryEmbedding):
 
 
 class LongRopeRotaryEmbedding(RotaryEmbedding):
-    """Phi-3's LongRoPE: each frequency divided by its own factor, ``long_factor`` for a
-    sequence longer than ``original_max_position`` tokens, else ``short_factor`` (as Hugging
-    Face decides per forward pass by the sequence's length; here per sequence of the step,
-    from ``seq_lens``), and cos and sin scaled by ``sqrt(1 + log(f) / log(original))`` with
-    ``f = max_position / original_max_position`` (1 when ``f <= 1``)."""
+    """Phi-3's LongRoPE (Ding et al. 2024): each frequency divided by its own factor,
+    ``long_factor`` for a sequence longer than ``original_max_position`` tokens, else
+    ``short_factor``, and cos and sin scaled by ``attention_factor`` (default
+    ``sqrt(1 + log(f) / log(original_max_position))`` with ``f = factor``, itself defaulting to
+    ``max_position / original_max_position``; 1 when ``f <= 1``).
+
+    As ``transformers.modeling_rope_utils._compute_longrope_parameters`` (``inv_freq = 1 /
+    (ext_factors * base ** (2i / R))``, the same roundings) and its ``dynamic_rope_update``,
+    which picks the factors per forward pass by the sequence's length (``max(position_ids) + 1``).
+    Here each token picks them by its own sequence's length (``seq_lens``, per token), so the
+    sequences of one step need not agree.
+    """
 
     def __init__(self, head_size: int, base: float, dtype: torch.dtype, device: torch.device | str,
                  short_factor: list[float], long_factor: list[float], max_position: int,
-                 original_max_position: int, rotary_dim: int | None = None) -> None:
-        factor = max_position / original_max_position
-        self.attention_scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max_position))
+                 original_max_position: int, rotary_dim: int | None = None, factor: float | None = None,
+                 attention_factor: float | None = None) -> None:
+        if factor is None:
+            factor = max_position / original_max_position
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max_position))
+        self.attention_scaling = attention_factor
         self.original_max_position = original_max_position
+        self.short_factor, self.long_factor = list(short_factor), list(long_factor)
         super().__init__(head_size, base, dtype, device, rotary_dim)
-        base_inv_freq = self.inv_freq
-        self.inv_freq = base_inv_freq / torch.tensor(short_factor, dtype=torch.float32, device=base_inv_freq.device)
-        self.long_inv_freq = base_inv_freq / torch.tensor(long_factor, dtype=torch.float32, device=base_inv_freq.device)
+        self.long_inv_freq = self._scaled_inv_freq(self.long_factor).to(device)  # [R/2] float32
+
+    def _scaled_inv_freq(self, ext_factors: list[float]) -> torch.Tensor:  # [R/2] float32, on the CPU
+        dim = self.rotary_dim
+        if len(ext_factors) != dim // 2:
+            raise ValueError(f"longrope factors: {len(ext_factors)} given, rotary dimension {dim} needs {dim // 2}")
+        inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+        return 1.0 / (torch.tensor(ext_factors, dtype=torch.float32) * self.base**inv_freq_shape)
+
+    def _compute_inv_freq(self) -> torch.Tensor:  # the short factors'
+        return self._scaled_inv_freq(self.short_factor)
 
     def forward(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin ``[T, 1, R]`` for ``positions [T]``; ``seq_lens [T]``: the
-        length of each token's sequence in this step (default: the largest position + 1)."""
+        length of each token's sequence, which picks its factors (long above
+        ``original_max_position``); default: the largest position + 1, for every token."""
         if seq_lens is None:
-            long = positions.new_full(positions.shape, int(positions.max()) + 1 > self.original_max_position
-                                      if positions.numel() else False, dtype=torch.bool)
+            longest = int(positions.max()) + 1 if positions.numel() else 0
+            long = torch.full(positions.shape, longest > self.original_max_position, device=positions.device)
         else:
-            long = seq_lens > self.original_max_position
+            long = seq_lens > self.original_max_position  # [T] bool
         inv_freq = torch.where(long.unsqueeze(1), self.long_inv_freq.unsqueeze(0), self.inv_freq.unsqueeze(0))
         freqs = positions.float().unsqueeze(1) * inv_freq  # [T, R/2] float32
-        cos = torch.cat((freqs, freqs), dim=-1).cos() * self.attention_scaling
+        cos = torch.cat((freqs, freqs), dim=-1).cos() * self.attention_scaling  # [T, R]
         sin = freqs.sin()
-        sin = torch.cat((-sin, sin), dim=-1) * self.attention_scaling
+        sin = torch.cat((-sin, sin), dim=-1) * self.attention_scaling  # [T, R], rotate_half's sign folded in
         return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
 
 
@@ -165,5 +186,5 @@ def get_rope(head_size: int, rope_parameters: dict[str, Any], dtype: torch.dtype
         return LongRopeRotaryEmbedding(
             head_size, base, dtype, device, rope_parameters["short_factor"], rope_parameters["long_factor"],
             rope_parameters["max_position_embeddings"], rope_parameters["original_max_position_embeddings"],
-            rotary_dim)
+            rotary_dim, rope_parameters.get("factor"), rope_parameters.get("attention_factor"))
     raise ValueError(f"rope_type={rope_type!r} is not supported (only 'default', 'linear', 'llama3' and 'longrope')")

@@ -19,6 +19,7 @@ MODEL_CLASSES: dict[str, str] = {
     "Qwen3ForCausalLM": "llama:LlamaForCausalLM",
     "GPT2LMHeadModel": "gpt2:GPT2LMHeadModel",
     "OPTForCausalLM": "opt:OPTForCausalLM",
+    "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
 }
 
 
