@@ -17,6 +17,8 @@ MODEL_CLASSES: dict[str, str] = {
     "MistralForCausalLM": "llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "llama:LlamaForCausalLM",
+    "GPTNeoXForCausalLM": "gpt_neox:GPTNeoXForCausalLM",
+    "FalconForCausalLM": "falcon:FalconForCausalLM",
 }
 
 
