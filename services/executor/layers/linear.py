@@ -2,9 +2,10 @@
 
 A layer (``ReplicatedLinear``, ``ColumnParallelLinear``, ``MergedColumnParallelLinear``,
 ``QKVParallelLinear``, ``GroupedQKVParallelLinear``, ``RowParallelLinear``) holds its
-parameters and hands the matmul to its *linear method* (vLLM's ``LinearMethodBase``): ``create_weights`` registers the parameters,
-``process_weights_after_loading`` derives what ``apply`` reads (a packed copy, another
-layout), ``restore_weights`` undoes that, ``apply(layer, x, bias)`` multiplies. The plain
+parameters and hands the matmul to its *linear method* (vLLM's ``LinearMethodBase``):
+``create_weights`` registers the parameters, ``process_weights_after_loading`` derives what
+``apply`` reads (a packed copy, another layout), ``restore_weights`` undoes that,
+``apply(layer, x, bias)`` multiplies. The plain
 method here is :class:`UnquantizedLinearMethod`; the CPU ones (oneDNN-prepacked, native-GEMM
 panels) are in ``layers/cpu/``, and ``layers/selection.py`` picks one per model at load time.
 
