@@ -1,10 +1,11 @@
 """Linear layers with the field's names (vLLM / nano-vllm), and the linear method behind each one.
 
 A layer (``ReplicatedLinear``, ``ColumnParallelLinear``, ``MergedColumnParallelLinear``,
-``QKVParallelLinear``, ``RowParallelLinear``) holds its parameters and hands the matmul to its
-*linear method* (vLLM's ``LinearMethodBase``): ``create_weights`` registers the parameters,
-``process_weights_after_loading`` derives what ``apply`` reads (a packed copy, another
-layout), ``restore_weights`` undoes that, ``apply(layer, x, bias)`` multiplies. The plain
+``QKVParallelLinear``, ``GroupedQKVParallelLinear``, ``RowParallelLinear``) holds its
+parameters and hands the matmul to its *linear method* (vLLM's ``LinearMethodBase``):
+``create_weights`` registers the parameters, ``process_weights_after_loading`` derives what
+``apply`` reads (a packed copy, another layout), ``restore_weights`` undoes that,
+``apply(layer, x, bias)`` multiplies. The plain
 method here is :class:`UnquantizedLinearMethod`; the CPU ones (oneDNN-prepacked, native-GEMM
 panels) are in ``layers/cpu/``, and ``layers/selection.py`` picks one per model at load time.
 
@@ -224,6 +225,32 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def _shard_index(self, loaded_shard_id: str | int) -> int:
         return {"q": 0, "k": 1, "v": 2}[loaded_shard_id]
+
+
+class GroupedQKVParallelLinear(QKVParallelLinear):
+    """A :class:`QKVParallelLinear` loaded from one fused checkpoint tensor whose rows are laid
+    out per KV group, ``[num_kv_heads, q_per_kv + 2, head_size]``: each KV head's query heads,
+    then its key, then its value (Falcon's ``query_key_value``; GPT-NeoX's and the older
+    Falcon's ``[num_heads, 3, head_size]`` are the case ``q_per_kv = 1``, multi-query Falcon's
+    ``[num_heads + 2, head_size]`` the case of one KV group). The loader reads this rank's KV
+    groups (a replicated KV head: its whole group) and stores their rows as q | k | v of this
+    rank's heads, as :class:`QKVParallelLinear` computes."""
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: str | int | None = None) -> None:
+        """The fused weight ``[(H + 2 Hkv) D, hidden]`` (or bias ``[(H + 2 Hkv) D]``): this rank's
+        groups, de-interleaved into ``param``'s rows q | k | v (ValueError on a shape mismatch)."""
+        if loaded_shard_id is not None:
+            return super().weight_loader(param, loaded_weight, loaded_shard_id)
+        shard, d = self.head_shard, self.head_size
+        total_kv, total_q = self.output_sizes[1] // d, self.output_sizes[0] // d
+        group = total_q // total_kv + 2  # rows of heads in a KV group: its queries, k, v
+        rows = narrow_checked(loaded_weight, 0, shard.kv_start * group * d, shard.num_kv_heads * group * d,
+                              total_kv * group * d)
+        rows = rows.view(shard.num_kv_heads, group, d, *rows.shape[1:])  # [Hkv_rank, q_per_kv + 2, D, ...]
+        q = rows[:, :-2].flatten(0, 2)  # [Hkv_rank q_per_kv D, ...]: every query head of these groups
+        q = q.narrow(0, (shard.q_start - shard.kv_start * (group - 2)) * d, shard.num_heads * d)  # this rank's
+        copy_checked(param.data, torch.cat((q, rows[:, -2].flatten(0, 1), rows[:, -1].flatten(0, 1))))
 
 
 class RowParallelLinear(LinearBase):

@@ -40,7 +40,13 @@ def head_dim_of(hf_config: Any) -> int:
 
 
 def num_kv_heads_of(hf_config: Any) -> int:
-    """``num_key_value_heads`` (GQA), defaulting to ``num_attention_heads`` (MHA)."""
+    """``num_key_value_heads`` (GQA), defaulting to ``num_attention_heads`` (MHA); Falcon's:
+    ``num_kv_heads`` in its new decoder architecture, else 1 when ``multi_query``."""
+    if config_value(hf_config, "model_type") == "falcon":
+        if config_value(hf_config, "new_decoder_architecture", False):
+            return config_value(hf_config, "num_kv_heads") or config_value(hf_config, "num_attention_heads")
+        if config_value(hf_config, "multi_query", True):
+            return 1
     return config_value(hf_config, "num_key_value_heads") or config_value(hf_config, "num_attention_heads")
 
 

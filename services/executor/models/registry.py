@@ -20,6 +20,8 @@ MODEL_CLASSES: dict[str, str] = {
     "GPT2LMHeadModel": "gpt2:GPT2LMHeadModel",
     "OPTForCausalLM": "opt:OPTForCausalLM",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
+    "GPTNeoXForCausalLM": "gpt_neox:GPTNeoXForCausalLM",
+    "FalconForCausalLM": "falcon:FalconForCausalLM",
 }
 
 
