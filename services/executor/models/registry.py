@@ -17,6 +17,9 @@ MODEL_CLASSES: dict[str, str] = {
     "MistralForCausalLM": "llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "llama:LlamaForCausalLM",
+    "GemmaForCausalLM": "gemma:GemmaForCausalLM",
+    "Gemma2ForCausalLM": "gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "gemma:Gemma3ForCausalLM",
 }
 
 
