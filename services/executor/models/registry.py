@@ -22,6 +22,9 @@ MODEL_CLASSES: dict[str, str] = {
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "GPTNeoXForCausalLM": "gpt_neox:GPTNeoXForCausalLM",
     "FalconForCausalLM": "falcon:FalconForCausalLM",
+    "GemmaForCausalLM": "gemma:GemmaForCausalLM",
+    "Gemma2ForCausalLM": "gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "gemma:Gemma3ForCausalLM",
 }
 
 
