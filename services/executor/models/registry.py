@@ -17,6 +17,9 @@ MODEL_CLASSES: dict[str, str] = {
     "MistralForCausalLM": "llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "qwen_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "qwen_moe:Qwen3MoeForCausalLM",
 }
 
 
