@@ -25,6 +25,9 @@ MODEL_CLASSES: dict[str, str] = {
     "GemmaForCausalLM": "gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma:Gemma3ForCausalLM",
+    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "qwen_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "qwen_moe:Qwen3MoeForCausalLM",
 }
 
 
