@@ -210,7 +210,8 @@ async def test_a_group_losing_a_rank_is_dropped_its_requests_recomputed_elsewher
     model = f"tp-{uuid.uuid4().hex[:6]}"
     env = clean_env(PAGEDLLM_NATS_URL=nats_url, PAGEDLLM_MODEL=str(smollm2_path), PAGEDLLM_SERVED_MODEL_NAME=model,
                     PAGEDLLM_DTYPE="float32", PAGEDLLM_KV_CACHE_MEMORY_BYTES=str(32 << 20),
-                    PAGEDLLM_HEARTBEAT_INTERVAL_S="0.5", PAGEDLLM_HEARTBEAT_TIMEOUT_S="3", PAGEDLLM_LOG_LEVEL="WARNING")
+                    PAGEDLLM_HEARTBEAT_INTERVAL_S="0.5", PAGEDLLM_HEARTBEAT_TIMEOUT_S="3",
+                    PAGEDLLM_EXECUTOR_WAIT_TIMEOUT_S="3", PAGEDLLM_LOG_LEVEL="WARNING")
     procs = {name: _service(name, env) for name in ("scheduler", "tokenizer", "detokenizer")}
     procs["ga"] = _service("executor", env, "ga", tp=2)
     procs["gb"] = _service("executor", env, "gb")

@@ -501,7 +501,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=120,
     stateful_step_count=150,
     deadline=None,
     derandomize=True,
