@@ -167,14 +167,14 @@ def test_a_killed_part_is_restarted_and_no_stream_is_lost(server, reference, nam
 
 @pytest.mark.timeout(300)
 def test_mixed_traffic_with_client_aborts_leaves_nothing_behind(server):
-    """``benchmarks/soak.py``'s traffic for 10 s (the benchmark runs minutes and checks memory):
+    """``benchmarks/soak.py``'s traffic for 20 s (the benchmark runs minutes and checks memory):
     no 5xx, client aborts among the requests, and then no request running or waiting and
     every block free."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from soak import soak
 
     port, _, pid = server
-    counts, _, running, usage = asyncio.run(soak(port, 10, 16, seed=1, root=psutil.Process(pid)))
+    counts, _, running, usage = asyncio.run(soak(port, 20, 16, seed=1, root=psutil.Process(pid)))
     assert counts["5xx"] == 0 and counts["2xx"] > 16 and counts["aborted"] > 0, counts
     assert running == 0 and usage == 0
 
