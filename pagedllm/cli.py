@@ -190,7 +190,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from pagedllm.launcher import model_info_or_exit, pinned_settings
     from pagedllm.supervisor import CrashLoopError, ServiceProcesses
-    from shared.bus import redact_url
     from shared.logging import configure_logging, get_logger
     from shared.nats_server import EmbeddedNats
 
@@ -224,7 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     pass
                 if ready:
                     print(f"pagedllm: serving {info.name} on http://{settings.host}:{settings.port}/v1 "
-                          f"(NATS {redact_url(url)})", flush=True)
+                          f"(NATS {url})", flush=True)  # its owner's terminal: the token lets them add services
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
