@@ -197,3 +197,16 @@ def test_a_service_process_serves_with_its_credentials_file_and_stops_without(jw
         asyncio.run(ping())
     finally:
         stop_all([refused, served])
+
+
+@pytest.mark.e2e
+def test_the_offline_engine_runs_on_a_server_that_needs_its_credentials_file(jwt_server, smollm2_path):
+    """``LLM(nats_url=..., nats_creds=...)``: every in-process service and the client connect
+    with the file, and generation works (SmolLM2, greedy: the known answer)."""
+    from pagedllm import LLM, SamplingParams
+
+    url, creds, _ = jwt_server
+    with LLM(model=str(smollm2_path), dtype="float32", nats_url=url, nats_creds=str(creds),
+             served_model_name="creds-llm", kv_cache_memory_bytes=32 << 20) as llm:
+        out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert out[0].outputs[0].text.strip().startswith("Paris")
