@@ -29,7 +29,7 @@ run: model
 	$(BIN)/pagedllm serve $(MODEL) --host $(HOST) --port $(PORT)
 
 test: model
-	$(BIN)/python -m pytest -q -x --durations=15 tests
+	$(BIN)/python -m pytest -q -x --durations=40 tests
 
 # the pure layer: no end-to-end or kernel tests (under a minute)
 test-fast: model
