@@ -12,6 +12,9 @@ AVX512-BF16) work items are (row, KV head) pairs.
 :func:`add_rms_norm` runs ``cpu_rms_norm.c``: the residual add fused with RMSNorm in bf16
 (one pass instead of torch's add + norm; the model uses it on CPU in bf16).
 
+:func:`gemm_w4` runs ``cpu_gemm_w4.c``: weight-only int4 group-quantized matmuls (GPTQ, AWQ,
+compressed-tensors W4A16 in the layout of ``services/executor/layers/quantization/int4.py``).
+
 :func:`gemm_bf16w` runs ``cpu_gemm_bf16.c``: matmuls with bf16 weights (laid out once by
 :func:`pack_bf16_weight` in the layout of :func:`gemm_layout`). With AVX512-BF16, vdpbf16ps
 register tiles, faster than oneDNN (several times at one row). Elsewhere float32 AVX2 + FMA
@@ -311,4 +314,51 @@ def gemm_bf16w(
                                      n, m, n, k, torch.get_num_threads())
     if status != 0:
         raise ValueError(f"cpu bf16 gemm failed (status {status}) for x {tuple(x.shape)}, weight [{n}, {k}]")
+    return out
+
+
+def gemm_w4_supports(x: torch.Tensor) -> bool:
+    """Whether :func:`gemm_w4` takes ``x`` (a float32/bfloat16 CPU matrix, unit stride along K)
+    and the library is available."""
+    return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 2 and x.stride(1) == 1
+            and load() is not None)
+
+
+def gemm_w4(
+    x: torch.Tensor,  # [M, K] float32 or bfloat16, unit stride along K
+    qweight: torch.Tensor,  # [N, K/2] uint8: per 32 columns 16 bytes, column j low nibble, j + 16 high
+    scales: torch.Tensor,  # [N, K/G] float32
+    szeros: torch.Tensor,  # [N, K/G] float32, zero point * scale
+    group_size: int,  # G, a multiple of 32 dividing K
+    lib: ctypes.CDLL | None = None,
+) -> torch.Tensor:  # [M, N] x's dtype
+    """``x @ W.T`` for ``W[n, k] = q[n, k] * scales[n, k // G] - szeros[n, k // G]`` (``cpu_gemm_w4.c``:
+    float32 sums, AVX-512 where compiled for it, OpenMP over output columns on
+    ``torch.get_num_threads()`` threads).
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit (the message names the parameter), or no library.
+    """
+    lib = lib or load()
+    if lib is None:
+        raise ValueError("the native CPU kernels are not available (see the cpu_kernels_unavailable log)")
+    if x.dim() != 2 or x.dtype not in _DTYPES or x.device.type != "cpu" or x.stride(1) != 1:
+        raise ValueError("x must be a float32/bfloat16 [M, K] CPU tensor with unit stride along K")
+    m, k = x.shape
+    n = qweight.shape[0]
+    if k % 32 or group_size % 32 or group_size <= 0 or k % group_size:
+        raise ValueError(f"K={k} and group_size={group_size} must be multiples of 32, the group dividing K")
+    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (n, k // 2) or not qweight.is_contiguous():
+        raise ValueError(f"qweight must be a dense [N, {k // 2}] uint8 tensor, got {tuple(qweight.shape)} {qweight.dtype}")
+    for name, t in (("scales", scales), ("szeros", szeros)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (n, k // group_size) or not t.is_contiguous():
+            raise ValueError(f"{name} must be a dense [{n}, {k // group_size}] float32 tensor")
+    out = torch.empty((m, n), dtype=x.dtype)
+    status = lib.pagedllm_gemm_w4(_DTYPES[x.dtype], x.data_ptr(), x.stride(0) if m > 1 else k, qweight.data_ptr(),
+                                  scales.data_ptr(), szeros.data_ptr(), out.data_ptr(), m, n, k, group_size,
+                                  torch.get_num_threads())
+    if status == 3:
+        raise MemoryError("cpu int4 gemm: out of memory for the float32 copy of x")
+    if status != 0:
+        raise ValueError(f"cpu int4 gemm failed (status {status}) for x {tuple(x.shape)}, weight [{n}, {k}]")
     return out

@@ -15,6 +15,7 @@ from rank 0's next message (:meth:`ModelRunner.append_sampled`).
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from kernels.cpu import native
 from services.executor.attention import AttentionMetadata, get_attention_backend
 from services.executor.cpu_threads import CpuThreadGovernor
 from services.executor.device import resolve_device
+from services.executor.layers.quantization import get_quantization_config
 from services.executor.models import get_model_class, kv_cache_bytes_per_block, kv_cache_shape
 from services.executor.parallel.group import SINGLE_RANK, TensorParallelGroup, use_tp_group
 from services.executor.sampler import Sampler, compute_logprobs
@@ -83,6 +85,11 @@ class ModelRunner:
         if settings.native_cpu_kernels and self.device.type == "cpu":  # prepare-model built it, else now
             native.load(kernel_cache_dir(settings.cache_dir))
         model_cls = get_model_class(self.hf_config)
+        quant = get_quantization_config(self.hf_config, settings.quantization)  # ValueError naming what is refused
+        quant_kwargs = {} if quant is None else {"quant_config": quant}
+        if quant is not None and "quant_config" not in inspect.signature(model_cls).parameters:
+            raise ValueError(f"{quant.name} quantization is not supported for {model_cls.__name__} "
+                             "(only the Llama family's LlamaForCausalLM)")
         t0 = time.perf_counter()
         self.attn_backend = get_attention_backend(
             settings.attention_backend, self.device, native_cpu_kernels=settings.native_cpu_kernels
@@ -91,7 +98,7 @@ class ModelRunner:
         # take this rank's part (services/executor/parallel/)
         with torch.device(self.device), use_tp_group(self.tp):
             self.model = model_cls(self.hf_config, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend,
-                                   native_cpu_kernels=settings.native_cpu_kernels)
+                                   native_cpu_kernels=settings.native_cpu_kernels, **quant_kwargs)
         self.model.load_weights(model_info.path)
         self.model.eval()
         self.num_blocks = self._num_blocks()

@@ -31,6 +31,7 @@ from services.executor.layers.cpu.panels import PanelLinearMethod
 from services.executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.executor.layers.layernorm import NormForm
 from services.executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from services.executor.layers.quantization.base import QuantizedLinearMethod
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,12 @@ def use_linear_method(layer: nn.Module, method: LinearMethodBase) -> None:
 
 
 def use_linear_methods(model: nn.Module, kernels: KernelChoice) -> None:
-    """:func:`use_linear_method` on every linear layer, LM head and embedding of ``model``."""
+    """:func:`use_linear_method` on every linear layer, LM head and embedding of ``model``; a
+    quantized layer keeps its method (``layers/quantization/``), which processes its weights once."""
     for module in model.modules():
-        if isinstance(module, LinearBase | ParallelLMHead):
+        if isinstance(module, LinearBase) and isinstance(module.quant_method, QuantizedLinearMethod):
+            module.quant_method.process_weights_after_loading(module)
+        elif isinstance(module, LinearBase | ParallelLMHead):
             use_linear_method(module, kernels.linear_method)
         elif isinstance(module, VocabParallelEmbedding):
             use_linear_method(module, kernels.embedding_method)

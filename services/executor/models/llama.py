@@ -48,6 +48,11 @@ from services.executor.layers.cpu.onednn import reduced_precision_gemv
 from services.executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.executor.layers.layernorm import RMSNorm
 from services.executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from services.executor.layers.quantization import (
+    QuantizationConfig,
+    get_quantization_config,
+    linear_method_for,
+)
 from services.executor.layers.rotary_embedding import apply_rope, get_rope
 from services.executor.layers.selection import (
     KernelChoice,
@@ -107,13 +112,16 @@ class LlamaArgs:
 class LlamaMLP(FastModule):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))``, gate | up in one matmul."""
 
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype) -> None:
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "model.layers.0.mlp") -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2,
-                                                       bias=args.mlp_bias, params_dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            args.hidden_size, [args.intermediate_size] * 2, bias=args.mlp_bias, params_dtype=dtype,
+            quant_method=linear_method_for(quant_config, f"{prefix}.gate_up_proj", ["gate_proj", "up_proj"]))
         self.intermediate_size = self.gate_up_proj.output_partition_sizes[0]  # this rank's
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias,
-                                           params_dtype=dtype, input_range=self.gate_up_proj.row_ranges[0])
+                                           params_dtype=dtype, input_range=self.gate_up_proj.row_ranges[0],
+                                           quant_method=linear_method_for(quant_config, f"{prefix}.down_proj"))
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -125,15 +133,18 @@ class LlamaAttention(FastModule):
     o_proj. Under tensor parallelism: this rank's heads, o_proj summing over the ranks."""
 
     def __init__(self, args: LlamaArgs, dtype: torch.dtype, backend: AttentionBackend,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "model.layers.0.self_attn") -> None:
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(args.hidden_size, args.head_dim, args.num_heads, args.num_kv_heads,
-                                          bias=args.qkv_bias, params_dtype=dtype)
+        self.qkv_proj = QKVParallelLinear(
+            args.hidden_size, args.head_dim, args.num_heads, args.num_kv_heads, bias=args.qkv_bias, params_dtype=dtype,
+            quant_method=linear_method_for(quant_config, f"{prefix}.qkv_proj", ["q_proj", "k_proj", "v_proj"]))
         # this rank's heads (all of them on a single rank): parallel/partition.py
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, args.head_dim
         self.qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
         self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias,
-                                        params_dtype=dtype, input_range=self.qkv_proj.row_ranges[0])
+                                        params_dtype=dtype, input_range=self.qkv_proj.row_ranges[0],
+                                        quant_method=linear_method_for(quant_config, f"{prefix}.o_proj"))
         self.attn = Attention(self.num_heads, args.head_dim, args.head_dim**-0.5, self.num_kv_heads, backend,
                               sliding_window=sliding_window)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
@@ -164,11 +175,12 @@ class LlamaDecoderLayer(FastModule):
     """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
 
     def __init__(self, args: LlamaArgs, dtype: torch.dtype, backend: AttentionBackend,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "model.layers.0") -> None:
         super().__init__()
         self.hidden_size = args.hidden_size
-        self.self_attn = LlamaAttention(args, dtype, backend, sliding_window)
-        self.mlp = LlamaMLP(args, dtype)
+        self.self_attn = LlamaAttention(args, dtype, backend, sliding_window, quant_config, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(args, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
@@ -192,12 +204,13 @@ class LlamaModel(FastModule):
     """Embedding, decoder layers, final norm; RoPE's cos/sin computed once per step."""
 
     def __init__(self, hf_config: Any, args: LlamaArgs, dtype: torch.dtype, device: torch.device,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.dtype = dtype
         self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
         self.sliding_windows = layer_sliding_windows(hf_config)  # Mistral's, Qwen2's sliding layers
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype, backend, window) for window in self.sliding_windows)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype, backend, window, quant_config, f"model.layers.{i}")
+                                    for i, window in enumerate(self.sliding_windows))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.rotary_emb = get_rope(args.head_dim, rope_parameters(hf_config), dtype, device)
         self.attn_backend = backend
@@ -248,6 +261,9 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         attn_backend: an :class:`AttentionBackend` or a name for :func:`get_attention_backend`.
         native_cpu_kernels: allow the C norms and the native GEMM where they apply
             (``layers/selection.py``; ``Settings.native_cpu_kernels``).
+        quant_config: the checkpoint's quantization (``layers/quantization/``); default: read
+            from ``hf_config``'s ``quantization_config``. Its linear methods serve the decoder's
+            matmuls (the LM head and embedding stay unquantized).
 
     Built under ``use_tp_group`` (``services/executor/parallel/group.py``) it is one rank's part
     of the model: its heads, MLP columns and vocabulary rows; ``num_kv_heads_per_rank`` sizes
@@ -255,7 +271,8 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
 
     Raises:
         ValueError: see :func:`services.executor.models.hf_config.check_supported`; heads that
-            cannot be split over the ranks (``parallel/partition.py``).
+            cannot be split over the ranks (``parallel/partition.py``); a quantization this
+            engine does not implement (:func:`~services.executor.layers.quantization.get_quantization_config`).
     """
 
     # checkpoint shards stacked into our merged parameters: (param_name, shard_name, shard_id)
@@ -265,9 +282,12 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
     ]
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False) -> None:
+                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         check_supported(hf_config)
+        # the checkpoint's quantization (config.json), unless the caller has read and checked it
+        self.quant_config = quant_config if quant_config is not None else get_quantization_config(hf_config)
         device = torch.device(device)
         if isinstance(attn_backend, str):
             attn_backend = get_attention_backend(attn_backend, device)
@@ -276,7 +296,7 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         self.tie_word_embeddings = bool(config_value(hf_config, "tie_word_embeddings", False))
         self.tp_size = current_tp_group().world_size  # layers built under use_tp_group take their rank's part
         with torch.device(device):  # uninitialised: load_weights fills every parameter
-            self.model = LlamaModel(hf_config, args, dtype, device, attn_backend)
+            self.model = LlamaModel(hf_config, args, dtype, device, attn_backend, self.quant_config)
             self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
         self.num_kv_heads_per_rank = self.model.layers[0].self_attn.num_kv_heads  # this rank's KV cache heads
         if self.tie_word_embeddings:
@@ -319,7 +339,7 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         self.model.single_row_gemv = kernels.single_row_gemv
         # one C call for every layer has no all-reduce between them (a single rank only) and
         # no sliding window
-        self.model.native_layers_enabled = (kernels.native_matmuls and self.tp_size == 1
+        self.model.native_layers_enabled = (kernels.native_matmuls and self.tp_size == 1 and self.quant_config is None
                                             and not any(self.model.sliding_windows)
                                             and self.model.layers[0].self_attn.q_norm is None)
         self.model.native_layers = None
