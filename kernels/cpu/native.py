@@ -37,7 +37,7 @@ log = get_logger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / n for n in ("abi.c", "cpu_paged_attention.c", "cpu_rms_norm.c", "cpu_gemm_bf16.c",
-                              "cpu_llama_layers.c", "cpu_gemm_w4.c")]
+                              "cpu_llama_layers.c", "cpu_gemm_w4.c", "cpu_gguf_gemm.c")]
 HEADERS = [CSRC / "cpu_bf16.h", CSRC / "pagedllm_abi.h"]
 # -ffast-math only when compiling (vectorised expf): linking with it would add gcc's
 # crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
@@ -208,6 +208,9 @@ def bind(path: Path | str) -> ctypes.CDLL:
     w4 = lib.pagedllm_gemm_w4
     w4.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     w4.restype = ctypes.c_int
+    gguf = lib.pagedllm_gemm_gguf
+    gguf.argtypes = [ctypes.c_int, ptr, ctypes.c_int, ptr, i64, ctypes.c_int, ptr, i64, i64, i64, i64, ctypes.c_int]
+    gguf.restype = ctypes.c_int
     layers = lib.pagedllm_llama_layers_bf16
     layers.argtypes = [ctypes.POINTER(LlamaLayersArgs)]
     layers.restype = ctypes.c_int

@@ -18,6 +18,11 @@
 #define MAX_ROPE_DIM 512 /* head_dim of the all-layers call (cpu_llama_layers.c) */
 #define PANEL 16         /* output columns per packed weight panel (cpu_gemm_bf16.c) */
 
+/* GGML block types of pagedllm_gemm_gguf (cpu_gguf_gemm.c), as numbered in GGUF files */
+#define GGUF_Q4_0 2
+#define GGUF_Q4_1 3
+#define GGUF_Q8_0 8
+
 /* The argument block of pagedllm_llama_layers_bf16: the model's pointers (set once) and the step's. */
 typedef struct {
   /* the model (set once) */
@@ -73,5 +78,7 @@ int pagedllm_gemm_bf16w(int a_dtype, const void* a, int64_t lda, const uint16_t*
 int pagedllm_llama_layers_bf16(const pagedllm_llama_args* a);
 int pagedllm_gemm_w4(int dtype, const void* x, int64_t ldx, const uint8_t* qw, const float* scales,
                      const float* szeros, void* out, int64_t M, int64_t N, int64_t K, int64_t G, int num_threads);
+int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, int64_t lda, int out_dtype,
+                       void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads);
 
 #endif

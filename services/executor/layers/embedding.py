@@ -48,10 +48,10 @@ class VocabParallelEmbedding(FastModule):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.quant_method.embed(self, input_ids)
         local = input_ids - self.vocab_start  # [T]
         outside = (local < 0) | (local >= self.num_embeddings_per_partition)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        out = self.quant_method.embed(self, local.masked_fill(outside, 0))  # [T, hidden]
         return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(1), 0))
 
 

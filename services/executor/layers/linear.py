@@ -42,7 +42,12 @@ from services.executor.parallel.partition import HeadShard, attention_heads, bal
 
 
 class LinearMethodBase(ABC):
-    """How a linear layer keeps its weights and multiplies by them (vLLM's ``LinearMethodBase``)."""
+    """How a linear layer keeps its weights and multiplies by them (vLLM's ``LinearMethodBase``).
+
+    ``quantized``: the weights are held in a quantized form that only this method reads (GGUF
+    blocks, ``layers/gguf.py``); the kernel choice of ``layers/selection.py`` leaves it in place."""
+
+    quantized = False
 
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int],
                        params_dtype: torch.dtype, bias: bool) -> None:
@@ -81,6 +86,10 @@ class LinearMethodBase(ABC):
         """The LM head's ``x @ weight.T`` ``[N, vocab]``: in the weight's dtype, or float32
         where the method computes that directly (the LM head then refines nothing)."""
         return self.apply(layer, x)
+
+    def embed(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
+        """An embedding table's rows ``weight[input_ids]``."""
+        return F.embedding(input_ids, layer.weight)
 
 
 class UnquantizedLinearMethod(LinearMethodBase):

@@ -85,7 +85,10 @@ def select_kernels(dtype: torch.dtype, device: torch.device, native_norms: bool 
 
 def use_linear_method(layer: nn.Module, method: LinearMethodBase) -> None:
     """Multiply ``layer``'s loaded weights with ``method`` from now on: the old method's
-    derived copies are dropped (the parameters hold their values), the new one processes them."""
+    derived copies are dropped (the parameters hold their values), the new one processes them.
+    A layer whose weights are quantized keeps its method (only that method reads them)."""
+    if layer.quant_method.quantized:
+        return
     layer.quant_method.restore_weights(layer)
     layer.quant_method = method
     method.process_weights_after_loading(layer)

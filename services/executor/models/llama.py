@@ -62,7 +62,7 @@ from services.executor.layers.selection import (
     use_linear_methods,
 )
 from services.executor.layers.utils import FastModule
-from services.executor.models import loader
+from services.executor.models import gguf_loader, loader
 from services.executor.models.hf_config import (
     architectures_of,
     check_supported,
@@ -341,15 +341,18 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         # no sliding window
         self.model.native_layers_enabled = (kernels.native_matmuls and self.tp_size == 1 and self.quant_config is None
                                             and not any(self.model.sliding_windows)
-                                            and self.model.layers[0].self_attn.q_norm is None)
+                                            and self.model.layers[0].self_attn.q_norm is None
+                                            and not self.quantized)
         self.model.native_layers = None
         self.kernels = kernels
 
     @torch.no_grad()
     def load_weights(self, model_dir: Path | str) -> None:
         """Load HF safetensors (one file, or shards listed in ``model.safetensors.index.json``)
-        through :func:`services.executor.models.loader.load_weights`, then derive the kernels'
-        weight forms. ``lm_head.weight`` is ignored when embeddings are tied.
+        through :func:`services.executor.models.loader.load_weights`, or the GGUF file the
+        directory is served from (``gguf_loader``: its Q4_0 / Q4_1 / Q8_0 matrices kept
+        quantized), then derive the kernels' weight forms. ``lm_head.weight`` is ignored when
+        embeddings are tied.
 
         Raises:
             FileNotFoundError: no ``*.safetensors`` in ``model_dir``.
@@ -357,8 +360,18 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
                 tensors this architecture does not know.
         """
         restore_weights(self)  # the parameters must hold their shapes to be loaded into
-        loader.load_weights(self, model_dir, self.stacked_params_mapping, skip=self._skip_checkpoint_tensor)
+        gguf = gguf_loader.gguf_file(model_dir)
+        if gguf is not None:
+            native = self.kernel_request["native_matmuls"] and self.device.type == "cpu"
+            gguf_loader.load_gguf_weights(self, gguf, native=native)
+        else:
+            loader.load_weights(self, model_dir, self.stacked_params_mapping, skip=self._skip_checkpoint_tensor)
         self.use_kernels(self.kernels)
+
+    @property
+    def quantized(self) -> bool:
+        """Some matmul reads quantized weights (GGUF blocks): the all-layers C call cannot run."""
+        return any(getattr(m, "quant_method", None) is not None and m.quant_method.quantized for m in self.modules())
 
     def _skip_checkpoint_tensor(self, name: str) -> bool:
         return "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight")

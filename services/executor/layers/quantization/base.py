@@ -55,6 +55,8 @@ class QuantizedLinearMethod(LinearMethodBase):
     storage is freed, so the weights are held once. :meth:`restore_weights` gives back empty
     parameters of the checkpoint's shapes to load into (the values are the next load's)."""
 
+    quantized = True  # only this method reads the layer's weights (LinearMethodBase.quantized)
+
     def derive(self, layer: nn.Module) -> Any:
         """What :meth:`apply_derived` reads, built from the loaded parameters (None: keep them)."""
         return None

@@ -1,0 +1,186 @@
+/*
+ * Matmul with GGUF-quantized weights kept as their raw blocks (services/executor/layers/gguf.py):
+ *
+ *   out[m, n] = sum_k A[m, k] * W[n, k]          (out: bf16 rounded once, or float32)
+ *
+ * W [N, K] is N rows of K / 32 blocks of 32 consecutive k, each block in ggml's layout:
+ *   Q4_0 (type 2, 18 bytes): fp16 d, 16 bytes q (k = j: low nibble of byte j, k = j + 16: its
+ *        high nibble);                           w = d * (q - 8)
+ *   Q4_1 (type 3, 20 bytes): fp16 d, fp16 m, 16 bytes q as Q4_0;   w = d * q + m
+ *   Q8_0 (type 8, 34 bytes): fp16 d, 32 int8 q;                    w = d * q
+ *
+ * Each OpenMP thread owns a contiguous range of output rows n. For each row, the activation rows
+ * are taken in tiles of up to MT: every block of the weight row is dequantized once per tile into
+ * two vectors of 16 floats (AVX-512) and multiplied into MT float32 accumulators, so a block's
+ * dequantization is shared by the tile's rows; the weights are read at their quantized size
+ * (20 bytes per 32 weights for Q4_1 against 64 in bf16). A bf16 A is first widened to float32
+ * (once per call). Without AVX-512 a portable C loop of the same order serves. Float32 sums;
+ * the summation order (and the dequantization's fused multiply-adds) differ from torch's
+ * dequantize-then-matmul by float32 rounding.
+ * Built and loaded by kernels/cpu/native.py, called through kernels/cpu/ops.py: gemm_gguf.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_bf16.h"
+#include "pagedllm_abi.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+#include <immintrin.h>
+#define GGUF_AVX512 1
+#endif
+
+#define QK 32 /* elements per block */
+#define MT 8  /* activation rows per tile */
+
+static int block_bytes(int qtype) {
+  switch (qtype) {
+    case GGUF_Q4_0: return 18;
+    case GGUF_Q4_1: return 20;
+    case GGUF_Q8_0: return 34;
+    default: return 0;
+  }
+}
+
+static inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  memcpy(&v, p, 2);
+  return v;
+}
+
+/* IEEE half -> float (normals, subnormals, inf, NaN). */
+static inline float fp16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+  if (exp == 0x1fu) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else { /* subnormal: normalise */
+    exp = 113u;
+    while (!(man & 0x400u)) {
+      man <<= 1;
+      --exp;
+    }
+    u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* One block -> w[32] (portable). */
+static inline void dequant_block(int qtype, const uint8_t* b, float* w) {
+  const float d = fp16_to_f32(load_u16(b));
+  if (qtype == GGUF_Q8_0) {
+    for (int j = 0; j < QK; ++j) w[j] = d * (float)(int8_t)b[2 + j];
+  } else if (qtype == GGUF_Q4_1) {
+    const float m = fp16_to_f32(load_u16(b + 2));
+    for (int j = 0; j < QK / 2; ++j) {
+      w[j] = d * (float)(b[4 + j] & 15) + m;
+      w[j + QK / 2] = d * (float)(b[4 + j] >> 4) + m;
+    }
+  } else {
+    for (int j = 0; j < QK / 2; ++j) {
+      w[j] = d * (float)((b[2 + j] & 15) - 8);
+      w[j + QK / 2] = d * (float)((b[2 + j] >> 4) - 8);
+    }
+  }
+}
+
+#ifdef GGUF_AVX512
+/* One block -> elements 0-15 in *lo, 16-31 in *hi. */
+static inline void dequant_block_avx512(int qtype, const uint8_t* b, __m512* lo, __m512* hi) {
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(b)));
+  if (qtype == GGUF_Q8_0) {
+    const __m128i q0 = _mm_loadu_si128((const __m128i*)(b + 2));
+    const __m128i q1 = _mm_loadu_si128((const __m128i*)(b + 18));
+    *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+    *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+    return;
+  }
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m128i q = _mm_loadu_si128((const __m128i*)(b + (qtype == GGUF_Q4_1 ? 4 : 2)));
+  const __m512 fl = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
+  const __m512 fh = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+  if (qtype == GGUF_Q4_1) {
+    const __m512 m = _mm512_set1_ps(_cvtsh_ss(load_u16(b + 2)));
+    *lo = _mm512_fmadd_ps(d, fl, m);
+    *hi = _mm512_fmadd_ps(d, fh, m);
+  } else {
+    const __m512 eight = _mm512_set1_ps(8.f);
+    *lo = _mm512_mul_ps(d, _mm512_sub_ps(fl, eight));
+    *hi = _mm512_mul_ps(d, _mm512_sub_ps(fh, eight));
+  }
+}
+#endif
+
+/* sums[i] = dot(W row wr, A row m0 + i) for i < mt. */
+static void row_tile(int qtype, int bpb, const uint8_t* wr, int64_t nb, const float* a, int64_t lda, int64_t m0,
+                     int mt, float* sums) {
+#ifdef GGUF_AVX512
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    __m512 lo, hi;
+    dequant_block_avx512(qtype, wr + blk * bpb, &lo, &hi);
+    const float* ab = a + m0 * lda + blk * QK;
+    for (int i = 0; i < mt; ++i) {
+      acc[i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(ab + i * lda), acc[i]);
+      acc[i] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(ab + i * lda + 16), acc[i]);
+    }
+  }
+  for (int i = 0; i < mt; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+#else
+  float w[QK];
+  for (int i = 0; i < mt; ++i) sums[i] = 0.f;
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    dequant_block(qtype, wr + blk * bpb, w);
+    const float* ab = a + m0 * lda + blk * QK;
+    for (int i = 0; i < mt; ++i) {
+      float s = 0.f;
+      for (int j = 0; j < QK; ++j) s += w[j] * ab[i * lda + j];
+      sums[i] += s;
+    }
+  }
+#endif
+}
+
+int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, int64_t lda, int out_dtype,
+                       void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads) {
+  const int bpb = block_bytes(qtype);
+  if (bpb == 0 || K % QK != 0 || M < 0 || N < 0) return 1;
+  const int64_t nb = K / QK;
+  const float* af = (const float*)a;
+  float* widened = NULL;
+  if (a_dtype == 1) { /* bf16 A: widened once */
+    widened = (float*)malloc((size_t)(M * K > 0 ? M * K : 1) * sizeof(float));
+    if (!widened) return 3;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) widened[m * K + k] = bf16_to_f32(((const uint16_t*)a)[m * lda + k]);
+    af = widened;
+    lda = K;
+  }
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && N > 1)
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* wr = w + n * nb * bpb;
+    float sums[MT];
+    for (int64_t m0 = 0; m0 < M; m0 += MT) {
+      const int mt = (int)(M - m0 < MT ? M - m0 : MT);
+      row_tile(qtype, bpb, wr, nb, af, lda, m0, mt, sums);
+      for (int i = 0; i < mt; ++i) {
+        if (out_dtype == 0)
+          ((float*)out)[(m0 + i) * ldo + n] = sums[i];
+        else
+          ((uint16_t*)out)[(m0 + i) * ldo + n] = f32_to_bf16(sums[i]);
+      }
+    }
+  }
+  free(widened);
+  return 0;
+}

@@ -1,0 +1,129 @@
+"""GGUF weights kept quantized: the raw blocks of Q4_0, Q4_1 and Q8_0 tensors in memory,
+dequantized inside the matmul (:class:`GGUFLinearMethod`).
+
+A GGUF quantized tensor ``[N, K]`` (rows = output features) is stored row by row, each row as
+``K / 32`` blocks of 32 consecutive input elements (ggml's ``block_q4_0`` / ``block_q4_1`` /
+``block_q8_0``; the byte layouts are checked against ``gguf.quants.dequantize`` in
+``tests/executor/test_gguf.py``):
+
+========  =====  ===========================================================  ===============
+type      bytes  layout                                                       value
+========  =====  ===========================================================  ===============
+Q4_0      18     fp16 ``d``, 16 bytes: element j in the low nibble of byte j,  ``d * (q - 8)``
+                 element j + 16 in its high nibble
+Q4_1      20     fp16 ``d``, fp16 ``m``, 16 bytes of nibbles as Q4_0           ``d * q + m``
+Q8_0      34     fp16 ``d``, 32 int8                                           ``d * q``
+========  =====  ===========================================================  ===============
+
+The layer's ``weight`` is a uint8 parameter ``[N, K / 32 * block_bytes]``: whole rows, so
+merged layers (q | k | v, gate | up) concatenate their shards' rows and rows can be permuted
+without dequantizing. :meth:`GGUFLinearMethod.apply` runs the native kernel
+(``kernels/cpu/csrc/cpu_gguf_gemm.c``: each block dequantized in registers, float32 sums) for
+up to ``NATIVE_MAX_ROWS`` rows on CPU where the native kernels are allowed, else dequantizes the
+whole weight into the activation dtype and calls ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.cpu import ops
+from services.executor.layers.linear import LinearMethodBase
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A GGML quantization type: its id in the GGUF file, elements and bytes per block."""
+
+    name: str
+    ggml_type: int  # gguf.GGMLQuantizationType
+    block_size: int
+    block_bytes: int
+
+
+Q4_0 = BlockFormat("Q4_0", 2, 32, 18)
+Q4_1 = BlockFormat("Q4_1", 3, 32, 20)
+Q8_0 = BlockFormat("Q8_0", 8, 32, 34)
+FORMATS = {f.ggml_type: f for f in (Q4_0, Q4_1, Q8_0)}
+NATIVE_MAX_ROWS = 16  # above: dequantize once per call and multiply with torch's GEMM
+
+
+def dequantize(
+    blocks: torch.Tensor,  # [N, K / 32 * block_bytes] uint8, whole rows of blocks
+    fmt: BlockFormat,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # [N, K] dtype
+    """The weight of GGUF blocks, computed in float32 as ``gguf.quants.dequantize`` does (the
+    same products and sums, so float32 results are equal), then cast to ``dtype``."""
+    rows = blocks.shape[0]
+    b = blocks.view(rows, -1, fmt.block_bytes)  # [N, K / 32, block_bytes]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, K / 32, 1]
+    if fmt is Q8_0:
+        q = b[..., 2:].contiguous().view(torch.int8).float()  # [N, K / 32, 32]
+        w = d * q
+    else:
+        qs = b[..., 4:] if fmt is Q4_1 else b[..., 2:]  # [N, K / 32, 16]
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [N, K / 32, 32]: elements 0-15, 16-31
+        if fmt is Q4_1:
+            w = d * q.float() + b[..., 2:4].contiguous().view(torch.float16).float()
+        else:
+            w = d * (q.to(torch.int8) - 8).float()
+    return w.reshape(rows, -1).to(dtype)
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    """A linear layer (or an embedding / LM head) whose ``weight`` holds GGUF blocks.
+
+    ``fmt``: the blocks' format; ``dtype``: the model's activation dtype (an embedding lookup's
+    output); ``native``: the C kernel may serve small row counts on CPU (the native kernels are
+    allowed and the library loads). The model keeps this method when the kernels are chosen
+    (``quantized``: ``layers/selection.py`` leaves it in place).
+    """
+
+    quantized = True
+
+    def __init__(self, fmt: BlockFormat, dtype: torch.dtype, native: bool = False) -> None:
+        self.fmt, self.dtype, self.native = fmt, dtype, native
+
+    def install(self, layer: nn.Module, blocks: torch.Tensor, input_size: int) -> None:
+        """Make ``blocks`` ``[N, K / 32 * block_bytes]`` uint8 ``layer``'s weight, served by this method.
+
+        Raises:
+            ValueError: ``blocks`` is not whole rows of ``input_size`` elements in this format.
+        """
+        if input_size % self.fmt.block_size or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
+                or blocks.shape[1] != input_size // self.fmt.block_size * self.fmt.block_bytes:
+            raise ValueError(f"{self.fmt.name} blocks {tuple(blocks.shape)} {blocks.dtype} are not rows of "
+                             f"{input_size} elements")
+        layer.weight = nn.Parameter(blocks.contiguous(), requires_grad=False)
+        layer.gguf_input_size = input_size
+        layer.quant_method = self
+
+    def weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:  # [N, K] dtype
+        """The layer's weight, dequantized."""
+        return dequantize(layer.weight, self.fmt, dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, K] -> [T, N] in x's dtype
+        return self._matmul(layer, x, bias, x.dtype)
+
+    def apply_logits(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] -> [T, vocab] float32 (nothing for ParallelLMHead to refine)
+        return self._matmul(layer, x, None, torch.float32)
+
+    def embed(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, K]
+        """The rows of ``input_ids``, dequantized into the model's dtype."""
+        return dequantize(layer.weight[input_ids], self.fmt, self.dtype)
+
+    def _matmul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        if (self.native and x.device.type == "cpu" and x.shape[0] <= NATIVE_MAX_ROWS
+                and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1):
+            out = ops.gemm_gguf(x, layer.weight, self.fmt.ggml_type, layer.gguf_input_size, out_dtype, validate=False)
+            return out if bias is None else out.add_(bias)
+        compute = torch.float32 if out_dtype == torch.float32 else x.dtype
+        return F.linear(x.to(compute), self.weight(layer, compute), None if bias is None else bias.to(compute))

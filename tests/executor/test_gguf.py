@@ -1,0 +1,55 @@
+"""GGUF blocks kept quantized (services/executor/layers/gguf.py): the torch dequantization
+against ``gguf.quants.dequantize``, and the linear method's torch path against ``F.linear``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+from torch import nn
+
+from services.executor.layers import gguf as G
+
+FORMATS = [G.Q4_0, G.Q4_1, G.Q8_0]
+
+
+def quantized(fmt: G.BlockFormat, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    """Random ``[n, k]`` weights quantized by ``gguf.quants``: (the uint8 blocks, gguf's dequantization)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType(fmt.ggml_type))  # [n, k / 32 * block_bytes] uint8
+    return torch.from_numpy(raw), quants.dequantize(raw, GGMLQuantizationType(fmt.ggml_type))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_block_layout_matches_gguf(fmt):
+    blocks, reference = quantized(fmt, 6, 96)
+    assert blocks.shape == (6, 96 // 32 * fmt.block_bytes)
+    assert fmt.block_bytes == quants.GGML_QUANT_SIZES[GGMLQuantizationType(fmt.ggml_type)][1]
+    torch.testing.assert_close(G.dequantize(blocks, fmt), torch.from_numpy(reference), rtol=0, atol=0)
+    torch.testing.assert_close(G.dequantize(blocks, fmt, torch.bfloat16), torch.from_numpy(reference).bfloat16(),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_method_torch_path(fmt, dtype):
+    blocks, reference = quantized(fmt, 10, 64, seed=1)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    layer = nn.Module()
+    method = G.GGUFLinearMethod(fmt, dtype, native=False)
+    method.install(layer, blocks, 64)
+    w = torch.from_numpy(reference).to(dtype)
+    torch.testing.assert_close(method.apply(layer, x), F.linear(x, w), rtol=0, atol=0)
+    logits = method.apply_logits(layer, x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, F.linear(x.float(), torch.from_numpy(reference)), rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([9, 0, 4])
+    torch.testing.assert_close(method.embed(layer, ids), w[ids], rtol=0, atol=0)
+
+
+def test_install_refuses_partial_rows():
+    blocks, _ = quantized(G.Q4_1, 2, 64)
+    with pytest.raises(ValueError, match="not rows of 96 elements"):
+        G.GGUFLinearMethod(G.Q4_1, torch.float32).install(nn.Module(), blocks, 96)
