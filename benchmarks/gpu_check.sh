@@ -8,10 +8,11 @@
 #    shapes, warps, stages, split-K factor on decode 64 x 4k, 1 x 32k and prefill 4 x 4k; 150 s);
 # 2. benchmarks/gpu_engine_check.py: the whole engine on CUDA (executor, paged KV cache on the
 #    GPU, Triton and torch attention backends) against Hugging Face greedy tokens (90 s);
-# 3. the Triton kernel tests natively on the GPU (tests/kernels/test_triton_kernels.py and test_fused_moe.py; 80 s);
+# 3. the Triton kernel tests natively on the GPU (tests/kernels/test_triton_kernels.py, test_fused_moe.py and
+#    test_quant_triton.py; 120 s: each parametrization compiles its own kernel);
 # 4. with 2 or more GPUs, tensor parallelism on NCCL: gpu_engine_check.py --tensor-parallel-size 2
 #    (one GPU per rank; 90 s); skipped, saying so, on a machine with one GPU.
-# Each step has its own time limit: about 450 s in all, under the device tool's 10 minutes,
+# Each step has its own time limit: about 490 s in all, under the device tool's 10 minutes,
 # leaving room to start a machine and, if needed, run once more within 15 minutes;
 # output goes to $OUT (the device tool brings that folder back), else /tmp/gpu_check.
 # Needs the machine's python3 with torch, triton, transformers and pytest; the engine's other
@@ -42,7 +43,8 @@ echo "kernels.py --sweep exit: ${PIPESTATUS[0]}" | tee -a "$OUT/sweep.txt"
 timeout 90 $PY benchmarks/gpu_engine_check.py --tokenizer .gpu/tokenizer 2>&1 | grep -v "Loading weights\|Writing model" \
     | tail -40 | tee "$OUT/engine.txt"
 echo "gpu_engine_check.py exit: ${PIPESTATUS[0]}" | tee -a "$OUT/engine.txt"
-timeout 80 $PY -m pytest -q -x -p no:cacheprovider tests/kernels/test_triton_kernels.py tests/kernels/test_fused_moe.py 2>&1 | tail -40 | tee "$OUT/tests.txt"
+timeout 120 $PY -m pytest -q -x -p no:cacheprovider tests/kernels/test_triton_kernels.py tests/kernels/test_fused_moe.py \
+    tests/kernels/test_quant_triton.py 2>&1 | tail -40 | tee "$OUT/tests.txt"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/tests.txt"
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [ "$NGPU" -ge 2 ]; then

@@ -1,0 +1,165 @@
+"""Triton matmul over GGUF Q4_0 / Q4_1 / Q8_0 weight rows kept as raw blocks: the CUDA side of
+:func:`kernels.cpu.ops.gemm_gguf`.
+
+``out = x @ W.T`` where each row of ``W`` ``[N, K]`` is stored as ``K / 32`` ggml blocks of 32
+consecutive input elements (layouts in ``services/executor/layers/gguf.py``): an fp16 scale
+``d`` (Q4_1: then an fp16 minimum ``m``), then the quants: Q4_0 / Q4_1 16 bytes, element ``j``
+in the low nibble of byte ``j`` and ``j + 16`` in its high nibble (value ``d (q - 8)`` /
+``d q + m``); Q8_0 32 int8 (value ``d q``).
+
+A program computes a ``BLOCK_M x BLOCK_N`` tile of ``out``. Each step over ``K`` takes
+``BLOCKS`` ggml blocks (``32 BLOCKS`` elements) of ``BLOCK_N`` weight rows: it reads their
+scales from the bytes, splits each block into its elements 0-15 and 16-31, dequantizes both
+halves in registers (float32, as ``gguf.py``'s ``dequantize``), and multiplies each with its
+half of the ``x`` columns (two ``tl.dot``), accumulating in float32. The operands are x's dtype,
+or float32 when the output is float32 (the logits: exact products, as the CPU paths compute).
+
+Nothing here queries CUDA at import time; under ``TRITON_INTERPRET=1`` it runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.utils import KernelLaunch, is_interpreted
+
+#: bytes per 32-element block of each GGML type (Q4_0, Q4_1, Q8_0), as ``kernels.cpu.ops``
+GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _round_bf16(v):
+    """float32 ``v`` rounded to the nearest bf16 (ties to even), kept in float32: the GPU's
+    fp32 -> bf16 conversion, which the interpreter's truncating one does not match."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_fp16(ptrs, mask):
+    """The fp16 value stored little-endian at byte pointers ``ptrs``, as float32."""
+    lo = tl.load(ptrs, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptrs + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _gemm_gguf_kernel(
+    x_ptr,  # [M, K] float32 / float16 / bfloat16
+    blocks_ptr,  # [N, K / 32 * BLOCK_BYTES] uint8, each weight row's ggml blocks
+    out_ptr,  # [M, N] float32 / float16 / bfloat16
+    M,  # int, rows of x
+    N,  # int, output columns (weight rows)
+    K,  # int, a multiple of 32 * BLOCKS
+    stride_xm: tl.int64,
+    stride_xk: tl.int64,
+    stride_bn: tl.int64,
+    stride_om: tl.int64,
+    stride_on: tl.int64,
+    GGML_TYPE: tl.constexpr,  # 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)
+    BLOCK_BYTES: tl.constexpr,  # 18, 20 or 34: GGUF_BLOCK_BYTES[GGML_TYPE]
+    F32_OPERANDS: tl.constexpr,  # multiply in float32 (exact products): float32 x or output
+    EMULATE_BF16: tl.constexpr,  # bf16 operands or output under the interpreter (see below)
+    BLOCK_M: tl.constexpr,  # power of two >= 16
+    BLOCK_N: tl.constexpr,  # power of two >= 16
+    BLOCKS: tl.constexpr,  # 1 or 2 ggml blocks per step (16 BLOCKS >= 16 for tl.dot)
+):
+    """Program (tile of M, tile of N): see the module docstring.
+
+    EMULATE_BF16: the interpreter's tl.dot multiplies the raw uint16 bit patterns of bf16
+    operands (triton-lang/triton#11584, as in ``attention_kernels.py``) and its fp32 -> bf16
+    casts truncate, so there bf16 operands stay float32, rounded to bf16 values as the GPU
+    rounds them (:func:`_round_bf16`), and so is a bf16 output before its store.
+    """
+    HALF: tl.constexpr = 16 * BLOCKS
+    QS: tl.constexpr = 4 if GGML_TYPE == 3 else 2  # the quants' offset in a block
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_h = tl.arange(0, HALF).to(tl.int64)  # row i of a half tile: element i % 16 (+ 16) of block i // 16
+    col_lo = offs_h // 16 * 32 + offs_h % 16  # [HALF]
+    x_lo_ptrs = x_ptr + offs_m[:, None] * stride_xm + col_lo[None, :] * stride_xk  # [BLOCK_M, HALF]
+    block_ptrs = blocks_ptr + offs_n[None, :] * stride_bn + (offs_h // 16 * BLOCK_BYTES)[:, None]  # [HALF, BLOCK_N]
+    q_ptrs = block_ptrs + QS + (offs_h % 16)[:, None]  # the byte of element i % 16
+    w_mask = n_mask[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, 32 * BLOCKS):
+        step = k0 // 32 * BLOCK_BYTES  # bytes to this step's first block
+        x_lo = tl.load(x_lo_ptrs + k0 * stride_xk, mask=m_mask[:, None], other=0.0)
+        x_hi = tl.load(x_lo_ptrs + (k0 + 16) * stride_xk, mask=m_mask[:, None], other=0.0)
+        d = _load_fp16(block_ptrs + step, w_mask)  # [HALF, BLOCK_N] float32, each block's d
+        if GGML_TYPE == 8:
+            q_lo = tl.load(q_ptrs + step, mask=w_mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            q_hi = tl.load(q_ptrs + step + 16, mask=w_mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            w_lo = d * q_lo
+            w_hi = d * q_hi
+        else:
+            b = tl.load(q_ptrs + step, mask=w_mask, other=0)  # [HALF, BLOCK_N] uint8
+            q_lo = (b & 15).to(tl.float32)
+            q_hi = (b >> 4).to(tl.float32)
+            if GGML_TYPE == 3:
+                m = _load_fp16(block_ptrs + step + 2, w_mask)
+                w_lo = d * q_lo + m
+                w_hi = d * q_hi + m
+            else:
+                w_lo = d * (q_lo - 8.0)
+                w_hi = d * (q_hi - 8.0)
+        if F32_OPERANDS:
+            acc += tl.dot(x_lo.to(tl.float32), w_lo, input_precision="ieee")
+            acc += tl.dot(x_hi.to(tl.float32), w_hi, input_precision="ieee")
+        elif EMULATE_BF16:
+            acc += tl.dot(x_lo.to(tl.float32), _round_bf16(w_lo), input_precision="ieee")
+            acc += tl.dot(x_hi.to(tl.float32), _round_bf16(w_hi), input_precision="ieee")
+        else:
+            acc += tl.dot(x_lo, w_lo.to(x_ptr.dtype.element_ty))
+            acc += tl.dot(x_hi, w_hi.to(x_ptr.dtype.element_ty))
+    if EMULATE_BF16 and out_ptr.dtype.element_ty == tl.bfloat16:
+        acc = _round_bf16(acc)  # then the store's truncation is exact
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def plan_gemm_gguf(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out: torch.Tensor,
+                   block_m: int | None = None, block_n: int = 64) -> KernelLaunch:
+    """The launch of ``out = x @ dequantize(blocks).T`` (:func:`gemm_gguf`'s arguments, ``out``
+    ``[M, N]``). ``block_m``: rows per program (default 16 up to 16 rows, else 64)."""
+    m, k = x.shape
+    n = blocks.shape[0]
+    assert ggml_type in GGUF_BLOCK_BYTES, ggml_type
+    assert x.dtype in _DTYPES and out.dtype in _DTYPES, (x.dtype, out.dtype)
+    assert k % 32 == 0, k
+    assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.stride(1) == 1
+    assert blocks.shape[1] == k // 32 * GGUF_BLOCK_BYTES[ggml_type], (tuple(blocks.shape), k)
+    assert tuple(out.shape) == (m, n)
+    if block_m is None:
+        block_m = 16 if m <= 16 else 64
+    per_step = 2 if k % 64 == 0 else 1
+    f32 = torch.float32 in (x.dtype, out.dtype)
+    emulate = torch.bfloat16 in (x.dtype, out.dtype) and is_interpreted(_gemm_gguf_kernel)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    return KernelLaunch(_gemm_gguf_kernel, grid, dict(
+        x_ptr=x, blocks_ptr=blocks, out_ptr=out, M=m, N=n, K=k, stride_xm=x.stride(0), stride_xk=x.stride(1),
+        stride_bn=blocks.stride(0), stride_om=out.stride(0), stride_on=out.stride(1), GGML_TYPE=ggml_type,
+        BLOCK_BYTES=GGUF_BLOCK_BYTES[ggml_type], F32_OPERANDS=f32, EMULATE_BF16=emulate, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCKS=per_step, num_warps=4, num_stages=2,
+    ))
+
+
+def gemm_gguf(
+    x: torch.Tensor,  # [M, K] float32 / float16 / bfloat16
+    blocks: torch.Tensor,  # [N, K / 32 * block_bytes] uint8: each weight row's GGUF blocks
+    ggml_type: int,  # 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)
+    out_dtype: torch.dtype | None = None,  # default x's dtype
+) -> torch.Tensor:  # [M, N] out_dtype
+    """``F.linear(x, dequantize(blocks))`` with the weight kept quantized (float32 sums, one
+    rounding per output): :func:`kernels.cpu.ops.gemm_gguf`'s contract on the GPU (or the interpreter)."""
+    out = torch.empty((x.shape[0], blocks.shape[0]), dtype=out_dtype or x.dtype, device=x.device)
+    plan_gemm_gguf(x, blocks, ggml_type, out)()
+    return out
