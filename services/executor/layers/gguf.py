@@ -19,8 +19,9 @@ The layer's ``weight`` is a uint8 parameter ``[N, K / 32 * block_bytes]``: whole
 merged layers (q | k | v, gate | up) concatenate their shards' rows and rows can be permuted
 without dequantizing. :meth:`GGUFLinearMethod.apply` runs the native kernel
 (``kernels/cpu/csrc/cpu_gguf_gemm.c``: each block dequantized in registers, float32 sums) for
-up to ``NATIVE_MAX_ROWS`` rows on CPU where the native kernels are allowed, else dequantizes the
-whole weight into the activation dtype and calls ``F.linear``.
+up to ``NATIVE_MAX_ROWS`` rows on CPU where the native kernels are allowed, the Triton kernel
+(``kernels/triton/gemm_gguf.py``, the same contract) on CUDA, else dequantizes the whole weight
+into the activation dtype and calls ``F.linear``.
 """
 
 from __future__ import annotations
@@ -124,6 +125,11 @@ class GGUFLinearMethod(LinearMethodBase):
         if (self.native and x.device.type == "cpu" and x.shape[0] <= NATIVE_MAX_ROWS
                 and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1):
             out = ops.gemm_gguf(x, layer.weight, self.fmt.ggml_type, layer.gguf_input_size, out_dtype, validate=False)
+            return out if bias is None else out.add_(bias)
+        if x.is_cuda and x.dim() == 2 and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            from kernels.triton.gemm_gguf import gemm_gguf  # imports triton: only where it runs
+
+            out = gemm_gguf(x, layer.weight, self.fmt.ggml_type, out_dtype)
             return out if bias is None else out.add_(bias)
         compute = torch.float32 if out_dtype == torch.float32 else x.dtype
         return F.linear(x.to(compute), self.weight(layer, compute), None if bias is None else bias.to(compute))

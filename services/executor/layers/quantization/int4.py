@@ -1,5 +1,6 @@
 """The one int4 group-quantized weight that GPTQ, AWQ and compressed-tensors W4A16 become at load,
-its internal layout, and the matmul over it (the C kernel on CPU, else dequantize + ``F.linear``).
+its internal layout, and the matmul over it (the C kernel on CPU, the Triton kernel
+``kernels/triton/gemm_w4.py`` on CUDA, else dequantize + ``F.linear``).
 
 Each format unpacks its checkpoint tensors into :class:`Int4Weights` (integers 0..15, a zero
 point and a scale per group, the group of each input column), so that
@@ -69,7 +70,7 @@ def pack_int4(w: Int4Weights) -> PackedInt4 | None:
     group = int(counts[0]) if counts.numel() else 0
     if k % 32 or group == 0 or group % 32 or bool((counts != group).any()):
         return None
-    in_order = bool((w.g_idx == torch.arange(k) // group).all())
+    in_order = bool((w.g_idx == torch.arange(k, device=w.g_idx.device) // group).all())
     perm = None if in_order else torch.argsort(w.g_idx, stable=True)
     q = w.q if perm is None else w.q[:, perm]  # [N, K] in group order
     blocks = q.reshape(n, k // 32, 2, 16)  # [N, blocks, low | high, 16]
@@ -80,11 +81,17 @@ def pack_int4(w: Int4Weights) -> PackedInt4 | None:
 
 def int4_matmul(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[T, K]`` -> ``[T, N]`` in ``x``'s dtype: the C kernel
-    (:func:`kernels.cpu.ops.gemm_w4`) where it applies, else dequantize + ``F.linear``."""
+    (:func:`kernels.cpu.ops.gemm_w4`) where it applies, the Triton kernel on CUDA
+    (:func:`kernels.triton.gemm_w4.gemm_w4`), else dequantize + ``F.linear``."""
     if packed.perm is not None:
         x = x.index_select(1, packed.perm)  # [T, K] in group order
     if ops.gemm_w4_supports(x):
         out = ops.gemm_w4(x, packed.qweight, packed.scales, packed.szeros, packed.group_size)
+        return out if bias is None else out.add_(bias)
+    if x.is_cuda and x.dim() == 2 and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        from kernels.triton.gemm_w4 import gemm_w4  # imports triton: only where it runs
+
+        out = gemm_w4(x, packed.qweight, packed.scales, packed.szeros, packed.group_size)
         return out if bias is None else out.add_(bias)
     return F.linear(x, packed.dequantize(x.dtype), bias)
 
