@@ -23,20 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.utils import KernelLaunch, is_interpreted
+from kernels.triton.utils import KernelLaunch, is_interpreted, round_bf16
 
 #: bytes per 32-element block of each GGML type (Q4_0, Q4_1, Q8_0), as ``kernels.cpu.ops``
 GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _round_bf16(v):
-    """float32 ``v`` rounded to the nearest bf16 (ties to even), kept in float32: the GPU's
-    fp32 -> bf16 conversion, which the interpreter's truncating one does not match."""
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -73,7 +64,7 @@ def _gemm_gguf_kernel(
     EMULATE_BF16: the interpreter's tl.dot multiplies the raw uint16 bit patterns of bf16
     operands (triton-lang/triton#11584, as in ``attention_kernels.py``) and its fp32 -> bf16
     casts truncate, so there bf16 operands stay float32, rounded to bf16 values as the GPU
-    rounds them (:func:`_round_bf16`), and so is a bf16 output before its store.
+    rounds them (:func:`round_bf16`), and so is a bf16 output before its store.
     """
     HALF: tl.constexpr = 16 * BLOCKS
     QS: tl.constexpr = 4 if GGML_TYPE == 3 else 2  # the quants' offset in a block
@@ -115,13 +106,13 @@ def _gemm_gguf_kernel(
             acc += tl.dot(x_lo.to(tl.float32), w_lo, input_precision="ieee")
             acc += tl.dot(x_hi.to(tl.float32), w_hi, input_precision="ieee")
         elif EMULATE_BF16:
-            acc += tl.dot(x_lo.to(tl.float32), _round_bf16(w_lo), input_precision="ieee")
-            acc += tl.dot(x_hi.to(tl.float32), _round_bf16(w_hi), input_precision="ieee")
+            acc += tl.dot(x_lo.to(tl.float32), round_bf16(w_lo), input_precision="ieee")
+            acc += tl.dot(x_hi.to(tl.float32), round_bf16(w_hi), input_precision="ieee")
         else:
             acc += tl.dot(x_lo, w_lo.to(x_ptr.dtype.element_ty))
             acc += tl.dot(x_hi, w_hi.to(x_ptr.dtype.element_ty))
     if EMULATE_BF16 and out_ptr.dtype.element_ty == tl.bfloat16:
-        acc = _round_bf16(acc)  # then the store's truncation is exact
+        acc = round_bf16(acc)  # then the store's truncation is exact
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 

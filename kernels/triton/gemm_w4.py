@@ -23,16 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.utils import KernelLaunch, is_interpreted
-
-
-@triton.jit
-def _round_bf16(v):
-    """float32 ``v`` rounded to the nearest bf16 (ties to even), kept in float32: the GPU's
-    fp32 -> bf16 conversion, which the interpreter's truncating one does not match."""
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+from kernels.triton.utils import KernelLaunch, is_interpreted, round_bf16
 
 
 @triton.jit
@@ -63,7 +54,7 @@ def _gemm_w4_kernel(
     EMULATE_BF16: the interpreter's tl.dot multiplies the raw uint16 bit patterns of bf16
     operands (triton-lang/triton#11584, as in ``attention_kernels.py``) and its fp32 -> bf16
     casts truncate, so there the operands stay float32, rounded to bf16 values as the GPU
-    rounds them (:func:`_round_bf16`): the same products its bf16 MMA accumulates in fp32.
+    rounds them (:func:`round_bf16`): the same products its bf16 MMA accumulates in fp32.
     """
     HALF: tl.constexpr = BLOCK_K // 2
     pid_m = tl.program_id(0)
@@ -88,8 +79,8 @@ def _gemm_w4_kernel(
         w_lo = (b & 15).to(tl.float32) * s - sz  # [HALF, BLOCK_N] float32
         w_hi = (b >> 4).to(tl.float32) * s - sz
         if EMULATE_BF16:
-            acc += tl.dot(x_lo.to(tl.float32), _round_bf16(w_lo), input_precision="ieee")
-            acc += tl.dot(x_hi.to(tl.float32), _round_bf16(w_hi), input_precision="ieee")
+            acc += tl.dot(x_lo.to(tl.float32), round_bf16(w_lo), input_precision="ieee")
+            acc += tl.dot(x_hi.to(tl.float32), round_bf16(w_hi), input_precision="ieee")
         elif IEEE_FP32:
             acc += tl.dot(x_lo, w_lo, input_precision="ieee")
             acc += tl.dot(x_hi, w_hi, input_precision="ieee")
@@ -97,7 +88,7 @@ def _gemm_w4_kernel(
             acc += tl.dot(x_lo, w_lo.to(x_ptr.dtype.element_ty))
             acc += tl.dot(x_hi, w_hi.to(x_ptr.dtype.element_ty))
     if EMULATE_BF16:
-        acc = _round_bf16(acc)  # then the store's truncation is exact
+        acc = round_bf16(acc)  # then the store's truncation is exact
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import triton
+import triton.language as tl
 
 
 class KernelLaunch(NamedTuple):
@@ -66,3 +67,12 @@ def compile_launch(launch: KernelLaunch, arch: int = 90) -> Any:
     )
     src = ASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(src, target=target, options=options.__dict__)
+
+
+@triton.jit
+def round_bf16(v):
+    """(Called from kernels: the interpreter's bf16 emulation.) float32 ``v`` rounded to the nearest bf16 (ties to even), kept in float32: the GPU's
+    fp32 -> bf16 conversion, which the interpreter's truncating one does not match."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
