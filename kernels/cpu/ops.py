@@ -12,9 +12,7 @@ AVX512-BF16) work items are (row, KV head) pairs.
 :func:`add_rms_norm` runs ``cpu_rms_norm.c``: the residual add fused with RMSNorm in bf16
 (one pass instead of torch's add + norm; the model uses it on CPU in bf16).
 
-:func:`gemm_w4` runs ``cpu_gemm_w4.c``: weight-only int4 group-quantized matmuls (GPTQ, AWQ,
-compressed-tensors W4A16 in the layout of ``services/executor/layers/quantization/int4.py``);
-:func:`gemm_gguf` runs ``cpu_gguf_gemm.c``: GGUF Q4_0 / Q4_1 / Q8_0 blocks multiplied as they are.
+:mod:`kernels.cpu.quant_ops` wraps the quantized matmuls (int4 group-quantized, GGUF blocks).
 
 :func:`gemm_bf16w` runs ``cpu_gemm_bf16.c``: matmuls with bf16 weights (laid out once by
 :func:`pack_bf16_weight` in the layout of :func:`gemm_layout`). With AVX512-BF16, vdpbf16ps
@@ -315,96 +313,4 @@ def gemm_bf16w(
                                      n, m, n, k, torch.get_num_threads())
     if status != 0:
         raise ValueError(f"cpu bf16 gemm failed (status {status}) for x {tuple(x.shape)}, weight [{n}, {k}]")
-    return out
-
-
-def gemm_w4_supports(x: torch.Tensor) -> bool:
-    """Whether :func:`gemm_w4` takes ``x`` (a float32/bfloat16 CPU matrix, unit stride along K)
-    and the library is available."""
-    return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 2 and x.stride(1) == 1
-            and load() is not None)
-
-
-def gemm_w4(
-    x: torch.Tensor,  # [M, K] float32 or bfloat16, unit stride along K
-    qweight: torch.Tensor,  # [N, K/2] uint8: per 32 columns 16 bytes, column j low nibble, j + 16 high
-    scales: torch.Tensor,  # [N, K/G] float32
-    szeros: torch.Tensor,  # [N, K/G] float32, zero point * scale
-    group_size: int,  # G, a multiple of 32 dividing K
-    lib: ctypes.CDLL | None = None,
-) -> torch.Tensor:  # [M, N] x's dtype
-    """``x @ W.T`` for ``W[n, k] = q[n, k] * scales[n, k // G] - szeros[n, k // G]`` (``cpu_gemm_w4.c``:
-    float32 sums, AVX-512 where compiled for it, OpenMP over output columns on
-    ``torch.get_num_threads()`` threads).
-
-    Raises:
-        ValueError: shapes or dtypes that do not fit (the message names the parameter), or no library.
-    """
-    lib = lib or load()
-    if lib is None:
-        raise ValueError("the native CPU kernels are not available (see the cpu_kernels_unavailable log)")
-    if x.dim() != 2 or x.dtype not in _DTYPES or x.device.type != "cpu" or x.stride(1) != 1:
-        raise ValueError("x must be a float32/bfloat16 [M, K] CPU tensor with unit stride along K")
-    m, k = x.shape
-    n = qweight.shape[0]
-    if k % 32 or group_size % 32 or group_size <= 0 or k % group_size:
-        raise ValueError(f"K={k} and group_size={group_size} must be multiples of 32, the group dividing K")
-    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (n, k // 2) or not qweight.is_contiguous():
-        raise ValueError(f"qweight must be a dense [N, {k // 2}] uint8 tensor, got {tuple(qweight.shape)} {qweight.dtype}")
-    for name, t in (("scales", scales), ("szeros", szeros)):
-        if t.dtype != torch.float32 or tuple(t.shape) != (n, k // group_size) or not t.is_contiguous():
-            raise ValueError(f"{name} must be a dense [{n}, {k // group_size}] float32 tensor")
-    out = torch.empty((m, n), dtype=x.dtype)
-    status = lib.pagedllm_gemm_w4(_DTYPES[x.dtype], x.data_ptr(), x.stride(0) if m > 1 else k, qweight.data_ptr(),
-                                  scales.data_ptr(), szeros.data_ptr(), out.data_ptr(), m, n, k, group_size,
-                                  torch.get_num_threads())
-    if status == 3:
-        raise MemoryError("cpu int4 gemm: out of memory for the float32 copy of x")
-    if status != 0:
-        raise ValueError(f"cpu int4 gemm failed (status {status}) for x {tuple(x.shape)}, weight [{n}, {k}]")
-    return out
-
-
-#: bytes per 32-element block of each GGML type :func:`gemm_gguf` reads (Q4_0, Q4_1, Q8_0)
-GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
-
-
-def gemm_gguf(
-    x: torch.Tensor,  # [M, K] bfloat16 or float32, unit stride along K
-    blocks: torch.Tensor,  # [N, K / 32 * block_bytes] uint8, dense: each weight row's GGUF blocks
-    ggml_type: int,  # 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)
-    k: int,  # K, the weight's input features (a multiple of 32)
-    out_dtype: torch.dtype = torch.bfloat16,  # bfloat16 or float32
-    lib: ctypes.CDLL | None = None,
-    validate: bool = True,  # False: the caller vouches for the tensors (the model's hot path)
-) -> torch.Tensor:  # [M, N] out_dtype
-    """``F.linear(x, dequantize(blocks))`` with the weight kept quantized (``cpu_gguf_gemm.c``:
-    each block dequantized in registers, float32 sums, one rounding per output). Runs on
-    ``torch.get_num_threads()`` OpenMP threads.
-
-    Raises:
-        ValueError: shapes, dtypes or a type that do not fit (the message names the parameter),
-            or no library.
-    """
-    lib = lib or load()
-    if lib is None:
-        raise ValueError("the native CPU kernels are not available (see the cpu_kernels_unavailable log)")
-    m = x.shape[0]
-    if validate:
-        if x.dim() != 2 or x.dtype not in _DTYPES or x.device.type != "cpu" or x.stride(1) != 1 or x.shape[1] != k:
-            raise ValueError(f"x must be a float32/bfloat16 [M, {k}] CPU tensor with unit stride along K")
-        if ggml_type not in GGUF_BLOCK_BYTES or k % 32:
-            raise ValueError(f"ggml_type must be one of {sorted(GGUF_BLOCK_BYTES)} and k a multiple of 32")
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous() \
-                or blocks.shape[1] != k // 32 * GGUF_BLOCK_BYTES[ggml_type] or blocks.device.type != "cpu":
-            raise ValueError(f"blocks must be a dense [N, {k // 32 * GGUF_BLOCK_BYTES[ggml_type]}] uint8 CPU tensor")
-        if out_dtype not in _DTYPES:
-            raise ValueError("out_dtype must be torch.float32 or torch.bfloat16")
-    n = blocks.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype)
-    status = lib.pagedllm_gemm_gguf(ggml_type, blocks.data_ptr(), _DTYPES[x.dtype], x.data_ptr(),
-                                    x.stride(0) if m > 1 else k, _DTYPES[out_dtype], out.data_ptr(), n, m, n, k,
-                                    torch.get_num_threads())
-    if status != 0:
-        raise ValueError(f"cpu gguf gemm failed (status {status}) for x {tuple(x.shape)}, blocks {tuple(blocks.shape)}")
     return out

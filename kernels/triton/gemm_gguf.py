@@ -1,5 +1,5 @@
 """Triton matmul over GGUF Q4_0 / Q4_1 / Q8_0 weight rows kept as raw blocks: the CUDA side of
-:func:`kernels.cpu.ops.gemm_gguf`.
+:func:`kernels.cpu.quant_ops.gemm_gguf`.
 
 ``out = x @ W.T`` where each row of ``W`` ``[N, K]`` is stored as ``K / 32`` ggml blocks of 32
 consecutive input elements (layouts in ``services/executor/layers/gguf.py``): an fp16 scale
@@ -150,7 +150,7 @@ def gemm_gguf(
     out_dtype: torch.dtype | None = None,  # default x's dtype
 ) -> torch.Tensor:  # [M, N] out_dtype
     """``F.linear(x, dequantize(blocks))`` with the weight kept quantized (float32 sums, one
-    rounding per output): :func:`kernels.cpu.ops.gemm_gguf`'s contract on the GPU (or the interpreter)."""
+    rounding per output): :func:`kernels.cpu.quant_ops.gemm_gguf`'s contract on the GPU (or the interpreter)."""
     out = torch.empty((x.shape[0], blocks.shape[0]), dtype=out_dtype or x.dtype, device=x.device)
     plan_gemm_gguf(x, blocks, ggml_type, out)()
     return out

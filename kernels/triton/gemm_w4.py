@@ -1,4 +1,4 @@
-"""Triton weight-only int4 group-quantized matmul: the CUDA side of :func:`kernels.cpu.ops.gemm_w4`.
+"""Triton weight-only int4 group-quantized matmul: the CUDA side of :func:`kernels.cpu.quant_ops.gemm_w4`.
 
 ``y = x @ W.T`` for ``W[n, k] = q[n, k] * scales[n, k // G] - szeros[n, k // G]``, the weight in
 the internal layout of ``services/executor/layers/quantization/int4.py`` (:class:`PackedInt4`):
@@ -129,7 +129,7 @@ def gemm_w4(
     group_size: int,  # G, a multiple of 32 dividing K
 ) -> torch.Tensor:  # [M, N] x's dtype
     """``x @ W.T`` for ``W[n, k] = q[n, k] * scales[n, k // G] - szeros[n, k // G]`` (float32 sums),
-    the same contract as :func:`kernels.cpu.ops.gemm_w4` on the GPU (or the interpreter)."""
+    the same contract as :func:`kernels.cpu.quant_ops.gemm_w4` on the GPU (or the interpreter)."""
     out = torch.empty((x.shape[0], qweight.shape[0]), dtype=x.dtype, device=x.device)
     plan_gemm_w4(x, qweight, scales, szeros, group_size, out)()
     return out

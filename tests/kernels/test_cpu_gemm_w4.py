@@ -7,7 +7,7 @@ import pytest
 import torch
 from native_builds import NEEDS_KERNEL
 
-from kernels.cpu import ops
+from kernels.cpu import quant_ops
 from services.executor.layers.quantization.int4 import Int4Weights, int4_matmul, pack_int4
 
 pytestmark = [NEEDS_KERNEL, pytest.mark.kernel]
@@ -29,7 +29,7 @@ def _packed(n: int, k: int, group: int, seed: int = 0, act_order: bool = False):
 def test_int4_gemm_matches_the_dequantized_matmul(m, n, k, group, dtype):
     w, packed = _packed(n, k, group)
     x = torch.randn(m, k).to(dtype)
-    out = ops.gemm_w4(x, packed.qweight, packed.scales, packed.szeros, packed.group_size)
+    out = quant_ops.gemm_w4(x, packed.qweight, packed.scales, packed.szeros, packed.group_size)
     ref = (x.double() @ w.dequantize(torch.float64).T)
     assert out.dtype == dtype and out.shape == (m, n)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
@@ -41,15 +41,15 @@ def test_strided_rows_and_act_order_go_through_the_kernel():
     w, packed = _packed(24, 128, 32, seed=1, act_order=True)
     assert packed.perm is not None
     x = torch.randn(6, 256)[:, :128]
-    assert ops.gemm_w4_supports(x) and x.stride(0) == 256
+    assert quant_ops.gemm_w4_supports(x) and x.stride(0) == 256
     torch.testing.assert_close(int4_matmul(x, packed), x @ w.dequantize().T, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(ops.gemm_w4(x, packed.qweight, packed.scales, packed.szeros, 32),
+    torch.testing.assert_close(quant_ops.gemm_w4(x, packed.qweight, packed.scales, packed.szeros, 32),
                                x @ packed.dequantize(torch.float32).T, atol=1e-4, rtol=1e-4)
 
 
 def test_bad_shapes_are_refused_naming_the_parameter():
     _, packed = _packed(8, 64, 32)
     with pytest.raises(ValueError, match="qweight must be"):
-        ops.gemm_w4(torch.randn(2, 64), packed.qweight[:, :16].contiguous(), packed.scales, packed.szeros, 32)
+        quant_ops.gemm_w4(torch.randn(2, 64), packed.qweight[:, :16].contiguous(), packed.scales, packed.szeros, 32)
     with pytest.raises(ValueError, match="group_size=48"):
-        ops.gemm_w4(torch.randn(2, 64), packed.qweight, packed.scales, packed.szeros, 48)
+        quant_ops.gemm_w4(torch.randn(2, 64), packed.qweight, packed.scales, packed.szeros, 48)

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from native_builds import X86
 
-from kernels.cpu import native, ops
+from kernels.cpu import native, quant_ops
 from services.executor.layers import gguf as G
 
 
@@ -54,9 +54,9 @@ def test_gemm_gguf_matches_the_torch_path(lib, fmt, m, dtype):
     blocks = _blocks(fmt, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     reference = x.float() @ G.dequantize(blocks, fmt).t()  # [m, n] float32
-    out32 = ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=lib)
+    out32 = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=lib)
     torch.testing.assert_close(out32, reference, rtol=1e-5, atol=1e-4)
-    out = ops.gemm_gguf(x, blocks, fmt.ggml_type, k, dtype, lib=lib)
+    out = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, dtype, lib=lib)
     assert out.dtype == dtype
     torch.testing.assert_close(out, reference.to(dtype), **({} if dtype == torch.float32 else
                                                             {"rtol": 1.6e-2, "atol": 1e-2}))
@@ -65,13 +65,13 @@ def test_gemm_gguf_matches_the_torch_path(lib, fmt, m, dtype):
 def test_gemm_gguf_reads_strided_rows(lib):
     blocks = _blocks(G.Q4_1, 16, 64, seed=5)
     x = torch.randn(4, 128)[:, 32:96]  # [4, 64], row stride 128
-    torch.testing.assert_close(ops.gemm_gguf(x, blocks, G.Q4_1.ggml_type, 64, torch.float32, lib=lib),
+    torch.testing.assert_close(quant_ops.gemm_gguf(x, blocks, G.Q4_1.ggml_type, 64, torch.float32, lib=lib),
                                x @ G.dequantize(blocks, G.Q4_1).t(), rtol=1e-5, atol=1e-4)
 
 
 def test_gemm_gguf_refuses_bad_arguments(lib):
     blocks = _blocks(G.Q4_1, 4, 64, seed=0)
     with pytest.raises(ValueError, match="ggml_type"):
-        ops.gemm_gguf(torch.randn(1, 64), blocks, 12, 64, lib=lib)
+        quant_ops.gemm_gguf(torch.randn(1, 64), blocks, 12, 64, lib=lib)
     with pytest.raises(ValueError, match="blocks must be"):
-        ops.gemm_gguf(torch.randn(1, 64), blocks, G.Q8_0.ggml_type, 64, lib=lib)
+        quant_ops.gemm_gguf(torch.randn(1, 64), blocks, G.Q8_0.ggml_type, 64, lib=lib)

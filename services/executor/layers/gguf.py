@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import ops
+from kernels.cpu import quant_ops
 from services.executor.layers.linear import LinearMethodBase
 
 
@@ -124,7 +124,7 @@ class GGUFLinearMethod(LinearMethodBase):
                 out_dtype: torch.dtype) -> torch.Tensor:
         if (self.native and x.device.type == "cpu" and x.shape[0] <= NATIVE_MAX_ROWS
                 and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1):
-            out = ops.gemm_gguf(x, layer.weight, self.fmt.ggml_type, layer.gguf_input_size, out_dtype, validate=False)
+            out = quant_ops.gemm_gguf(x, layer.weight, self.fmt.ggml_type, layer.gguf_input_size, out_dtype, validate=False)
             return out if bias is None else out.add_(bias)
         if x.is_cuda and x.dim() == 2 and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
             from kernels.triton.gemm_gguf import gemm_gguf  # imports triton: only where it runs

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import ops
+from kernels.cpu import quant_ops
 from services.executor.layers.quantization.base import QuantizedLinearMethod
 
 
@@ -81,12 +81,12 @@ def pack_int4(w: Int4Weights) -> PackedInt4 | None:
 
 def int4_matmul(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[T, K]`` -> ``[T, N]`` in ``x``'s dtype: the C kernel
-    (:func:`kernels.cpu.ops.gemm_w4`) where it applies, the Triton kernel on CUDA
+    (:func:`kernels.cpu.quant_ops.gemm_w4`) where it applies, the Triton kernel on CUDA
     (:func:`kernels.triton.gemm_w4.gemm_w4`), else dequantize + ``F.linear``."""
     if packed.perm is not None:
         x = x.index_select(1, packed.perm)  # [T, K] in group order
-    if ops.gemm_w4_supports(x):
-        out = ops.gemm_w4(x, packed.qweight, packed.scales, packed.szeros, packed.group_size)
+    if quant_ops.gemm_w4_supports(x):
+        out = quant_ops.gemm_w4(x, packed.qweight, packed.scales, packed.szeros, packed.group_size)
         return out if bias is None else out.add_(bias)
     if x.is_cuda and x.dim() == 2 and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
         from kernels.triton.gemm_w4 import gemm_w4  # imports triton: only where it runs
