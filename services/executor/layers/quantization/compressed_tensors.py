@@ -110,8 +110,8 @@ def _create_packed(layer: nn.Module, weights: dict[str, Any], input_size: int, o
     layer.ct_group_size = g
 
 
-class CTInt4LinearMethod(Int4LinearMethod):
-    """``pack-quantized`` int4 (W4A16) through the int4 kernel."""
+class _PackQuantized:
+    """The ``pack-quantized`` tensors of a layer (``weights``: the scheme's weight arguments)."""
 
     def __init__(self, weights: dict[str, Any]) -> None:
         self.weights = weights
@@ -120,6 +120,10 @@ class CTInt4LinearMethod(Int4LinearMethod):
                        params_dtype: torch.dtype, bias: bool) -> None:
         _create_packed(layer, self.weights, input_size, output_partition_sizes)
         self.register_bias(layer, sum(output_partition_sizes), params_dtype, bias)
+
+
+class CTInt4LinearMethod(_PackQuantized, Int4LinearMethod):
+    """``pack-quantized`` int4 (W4A16) through the int4 kernel."""
 
     def unpack(self, layer: nn.Module) -> Int4Weights:
         q = unpack_int32(layer.weight_packed, 4).flatten(1)  # [N, K], stored + 8
@@ -128,17 +132,9 @@ class CTInt4LinearMethod(Int4LinearMethod):
         return Int4Weights(q.to(torch.uint8), torch.full_like(scales, 8.0), scales, g_idx)
 
 
-class CTInt8LinearMethod(QuantizedLinearMethod):
+class CTInt8LinearMethod(_PackQuantized, QuantizedLinearMethod):
     """``pack-quantized`` int8 (W8A16): unpacked once to int8 ``[N, K]`` (the same bytes),
     dequantized to the activations' dtype at each call."""
-
-    def __init__(self, weights: dict[str, Any]) -> None:
-        self.weights = weights
-
-    def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int],
-                       params_dtype: torch.dtype, bias: bool) -> None:
-        _create_packed(layer, self.weights, input_size, output_partition_sizes)
-        self.register_bias(layer, sum(output_partition_sizes), params_dtype, bias)
 
     def derive(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         q = (unpack_int32(layer.weight_packed, 8).flatten(1) - 128).to(torch.int8)  # [N, K]
