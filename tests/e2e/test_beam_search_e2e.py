@@ -24,9 +24,13 @@ def llm(smollm2_path):
         yield engine
 
 
-def hf_beams(path, prompt: str) -> list[list[int]]:
+def hf_beams(path, prompts: list[str]) -> list[list[list[int]]]:
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return [_hf_beams(tok, model, p) for p in prompts]
+
+
+def _hf_beams(tok, model, prompt: str) -> list[list[int]]:
     ids = tok(prompt, return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**ids, num_beams=WIDTH, num_return_sequences=WIDTH, do_sample=False,
@@ -44,14 +48,14 @@ def test_beams_equal_hugging_face_and_width_1_is_greedy(llm, smollm2_path):
     params = BeamSearchParams(beam_width=WIDTH, max_tokens=MAX_TOKENS, length_penalty=0.0)
     outs = llm.beam_search([PROMPTS[0], {"prompt": PROMPTS[1]}], params)
     assert all(isinstance(o, BeamSearchOutput) and len(o.sequences) == WIDTH for o in outs)
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        n = len(llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids)
-        assert [s.tokens[n:] for s in out.sequences] == hf_beams(smollm2_path, prompt)
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    for out, expected, g in zip(outs, hf_beams(smollm2_path, PROMPTS), greedy, strict=True):
+        n = len(g.prompt_token_ids)
+        assert [s.tokens[n:] for s in out.sequences] == expected
         for s in out.sequences:
             assert len(s.logprobs) == len(s.tokens) - n
             assert s.cum_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(s.logprobs, s.tokens[n:])))
         assert [s.cum_logprob for s in out.sequences] == sorted((s.cum_logprob for s in out.sequences), reverse=True)
-    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     one = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS))
     for g, b in zip(greedy, one, strict=True):
         assert b.sequences[0].tokens == g.prompt_token_ids + g.outputs[0].token_ids
