@@ -54,7 +54,7 @@ def test_beams_equal_hugging_face_and_width_1_is_greedy(llm, smollm2_path):
         assert [s.tokens[n:] for s in out.sequences] == expected
         for s in out.sequences:
             assert len(s.logprobs) == len(s.tokens) - n
-            assert s.cum_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(s.logprobs, s.tokens[n:])))
+            assert s.cum_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(s.logprobs, s.tokens[n:], strict=True)))
         assert [s.cum_logprob for s in out.sequences] == sorted((s.cum_logprob for s in out.sequences), reverse=True)
     one = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS))
     for g, b in zip(greedy, one, strict=True):
