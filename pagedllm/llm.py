@@ -18,8 +18,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from gateway.generation import RequestState
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagedllm.launcher import InProcessServices, pinned_settings
 from pagedllm.outputs import RequestOutput, request_output
+from pagedllm.sampling_params import BeamSearchParams
 from shared.bus import Bus
 from shared.config import Settings
 from shared.engine_client import EngineClient
@@ -110,6 +112,41 @@ class LLM:
         items = self._normalize_prompts(prompts)
         return self._run([{"prompt": p} for p in items], sampling_params, use_tqdm, priority)
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's ``LLM.beam_search``); results in input order,
+        each with its ``beam_width`` best beams, best first.
+
+        The search runs in the engine: the prompt is prefilled once, every live beam is one
+        decode row per step, and the beams share their prompt and common-prefix blocks
+        (``services/scheduler/beam.py`` has the selection rule and the length convention).
+
+        Args:
+            prompts: as for :meth:`generate` (strings, token-id lists, ``{"prompt": ...}`` or
+                ``{"prompt_token_ids": [...]}``).
+            params: a ``BeamSearchParams``.
+
+        Raises:
+            TypeError: ``params`` is not a ``BeamSearchParams``.
+            ValueError: a prompt is rejected, as for :meth:`generate`.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        items = self._normalize_prompts(prompts)
+        outputs = self._run([{"prompt": p} for p in items], params.sampling_params(), use_tqdm, None)
+        return [
+            BeamSearchOutput(sequences=[
+                BeamSearchSequence(tokens=[*out.prompt_token_ids, *c.token_ids], logprobs=c.logprobs or [],
+                                   cum_logprob=c.cumulative_logprob or 0.0, text=c.text,
+                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                for c in out.outputs])
+            for out in outputs
+        ]
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -186,7 +223,8 @@ class LLM:
             prompt = item.get("prompt")
             # chat: the rendered text; token ids: None, as vLLM's LLM
             text = reply.prompt if "messages" in item else prompt if isinstance(prompt, str) else None
-            outputs.append(request_output(state, text, list(reply.prompt_token_ids), sp.logprobs is not None))
+            outputs.append(request_output(state, text, list(reply.prompt_token_ids),
+                                          sp.logprobs is not None or sp.use_beam_search))
         return outputs
 
     # ------------------------------------------------------------------ lifecycle

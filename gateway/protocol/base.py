@@ -116,8 +116,6 @@ _UNSERVED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("bad_words", _is_empty, "banned words"),
     ("allowed_token_ids", _is_empty, "restricting the vocabulary"),
     ("prompt_logprobs", _is_empty, "log probabilities of the prompt"),
-    ("use_beam_search", _is_empty, "beam search"),
-    ("length_penalty", lambda v: v is None or v == 1, "beam search"),
     ("truncate_prompt_tokens", _is_empty, "prompt truncation"),
     ("chat_template_kwargs", _is_empty, "the model's chat template is rendered with its defaults"),
     ("mm_processor_kwargs", _is_empty, "multimodal inputs"),

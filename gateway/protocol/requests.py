@@ -58,6 +58,8 @@ class _SamplingFields(OpenAIRequest):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     return_tokens_as_token_ids: bool | None = None  # vLLM extension: logprobs name tokens token_id:<id>
+    use_beam_search: bool = False  # vLLM extension: n is the beam width; the n best beams are the choices
+    length_penalty: float = 1.0  # vLLM extension, beam search: score = cum_logprob / length ** length_penalty
 
     @field_validator("logit_bias")
     @classmethod
@@ -95,6 +97,12 @@ class _SamplingFields(OpenAIRequest):
         if limit is not None and self.min_tokens > limit:
             default = "" if name in self.model_fields_set else " (its default when not given)"
             raise ValueError(f"min_tokens={self.min_tokens} is more than {name}={limit}{default}")
+        return self
+
+    @model_validator(mode="after")
+    def _beam_search_is_not_streamed(self) -> _SamplingFields:
+        if self.use_beam_search and self.stream:  # as vLLM: the beams are known only at the end
+            raise ValueError("use_beam_search: beam search results cannot be streamed; set stream to false")
         return self
 
     @model_validator(mode="before")
@@ -135,6 +143,8 @@ class _SamplingFields(OpenAIRequest):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
         )
 
 

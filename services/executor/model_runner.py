@@ -212,6 +212,18 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
 
     def _update_states(self, plan: StepPlan) -> None:
+        for fork in plan.beam_forks:  # before finished_request_ids, which may drop the parents
+            parent = self.requests[fork.parent_id]
+            computed = parent.num_computed_tokens  # the parent's tokens as planned, not its own sample
+            self.requests[fork.request_id] = CachedRequestState(
+                request_id=fork.request_id,
+                token_ids=parent.token_ids[:computed] + [fork.token_id],
+                block_ids=list(parent.block_ids),
+                num_computed_tokens=computed,
+                sampling_params=parent.sampling_params,
+                generator=None,
+                num_prompt_tokens=parent.num_prompt_tokens,
+            )
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
         vocab = self.model_info.vocab_size
@@ -355,9 +367,11 @@ class ModelRunner:
         for state, tok in zip(sample_states, tokens, strict=True):
             state.token_ids.append(tok)
             result.sampled_token_ids[state.request_id] = tok
-        if any(p.logprobs is not None for p in params):
-            for state, lp in zip(sample_states, compute_logprobs(logits, tokens, [p.logprobs for p in params]),
-                                 strict=True):
+        # a beam-search row returns the top continuations its scheduler picks the next beams from
+        num_eos = len(self.model_info.eos_token_ids)
+        num_top = [p.beam_candidates(num_eos) if p.use_beam_search else p.logprobs for p in params]
+        if any(k is not None for k in num_top):
+            for state, lp in zip(sample_states, compute_logprobs(logits, tokens, num_top), strict=True):
                 if lp is not None:
                     result.logprobs[state.request_id] = lp
         return result

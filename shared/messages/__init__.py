@@ -45,6 +45,7 @@ from shared.messages.control import (
 )
 from shared.messages.sampling import SamplingParams
 from shared.messages.steps import (
+    BeamFork,
     CachedRequestData,
     DecodedLogprobs,
     DetokNewRequest,
@@ -62,7 +63,7 @@ from shared.messages.steps import (
 )
 
 __all__ = [
-    "GREEDY_TEMPERATURE", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_N", "AbortRequests",
+    "GREEDY_TEMPERATURE", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_N", "AbortRequests", "BeamFork",
     "CachedRequestData", "DecodedLogprobs", "DetokNewRequest", "DetokStep", "FailRequests", "FinishReason",
     "GatewayStep", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
     "PromptLogprobs", "RegisterAck", "RegisterGroup", "RequestDelta", "RequestsKnown", "RequestsQuery",

@@ -402,7 +402,7 @@ async def test_a_stream_the_scheduler_refuses_is_a_plain_400(gw):
 @pytest.mark.parametrize("field,value", [
     ("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
     ("structured_outputs", {"choice": ["a"]}), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]),
-    ("prompt_logprobs", 1), ("use_beam_search", True), ("truncate_prompt_tokens", 2),
+    ("prompt_logprobs", 1), ("truncate_prompt_tokens", 2),
 ("chat_template_kwargs", {"enable_thinking": True}),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("spaces_between_special_tokens", False),
 ])
@@ -413,7 +413,7 @@ async def test_vllm_fields_not_served_are_refused_by_name(gw, field, value):
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
         r = await gw.http.post(path, json={"model": gw.model, **body, field: value})
         assert field in assert_openai_error(r, 400, field)["message"]
-    noop = {"spaces_between_special_tokens": True, "use_beam_search": False}.get(field)
+    noop = {"spaces_between_special_tokens": True}.get(field)
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, field: noop})
     assert r.status_code == 200, r.text
 
