@@ -44,6 +44,7 @@ from shared.messages.control import (
     TokenizeRequest,
 )
 from shared.messages.sampling import SamplingParams
+from shared.messages.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 from shared.messages.steps import (
     CachedRequestData,
     DecodedLogprobs,
@@ -64,9 +65,9 @@ from shared.messages.steps import (
 __all__ = [
     "GREEDY_TEMPERATURE", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_N", "AbortRequests",
     "CachedRequestData", "DecodedLogprobs", "DetokNewRequest", "DetokStep", "FailRequests", "FinishReason",
-    "GatewayStep", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
+    "GatewayStep", "GuidedDecodingParams", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
     "PromptLogprobs", "RegisterAck", "RegisterGroup", "RequestDelta", "RequestsKnown", "RequestsQuery",
     "SampleLogprobs", "SamplingParams", "SchedulerStarted", "SchedulerStats", "ServiceError", "StatsQuery", "StepMessage",
-    "StepPlan", "StepResult", "SubmitRequest", "TokenLogprob", "TokenUpdate", "TokenizeReply",
+    "StepPlan", "StructuredOutputsParams", "StepResult", "SubmitRequest", "TokenLogprob", "TokenUpdate", "TokenizeReply",
     "TokenizeRequest",
 ]
