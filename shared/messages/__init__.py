@@ -44,7 +44,6 @@ from shared.messages.control import (
     TokenizeRequest,
 )
 from shared.messages.sampling import SamplingParams
-from shared.messages.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 from shared.messages.steps import (
     CachedRequestData,
     DecodedLogprobs,
@@ -61,6 +60,7 @@ from shared.messages.steps import (
     TokenLogprob,
     TokenUpdate,
 )
+from shared.messages.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 __all__ = [
     "GREEDY_TEMPERATURE", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_N", "AbortRequests",
