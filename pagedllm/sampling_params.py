@@ -1,13 +1,15 @@
-"""Sampling and beam-search parameters, importable as from ``vllm.sampling_params``."""
+"""Sampling, structured-output and beam-search parameters, importable as from
+``vllm.sampling_params``: ``from pagedllm.sampling_params import SamplingParams,
+StructuredOutputsParams, BeamSearchParams``."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from shared.messages import MAX_N, SamplingParams
+from shared.messages import MAX_N, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
-__all__ = ["BeamSearchParams", "SamplingParams"]
+__all__ = ["BeamSearchParams", "GuidedDecodingParams", "SamplingParams", "StructuredOutputsParams"]
 
 
 @dataclass(frozen=True)
