@@ -40,8 +40,8 @@ def _int_out_of_range(value: Any) -> int | None:
 
 
 #: the fields that travel to the services (msgpack and torch take int64 at most); a chat
-#: message's extra keys go to the chat template with it
-_ENGINE_INT_FIELDS = ("prompt", "messages", "n", "max_tokens", "max_completion_tokens", "seed", "top_k",
+#: message's extra keys and the tools go to the chat template with it
+_ENGINE_INT_FIELDS = ("prompt", "messages", "tools", "n", "max_tokens", "max_completion_tokens", "seed", "top_k",
                       "priority", "stop_token_ids")
 
 
