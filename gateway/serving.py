@@ -31,6 +31,7 @@ from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.protocol.requests import AnyRequest, ChatCompletionRequest
 from gateway.protocol.responses import ModelCard
+from gateway.protocol.structured import name_structured_error
 from gateway.tools.choice import NO_TOOLS, ToolUse, tool_use
 from shared.bus import RemoteError
 from shared.config import Settings
@@ -159,7 +160,9 @@ class OpenAIServing:
                 if isinstance(outcome, BaseException):
                     raise outcome
                 if outcome.error is not None:
-                    raise prompt_error(outcome.error, p, len(inputs))
+                    error = name_structured_error(outcome.error, "tools" if tools.schema is not None
+                                                  else body.structured_outputs_path)
+                    raise prompt_error(error, p, len(inputs))
                 replies.append(outcome)
             if notify:
                 for p, engine_id in enumerate(engine_ids):

@@ -2,7 +2,7 @@
 
 Unknown request fields are ignored and logged, as vLLM does. A field that is known (to
 OpenAI or vLLM) but whose value this engine cannot honour (``prompt_logprobs``, ``best_of``,
-guided decoding, a chat's ``echo``, ...) fails validation with a message that starts with the
+``guided_whitespace_pattern``, a chat's ``echo``, ...) fails validation with a message that starts with the
 field's name, so the error's ``param`` names it: ignoring it would change what the output
 means. Every integer that reaches the engine must fit a signed 64-bit integer.
 """
@@ -110,9 +110,9 @@ def _is_true_or_none(v: Any) -> bool:
 #: (field, is_noop(value), what it does) of OpenAI and vLLM request fields not implemented
 #: here: refused when present with a value other than their no-op one
 _UNSERVED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    *((name, _is_empty, "guided decoding") for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern", "structured_outputs")),
+    ("guided_decoding_backend", _is_empty, "the structured output backend is chosen by the server"),
+    ("guided_whitespace_pattern", _is_empty, "a JSON whitespace pattern (structured_outputs."
+                                            "disable_any_whitespace is supported)"),
     ("bad_words", _is_empty, "banned words"),
     ("allowed_token_ids", _is_empty, "restricting the vocabulary"),
     ("prompt_logprobs", _is_empty, "log probabilities of the prompt"),

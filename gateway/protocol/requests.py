@@ -7,7 +7,15 @@ import math
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gateway.protocol.base import (
     UNSERVED_NAMES,
@@ -17,8 +25,9 @@ from gateway.protocol.base import (
     is_none,
     one_or_none,
 )
+from gateway.protocol.structured import structured_outputs_of
 from gateway.protocol.tools import ChatTool, NamedToolChoice, ToolCallParam, ToolChoice
-from shared.messages import MAX_LOGPROBS, SamplingParams
+from shared.messages import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -59,6 +68,29 @@ class _SamplingFields(OpenAIRequest):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     return_tokens_as_token_ids: bool | None = None  # vLLM extension: logprobs name tokens token_id:<id>
+    # structured outputs (gateway/protocol/structured.py): OpenAI's, vLLM's, vLLM's older fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _structured: StructuredOutputsParams | None = PrivateAttr(default=None)
+    _structured_path: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _structured_outputs(self) -> _SamplingFields:
+        """The structured output constraint, from whichever field asks for it (one at most)."""
+        self._structured, self._structured_path = structured_outputs_of(
+            {name: getattr(self, name) for name in ("response_format", "structured_outputs", "guided_json",
+                                                     "guided_regex", "guided_choice", "guided_grammar")})
+        return self
+
+    @property
+    def structured_outputs_path(self) -> str | None:
+        """The path of the field that asked for a constraint (``response_format.json_schema.schema``,
+        ``guided_regex``, ...), to name it in an error; None without one."""
+        return self._structured_path
 
     @field_validator("logit_bias")
     @classmethod
@@ -136,6 +168,7 @@ class _SamplingFields(OpenAIRequest):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self._structured,
         )
 
 
@@ -155,13 +188,11 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
-    response_format: dict[str, Any] | None = None  # vLLM extension
     add_special_tokens: bool = True  # vLLM extension
 
     echo_takes_zero_max_tokens: ClassVar[bool] = True
     unsupported_values: ClassVar[Unsupported] = (
         ("add_special_tokens", bool, "the tokenizer's special tokens are always added to a prompt"),
-        ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
         ("best_of", one_or_none, "only best_of=1 is supported"),
         ("suffix", is_none, "suffix is not supported"),
     )
@@ -270,7 +301,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
-    response_format: dict[str, Any] | None = None
     chat_template: str | None = None
     add_special_tokens: bool = False  # vLLM extension: the chat template adds them
 
@@ -279,7 +309,6 @@ class ChatCompletionRequest(_SamplingFields):
         ("echo", is_false, "only echo=false is supported"),
         ("continue_final_message", is_false, "only continue_final_message=false is supported"),
         ("chat_template", is_none, "the model's own chat template is always used"),
-        ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
     )
 
     @model_validator(mode="after")

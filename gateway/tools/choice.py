@@ -19,7 +19,7 @@ from gateway.protocol.tools import NamedToolChoice
 from gateway.tools import ForcedToolParser, ToolParser, get_tool_parser
 from gateway.tools.schemas import ToolSchemaError, named_schema, required_schema
 from shared.config import Settings
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class ToolUse:
         if self.parser is not None and not self.parser.skip_special_tokens:
             update["skip_special_tokens"] = False
         if self.schema is not None:
-            update["structured_outputs"] = _structured_outputs(self.schema)
+            update["structured_outputs"] = StructuredOutputsParams(json=self.schema)
         return params.model_copy(update=update) if update else params
 
 
@@ -56,7 +56,9 @@ def tool_use(body: ChatCompletionRequest, settings: Settings) -> ToolUse:
 
     Raises:
         APIError: 400 (param ``tool_choice``) for "auto" on a server started without
-            ``--enable-auto-tool-choice``, or tools whose forced schema cannot be made.
+            ``--enable-auto-tool-choice``, or for a forced call with another structured output
+            constraint (``response_format``, ...); 400 (param ``tools``) for tools whose forced
+            schema cannot be made.
     """
     if not body.tools:
         return NO_TOOLS
@@ -70,6 +72,10 @@ def tool_use(body: ChatCompletionRequest, settings: Settings) -> ToolUse:
                                    "--tool-call-parser to be set (tool_choice is \"auto\" when tools are given "
                                    "without it)", param="tool_choice")
         return ToolUse(parser=get_tool_parser(settings.tool_call_parser), template_tools=template_tools)
+    if body.structured_outputs_path is not None:  # as vLLM: guided decoding or forced tools, not both
+        raise APIError.of(400, f"tool_choice: a forced tool call cannot be combined with "
+                               f"{body.structured_outputs_path.split('.')[0]}; use tool_choice \"auto\" or \"none\"",
+                          param="tool_choice")
     try:
         if isinstance(choice, NamedToolChoice):
             tool = next(t for t in body.tools if t.function.name == choice.function.name)
@@ -79,6 +85,3 @@ def tool_use(body: ChatCompletionRequest, settings: Settings) -> ToolUse:
         raise APIError.of(400, str(exc), param="tools") from None
 
 
-def _structured_outputs(schema: dict[str, Any]) -> Any:
-    raise APIError.of(400, "tool_choice: \"required\" and named functions need structured outputs, which this "
-                           "server does not have yet", param="tool_choice")

@@ -33,6 +33,7 @@ from services.executor.layers.quantization import get_quantization_config
 from services.executor.models import get_model_class, kv_cache_bytes_per_block, kv_cache_shape
 from services.executor.parallel.group import SINGLE_RANK, TensorParallelGroup, use_tp_group
 from services.executor.sampler import Sampler, compute_logprobs
+from services.executor.structured_output import StructuredOutputManager
 from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings, kernel_cache_dir
 from shared.logging import get_logger
 from shared.messages import PromptLogprobs, SampleLogprobs, SamplingParams, StepPlan, StepResult
@@ -105,6 +106,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(settings.seed, self.device, model_info.eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
+        # the grammar matchers of structured outputs: rank 0's, which samples
+        self.structured = StructuredOutputManager(model_info.path, model_info.vocab_size, model_info.eos_token_ids)
         self.cpu_threads = self._cpu_thread_governor()
         log.info(
             "model_loaded",
@@ -125,6 +128,7 @@ class ModelRunner:
         its requests from their first token). The KV cache keeps its content; nothing reads
         it again before a plan writes it."""
         self.requests.clear()
+        self.structured.clear()
 
     def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
         """Append the tokens rank 0 sampled for these requests in the previous step (the
@@ -206,6 +210,8 @@ class ModelRunner:
                     num_prompt_tokens=state.num_prompt_tokens,
                 )
                 self.requests[child_id] = child
+                if self.tp.is_first_rank and state.request_id in self.structured:
+                    self.structured.fork(state.request_id, child_id)
                 sample_states.append(child)
                 logits_rows.append(row)
 
@@ -214,8 +220,13 @@ class ModelRunner:
     def _update_states(self, plan: StepPlan) -> None:
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
+            self.structured.remove(rid)
         vocab = self.model_info.vocab_size
         for new in plan.new_requests:
+            self.structured.remove(new.request_id)  # recomputed: its matcher starts again
+            if new.sampling_params.structured_outputs is not None and self.tp.is_first_rank:
+                outputs = new.prompt_token_ids[len(new.prompt_token_ids) - new.num_output_tokens:]
+                self.structured.add(new.request_id, new.sampling_params.structured_outputs, outputs)
             self.requests[new.request_id] = CachedRequestState(
                 request_id=new.request_id,
                 token_ids=list(new.prompt_token_ids),
@@ -350,8 +361,13 @@ class ModelRunner:
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return result
         params = [s.sampling_params for s in sample_states]
+        sample_ids = [s.request_id for s in sample_states]
+        bitmask = self.structured.bitmask(sample_ids)  # [R, ceil(V / 32)] of the constrained rows
         tokens = self.sampler.sample(logits, params, [s.generator for s in sample_states],
-                                     [s.token_ids for s in sample_states], [s.num_prompt_tokens for s in sample_states])
+                                     [s.token_ids for s in sample_states], [s.num_prompt_tokens for s in sample_states],
+                                     bitmask=bitmask)
+        if bitmask is not None:
+            self.structured.accept(sample_ids, tokens)
         for state, tok in zip(sample_states, tokens, strict=True):
             state.token_ids.append(tok)
             result.sampled_token_ids[state.request_id] = tok

@@ -113,12 +113,15 @@ class Request:
         """An upper bound of the bytes its ``NewRequestData`` takes in a msgpack ``StepPlan``
         with ``num_tokens`` tokens (default: the tokens known now): at most 5 bytes per token
         id and per block id (block size >= 8), its sampling params (field names and the widest
-        values: 512, plus 18 per ``logit_bias`` entry), its id in the plan's maps, the field
+        values: 512, plus 18 per ``logit_bias`` entry and the text of a structured-output
+        constraint, at most twice its canonical form), its id in the plan's maps, the field
         names and counters (256), and the ids of the samples an n > 1 request forks."""
         tokens = self.num_tokens if num_tokens is None else num_tokens
         params = self.sampling_params
         params_bytes = (512 + sum(len(s.encode()) + 5 for s in params.stop) + 9 * len(params.stop_token_ids)
                         + 18 * len(params.logit_bias))
+        if params.structured_outputs is not None:
+            params_bytes += 64 + 2 * len(params.structured_outputs.spec().encode())
         forks = (params.n - 1) * (len(self.request_id.encode()) + 8)
         return 5 * (tokens + tokens // 8 + 1) + params_bytes + 3 * len(self.request_id.encode()) + 256 + forks
 

@@ -25,6 +25,7 @@ from shared.logging import get_logger
 from shared.messages import SamplingParams, ServiceError, SubmitRequest, TokenizeReply, TokenizeRequest
 from shared.model_source import ModelInfo, load_tokenizer
 from shared.service import BusService
+from shared.structured_output import StructuredOutputBackend, StructuredOutputError
 from shared.subjects import TOKENIZER_QUEUE
 
 log = get_logger(__name__)
@@ -60,6 +61,7 @@ class TokenizerService(BusService):
         self.tokenizer = tokenizer
         self._chat: ChatRenderer | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._structured: StructuredOutputBackend | None = None  # made at the first constraint
 
     async def load(self) -> None:
         """Load the tokenizer (unless given) and the ``chat_template`` setting's template.
@@ -154,8 +156,9 @@ class TokenizerService(BusService):
         Raises:
             TokenizeError: empty or malformed input, token ids (of the prompt or of
                 ``logit_bias``) outside ``[0, vocab_size)``,
-                no chat template, or too long for ``max_model_len`` (the error names the
-                parameter: ``prompt``, ``messages`` or ``max_tokens``; with
+                no chat template, a structured output constraint that does not compile
+                (``structured_outputs.<kind>``), or too long for ``max_model_len`` (the error
+                names the parameter: ``prompt``, ``messages`` or ``max_tokens``; with
                 ``cap_at_max_model_len`` only a prompt that leaves no room for one token).
         """
         if request.messages is not None and request.prompt is not None:
@@ -183,7 +186,22 @@ class TokenizerService(BusService):
         max_tokens = None if request.cap_at_max_model_len else request.sampling_params.max_tokens
         self._check_length(len(ids), max_tokens, param)
         self._check_prompt_logprobs_size(len(ids), request.sampling_params.prompt_logprobs)
+        self._check_structured_outputs(request.sampling_params)
         return ids, prompt_text
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's structured output constraint (cached), so that a schema, regex
+        or grammar that no backend takes is refused now, naming the field, rather than fail in
+        the executor; the executor's compile of the same spec then succeeds."""
+        if params.structured_outputs is None:
+            return
+        if self._structured is None:
+            self._structured = StructuredOutputBackend(self.tokenizer, self.model_info.vocab_size,
+                                                       self.model_info.eos_token_ids)
+        try:
+            self._structured.compile(params.structured_outputs)
+        except StructuredOutputError as e:
+            raise TokenizeError(str(e), param=e.param) from None
 
     def _check_prompt_logprobs_size(self, num_prompt: int, num_top: int | None) -> None:
         """A prompt's log probabilities travel in one message to the detokenizer and one to

@@ -60,13 +60,14 @@ from shared.messages.steps import (
     TokenLogprob,
     TokenUpdate,
 )
+from shared.messages.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 __all__ = [
     "GREEDY_TEMPERATURE", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_N", "AbortRequests",
     "CachedRequestData", "DecodedLogprobs", "DetokNewRequest", "DetokStep", "FailRequests", "FinishReason",
-    "GatewayStep", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
+    "GatewayStep", "GuidedDecodingParams", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
     "PromptLogprobs", "RegisterAck", "RegisterGroup", "RequestDelta", "RequestsKnown", "RequestsQuery",
     "SampleLogprobs", "SamplingParams", "SchedulerStarted", "SchedulerStats", "ServiceError", "StatsQuery", "StepMessage",
-    "StepPlan", "StepResult", "SubmitRequest", "TokenLogprob", "TokenUpdate", "TokenizeReply",
+    "StepPlan", "StructuredOutputsParams", "StepResult", "SubmitRequest", "TokenLogprob", "TokenUpdate", "TokenizeReply",
     "TokenizeRequest",
 ]

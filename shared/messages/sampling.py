@@ -8,10 +8,11 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from shared.messages.common import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, Message
+from shared.messages.structured_outputs import StructuredOutputsParams
 
 _VLLM_ONLY_SAMPLING_PARAMS = frozenset({
     "best_of", "logits_processors", "bad_words", "allowed_token_ids",
-    "truncate_prompt_tokens", "guided_decoding", "structured_outputs", "output_kind", "detokenize",
+    "truncate_prompt_tokens", "output_kind", "detokenize",
     "spaces_between_special_tokens", "extra_args",
 })
 
@@ -38,6 +39,11 @@ class SamplingParams(Message):
     ``min_p`` drops tokens less likely than ``min_p`` times the most likely one; then top-k and
     top-p.
 
+    ``structured_outputs`` constrains the output to a JSON schema, a regex, a list of choices,
+    a grammar or any JSON object (``StructuredOutputsParams``): a token bitmask applied after
+    the logits processing above, before the temperature; once the constraint is complete only
+    EOS is allowed. ``guided_decoding`` (vLLM's older name) is taken as ``structured_outputs``.
+
     Raises:
         pydantic.ValidationError: a value is out of range, also when assigned later, or a
             vLLM parameter this engine does not implement is given; the message names the
@@ -63,10 +69,18 @@ class SamplingParams(Message):
     min_p: float = 0.0  # 0..1
     min_tokens: int = 0  # <= max_tokens
     logit_bias: dict[int, float] = Field(default_factory=dict)  # token id -> bias in -100..100
+    structured_outputs: StructuredOutputsParams | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _vllm_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "guided_decoding" in data:
+            data = dict(data)
+            guided = data.pop("guided_decoding")
+            if guided is not None:
+                if data.get("structured_outputs") is not None:
+                    raise ValueError("guided_decoding and structured_outputs are the same parameter: give one")
+                data["structured_outputs"] = guided
         if isinstance(data, dict):
             given = sorted(k for k in data if k in _VLLM_ONLY_SAMPLING_PARAMS)
             if given:
