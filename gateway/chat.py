@@ -6,7 +6,7 @@ With tools (``gateway/tools/``), each choice's text goes through its own ``ToolP
 content it is sure of and the calls as OpenAI streams them (a call's first delta with its
 ``id``, ``type`` and ``name``, then its ``arguments`` in pieces; no chunk names one call
 twice). A choice that made calls ends with finish_reason "tool_calls" (a named function
-forced: "stop", as OpenAI and vLLM), unless it was cut short ("length").
+forced: "stop", as OpenAI and vLLM), unless a call was cut short ("length").
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ class ChatGeneration(Generation):
         self.tools = tools
         self._parsers = [tools.parser() for _ in self.choices] if tools.parser is not None else None
 
-    def finish_reason(self, c: SampleState, called: bool) -> str | None:
-        """The choice's finish_reason: "tool_calls" when it made calls and stopped by itself
-        (not for a named function, as OpenAI)."""
-        if called and c.finish_reason == "stop" and not self.tools.named:
+    def finish_reason(self, c: SampleState, called: bool, complete: bool) -> str | None:
+        """The choice's finish_reason: "tool_calls" when it made calls (not for a named
+        function, as OpenAI) and stopped by itself, or reached its token limit after closing
+        every call (text after them is dropped); else the engine's."""
+        if called and not self.tools.named and (c.finish_reason == "stop"
+                                                or (c.finish_reason == "length" and complete)):
             return "tool_calls"
         return c.finish_reason
 
@@ -62,7 +64,7 @@ class ChatGeneration(Generation):
     def delta_chunks(self, delta: RequestDelta, index: int) -> list[BaseModel]:
         if self._parsers is None:
             found = ToolDeltas(content=delta.text)
-            called = False
+            called = complete = False
         else:
             parser = self._parsers[index]
             found = parser.feed(delta.text)
@@ -70,7 +72,7 @@ class ChatGeneration(Generation):
                 rest = parser.finish()
                 found.content += rest.content
                 found.tool_calls += rest.tool_calls
-            called = parser.called
+            called, complete = parser.called, parser.calls_complete
         if not (found.content or found.tool_calls or delta.finished or (self.logprobs and delta.logprobs)):
             return []
         c = self.choices[index]
@@ -80,22 +82,23 @@ class ChatGeneration(Generation):
         if self.logprobs:
             choices[0].logprobs = chat_logprobs(delta.logprobs, self.tokens_as_ids)
         if delta.finished:
-            choices[-1].finish_reason = self.finish_reason(c, called)
+            choices[-1].finish_reason = self.finish_reason(c, called, complete)
             choices[-1].stop_reason = c.stop_reason
         return [self.chunk([choice]) for choice in choices]
 
     def response(self) -> ChatCompletionResponse:
         choices = []
         for i, c in enumerate(self.choices):
-            message = AssistantMessage(content=c.text)
+            message, complete = AssistantMessage(content=c.text), False
             if self.tools.parser is not None:
                 found = self.tools.parser.extract(c.text)
                 message = AssistantMessage(content=found.content, tool_calls=found.tool_calls)
+                complete = found.complete
             choices.append(ChatChoice(
                 index=i,
                 message=message,
                 logprobs=chat_logprobs(c.logprobs, self.tokens_as_ids) if self.logprobs else None,
-                finish_reason=self.finish_reason(c, bool(message.tool_calls)),
+                finish_reason=self.finish_reason(c, bool(message.tool_calls), complete),
                 stop_reason=c.stop_reason,
             ))
         return ChatCompletionResponse(

@@ -301,6 +301,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # False: "required" forces one call (auto: not enforced)
     chat_template: str | None = None
     add_special_tokens: bool = False  # vLLM extension: the chat template adds them
 

@@ -5,7 +5,8 @@ gateway, as vLLM's server decides it:
 - ``auto`` (the default with tools): generation is free and the server's
   ``--tool-call-parser`` reads the calls; without ``--enable-auto-tool-choice`` it is a 400;
 - ``required`` and a named function: generation is forced through structured outputs to the
-  JSON of ``schemas.py``, which ``ForcedToolParser`` reads (so the call always parses).
+  JSON of ``schemas.py``, without whitespace, which ``ForcedToolParser`` reads (so the call
+  always parses); ``required`` with ``parallel_tool_calls: false`` allows one call.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class ToolUse:
         if self.parser is not None and not self.parser.skip_special_tokens:
             update["skip_special_tokens"] = False
         if self.schema is not None:
-            update["structured_outputs"] = StructuredOutputsParams(json=self.schema)
+            # compact JSON: the arguments read as OpenAI's, and no tokens go to spacing
+            update["structured_outputs"] = StructuredOutputsParams(json=self.schema, disable_any_whitespace=True)
         return params.model_copy(update=update) if update else params
 
 
@@ -80,7 +82,8 @@ def tool_use(body: ChatCompletionRequest, settings: Settings) -> ToolUse:
         if isinstance(choice, NamedToolChoice):
             tool = next(t for t in body.tools if t.function.name == choice.function.name)
             return ToolUse(ForcedToolParser, named_schema(tool), True, template_tools)
-        return ToolUse(ForcedToolParser, required_schema(body.tools), False, template_tools)
+        schema = required_schema(body.tools, one_call=body.parallel_tool_calls is False)
+        return ToolUse(ForcedToolParser, schema, False, template_tools)
     except ToolSchemaError as exc:
         raise APIError.of(400, str(exc), param="tools") from None
 

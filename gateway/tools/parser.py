@@ -55,10 +55,11 @@ class ToolDeltas:
 @dataclass
 class ExtractedToolCalls:
     """A whole text read by a parser: ``content`` (None when calls were made and no other
-    text was) and the calls."""
+    text was), the calls, and whether each call's JSON was closed (``complete``)."""
 
     content: str | None
     tool_calls: list[ToolCall]
+    complete: bool = False
 
 
 def new_call_id() -> str:
@@ -70,6 +71,7 @@ def new_call_id() -> str:
 class _SentCall:
     id: str
     arguments_sent: int = 0  # characters of the draft's arguments already sent
+    complete: bool = False  # its object is closed
 
 
 class ToolParser:
@@ -92,6 +94,11 @@ class ToolParser:
     def called(self) -> bool:
         """Whether a call has begun."""
         return bool(self._calls)
+
+    @property
+    def calls_complete(self) -> bool:
+        """Whether calls were made and each one's JSON is closed (none was cut short)."""
+        return bool(self._calls) and all(call.complete for call in self._calls)
 
     def parse(self, text: str, final: bool) -> Parse:
         """Split ``text`` (all generated so far; ``final``: all there will be) into content and
@@ -125,8 +132,8 @@ class ToolParser:
                                                                          arguments="")))
             calls[delta.index].function.arguments += delta.function.arguments or ""
         if calls and not content.strip():
-            return ExtractedToolCalls(None, calls)
-        return ExtractedToolCalls(content, calls)
+            return ExtractedToolCalls(None, calls, parser.calls_complete)
+        return ExtractedToolCalls(content, calls, parser.calls_complete)
 
     def _diff(self, parse: Parse) -> ToolDeltas:
         out = ToolDeltas(content=parse.content[self._content_sent:])
@@ -139,6 +146,7 @@ class ToolParser:
                 out.tool_calls.append(DeltaToolCall(index=index, id=self._calls[index].id, type="function",
                                                     function=DeltaFunctionCall(name=call.name, arguments="")))
             sent = self._calls[index]
+            sent.complete = call.complete
             if len(call.arguments) > sent.arguments_sent:
                 out.tool_calls.append(DeltaToolCall(
                     index=index, function=DeltaFunctionCall(arguments=call.arguments[sent.arguments_sent:])))

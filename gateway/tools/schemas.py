@@ -5,6 +5,8 @@
   schema);
 - a named function: the same array with exactly one item, that function.
 
+``required`` with OpenAI's ``parallel_tool_calls: false`` has ``maxItems`` 1 too.
+
 A tool without ``parameters`` takes ``{"type": "object", "properties": {}}``. The tools'
 ``$defs`` move to the top of the schema (their ``$ref``s point there); two tools defining one
 name differently is an error.
@@ -36,8 +38,9 @@ def _call_schema(tool: ChatTool, defs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def required_schema(tools: list[ChatTool]) -> dict[str, Any]:
-    """The schema of ``tool_choice: "required"``: one or more calls of any of ``tools``.
+def required_schema(tools: list[ChatTool], one_call: bool = False) -> dict[str, Any]:
+    """The schema of ``tool_choice: "required"``: one or more calls of any of ``tools``
+    (``one_call``: exactly one, for ``parallel_tool_calls: false``).
 
     Raises:
         ToolSchemaError: two tools define one ``$defs`` name differently.
@@ -45,6 +48,8 @@ def required_schema(tools: list[ChatTool]) -> dict[str, Any]:
     defs: dict[str, Any] = {}
     items = [_call_schema(tool, defs) for tool in tools]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    if one_call:
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema

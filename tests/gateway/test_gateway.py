@@ -206,6 +206,9 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": [1, 2**64]}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "meta": [[[[[{"id": 2**64}]]]]]}]},
      "messages"),
+    # tools without tool_choice mean "auto", which needs --enable-auto-tool-choice (as vLLM)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "none", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "maximum": 2**64}}}]},
      "tools"),  # the tools go to the chat template

@@ -140,7 +140,8 @@ def test_forced_reply_is_all_calls():
 def test_a_reply_cut_short_keeps_the_call_begun():
     """max_tokens reached inside the arguments: the call stays, its arguments as far as they went."""
     found = HermesToolParser.extract('<tool_call>{"name": "get_weather", "arguments": {"city": "Pa')
-    assert calls_of(found) == [("get_weather", '{"city": "Pa')]
+    assert calls_of(found) == [("get_weather", '{"city": "Pa')] and not found.complete
+    assert HermesToolParser.extract(HERMES_TWO).complete
 
 
 # ---------------------------------------------------------------- the scanner, the registry
