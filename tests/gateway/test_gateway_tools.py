@@ -6,8 +6,6 @@ OpenAI's shapes, whole and streamed, on a server with ``--enable-auto-tool-choic
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from gateway_fakes import assert_openai_error
 

@@ -71,7 +71,7 @@ HERMES_TWO = (f'Let me look that up.\n<tool_call>\n{{"name": "get_weather", "arg
     ('Hmm <tool_call>{"name": get_weather}</tool_call>', 'Hmm <tool_call>{"name": get_weather}</tool_call>', []),
     ('<tool_call>{"city": "Paris"}</tool_call>', '<tool_call>{"city": "Paris"}</tool_call>', []),
     # one good call, then a broken one: the good one stands
-    (f'<tool_call>{{"name": "a", "arguments": {{}}}}</tool_call><tool_call>{{"name": 3}}', None, [("a", "{}")]),
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": 3}', None, [("a", "{}")]),
 ])
 def test_hermes_reads_calls_and_content(text, content, calls):
     found = HermesToolParser.extract(text)
