@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -199,6 +200,23 @@ class StructuredOutputBackend:
         if compiled.backend == "xgrammar":
             return _XgrammarMatcher(compiled.grammar, self.eos_token_ids)
         return _GuidanceMatcher(self._ll_tokenizer, compiled.grammar, self.eos_token_ids)
+
+
+_backends: dict[tuple, StructuredOutputBackend] = {}
+_backends_lock = threading.Lock()
+
+
+def shared_backend(model_path: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
+                   load_tokenizer: Callable[[], Any]) -> StructuredOutputBackend:
+    """The process's one backend for this model (made with ``load_tokenizer()`` the first
+    time), so that the services of one process (the offline ``LLM``) share its compiled
+    grammars: the executor finds compiled what the tokenizer service checked."""
+    key = (str(model_path), vocab_size, tuple(eos_token_ids))
+    with _backends_lock:
+        backend = _backends.get(key)
+        if backend is None:
+            backend = _backends[key] = StructuredOutputBackend(load_tokenizer(), vocab_size, eos_token_ids)
+        return backend
 
 
 def _first_line(error: BaseException) -> str:

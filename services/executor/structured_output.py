@@ -28,6 +28,7 @@ from shared.structured_output import (
     Matcher,
     StructuredOutputBackend,
     bitmask_words,
+    shared_backend,
 )
 
 log = get_logger("executor")
@@ -68,8 +69,8 @@ class StructuredOutputManager:
         if self._backend is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-            self._backend = StructuredOutputBackend(tokenizer, self.vocab_size, self.eos_token_ids)
+            self._backend = shared_backend(self.model_path, self.vocab_size, self.eos_token_ids,
+                                           lambda: AutoTokenizer.from_pretrained(str(self.model_path)))
         return self._backend.compile(params)
 
     def add(self, request_id: str, params: StructuredOutputsParams, output_token_ids: list[int]) -> None:

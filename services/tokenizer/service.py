@@ -25,7 +25,7 @@ from shared.logging import get_logger
 from shared.messages import SamplingParams, ServiceError, SubmitRequest, TokenizeReply, TokenizeRequest
 from shared.model_source import ModelInfo, load_tokenizer
 from shared.service import BusService
-from shared.structured_output import StructuredOutputBackend, StructuredOutputError
+from shared.structured_output import StructuredOutputBackend, StructuredOutputError, shared_backend
 from shared.subjects import TOKENIZER_QUEUE
 
 log = get_logger(__name__)
@@ -196,8 +196,8 @@ class TokenizerService(BusService):
         if params.structured_outputs is None:
             return
         if self._structured is None:
-            self._structured = StructuredOutputBackend(self.tokenizer, self.model_info.vocab_size,
-                                                       self.model_info.eos_token_ids)
+            info = self.model_info
+            self._structured = shared_backend(info.path, info.vocab_size, info.eos_token_ids, lambda: self.tokenizer)
         try:
             self._structured.compile(params.structured_outputs)
         except StructuredOutputError as e:

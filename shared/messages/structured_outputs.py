@@ -70,12 +70,12 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) is not None)
 
     def spec(self) -> str:
-        """The constraint as one string, the key of its compiled grammar: a schema as canonical
-        JSON (sorted keys), the choices as a JSON list, ``""`` for ``json_object``."""
+        """The constraint as one string, the key of its compiled grammar: a schema as compact
+        JSON (its keys in their order: properties are generated in schema order), the choices as a JSON list, ``""`` for ``json_object``."""
         kind = self.kind
         if kind == "json":
             schema = jsonlib.loads(self.json) if isinstance(self.json, str) else self.json
-            return jsonlib.dumps(schema, sort_keys=True, separators=(",", ":"))
+            return jsonlib.dumps(schema, separators=(",", ":"))
         if kind == "choice":
             return jsonlib.dumps(self.choice)
         if kind == "json_object":

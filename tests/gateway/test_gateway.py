@@ -400,8 +400,7 @@ async def test_a_stream_the_scheduler_refuses_is_a_plain_400(gw):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-    ("structured_outputs", {"choice": ["a"]}), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]),
+    ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "xgrammar"), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]),
     ("prompt_logprobs", 1), ("use_beam_search", True), ("truncate_prompt_tokens", 2),
 ("chat_template_kwargs", {"enable_thinking": True}),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("spaces_between_special_tokens", False),
@@ -419,7 +418,7 @@ async def test_vllm_fields_not_served_are_refused_by_name(gw, field, value):
 
 
 async def test_other_refusals_as_vllm(gw, monkeypatch):
-    """tool_choice without tools, an empty cache_salt, a completions response_format and a
+    """tool_choice without tools, an empty cache_salt, an unknown response_format type and a
     boolean token id are 400s; unknown fields are ignored and logged, as vLLM does."""
     from gateway.protocol import base as protocol
 
@@ -437,7 +436,7 @@ async def test_other_refusals_as_vllm(gw, monkeypatch):
     r = await gw.http.post("/v1/chat/completions", json={**chat, "cache_salt": ""})
     assert "non-empty" in assert_openai_error(r, 400, "cache_salt")["message"]
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT,
-                                                    "response_format": {"type": "json_object"}})
+                                                    "response_format": {"type": "xml"}})
     assert_openai_error(r, 400, "response_format")
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": [[True]]})
     assert_openai_error(r, 400, "prompt")
