@@ -17,4 +17,4 @@ class ForcedToolParser(ToolParser):
         pos = skip_ws(text, 0)
         if pos == len(text) or text[pos] != "[":
             return Parse("")
-        return Parse("", read_call_list(text, pos, ("parameters", "arguments")))
+        return Parse("", read_call_list(text, pos, ("parameters", "arguments"), self.memo))

@@ -28,7 +28,7 @@ class HermesToolParser(ToolParser):
             if body == len(text):
                 break
             try:
-                call, end = read_call(text, body, ("arguments", "parameters"))
+                call, end = read_call(text, body, ("arguments", "parameters"), self.memo)
             except NotJson:
                 break
             calls.append(call)

@@ -72,10 +72,29 @@ def string_end(text: str, pos: int) -> int | None:
     return None
 
 
-def value_end(text: str, pos: int) -> int | None:
+@dataclass
+class OpenContainer:
+    """Where the scan of an open object or array stopped (to resume there once the text
+    grows): the next offset, the closing brackets still owed, and whether it stopped inside
+    a string (just after a backslash)."""
+
+    pos: int
+    closers: list[str]
+    in_string: bool = False
+    escaped: bool = False
+
+
+#: start offset of a container -> where its scan stopped while open, or its end once closed
+#: (for a text that only grows)
+ScanMemo = dict[int, OpenContainer | int]
+
+
+def value_end(text: str, pos: int, memo: ScanMemo | None = None) -> int | None:
     """The offset after the JSON value that starts at ``pos`` (a non-whitespace character);
     None if the text stops inside it. A scalar that reaches the end of the text is open (more
-    digits may follow).
+    digits may follow). With ``memo`` (kept by the caller while its text only grows), the scan
+    of an open object or array resumes where the previous one stopped, and a closed one is
+    not scanned again, so reading a growing text costs its new characters only.
 
     Raises:
         NotJson: the character at ``pos`` cannot start a value, or brackets do not match.
@@ -84,25 +103,7 @@ def value_end(text: str, pos: int) -> int | None:
     if c == '"':
         return string_end(text, pos)
     if c in "{[":
-        closers = ["}" if c == "{" else "]"]
-        i = pos + 1
-        while i < len(text):
-            c = text[i]
-            if c == '"':
-                end = string_end(text, i)
-                if end is None:
-                    return None
-                i = end
-                continue
-            if c in "{[":
-                closers.append("}" if c == "{" else "]")
-            elif c in "}]":
-                if c != closers.pop():
-                    raise NotJson(i)
-                if not closers:
-                    return i + 1
-            i += 1
-        return None
+        return _container_end(text, pos, memo)
     if c not in _SCALAR_CHARS:
         raise NotJson(pos)
     i = pos
@@ -111,8 +112,42 @@ def value_end(text: str, pos: int) -> int | None:
     return None if i == len(text) else i
 
 
-def scan_object(text: str, pos: int) -> ObjectScan:
-    """The members of the JSON object whose ``{`` is at ``text[pos]``, as far as the text goes.
+def _container_end(text: str, pos: int, memo: ScanMemo | None) -> int | None:
+    state = memo.get(pos) if memo is not None else None
+    if isinstance(state, int):
+        return state
+    if state is None:
+        state = OpenContainer(pos + 1, ["}" if text[pos] == "{" else "]"])
+    i, closers, in_string, escaped = state.pos, state.closers, state.in_string, state.escaped
+    while i < len(text):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            closers.append("}" if c == "{" else "]")
+        elif c in "}]":
+            if c != closers.pop():
+                raise NotJson(i)
+            if not closers:
+                if memo is not None:
+                    memo[pos] = i + 1
+                return i + 1
+        i += 1
+    if memo is not None:
+        memo[pos] = OpenContainer(i, closers, in_string, escaped)
+    return None
+
+
+def scan_object(text: str, pos: int, memo: ScanMemo | None = None) -> ObjectScan:
+    """The members of the JSON object whose ``{`` is at ``text[pos]``, as far as the text goes
+    (``memo``: as for ``value_end``, for its members' values).
 
     Raises:
         NotJson: the text is not the start of a JSON object there (the offending offset).
@@ -139,7 +174,7 @@ def scan_object(text: str, pos: int) -> ObjectScan:
         i = skip_ws(text, i + 1)
         if i == len(text):
             return scan
-        span = Span(i, value_end(text, i))
+        span = Span(i, value_end(text, i, memo))
         scan.members.setdefault(key, span)
         if span.end is None:
             return scan

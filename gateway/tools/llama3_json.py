@@ -29,7 +29,7 @@ class Llama3JsonToolParser(ToolParser):
         calls: list[CallDraft] = []
         while pos < len(text) and text[pos] == "{":
             try:
-                call, end = read_call(text, pos, ("parameters", "arguments"))
+                call, end = read_call(text, pos, ("parameters", "arguments"), self.memo)
             except NotJson:
                 break
             calls.append(call)

@@ -24,10 +24,10 @@ class MistralToolParser(ToolParser):
         content = text[:start].rstrip()
         pos = skip_ws(text, start + len(TOOL_CALLS))
         if pos < len(text) and text[pos] == "[":
-            return Parse(content, read_call_list(text, pos, ("arguments",)))
+            return Parse(content, read_call_list(text, pos, ("arguments",), self.memo))
         if pos < len(text) and text[pos] == "{":
             try:
-                return Parse(content, [read_call(text, pos, ("arguments",))[0]])
+                return Parse(content, [read_call(text, pos, ("arguments",), self.memo)[0]])
             except NotJson:
                 pass
         return Parse(content)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from gateway.protocol.responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
-from gateway.tools.json_scan import NotJson, scan_object, skip_ws
+from gateway.tools.json_scan import NotJson, ScanMemo, scan_object, skip_ws
 
 
 @dataclass
@@ -87,6 +87,7 @@ class ToolParser:
 
     def __init__(self) -> None:
         self.text = ""
+        self.memo: ScanMemo = {}  # open arguments' scans, resumed at the next feed
         self._content_sent = 0
         self._calls: list[_SentCall] = []
 
@@ -167,15 +168,17 @@ def held_back(text: str, marker: str) -> str:
     return text.rstrip()
 
 
-def read_call(text: str, pos: int, argument_keys: tuple[str, ...]) -> tuple[CallDraft, int | None]:
+def read_call(text: str, pos: int, argument_keys: tuple[str, ...],
+              memo: ScanMemo | None = None) -> tuple[CallDraft, int | None]:
     """The call object whose ``{`` is at ``pos`` (``{"name": ..., <argument key>: ...}``) as far
     as the text goes, and the offset after it (None while open). A missing argument key reads
-    as ``{}`` once the object closes.
+    as ``{}`` once the object closes. ``memo``: the parser's, so that open arguments are not
+    scanned again from their start (``json_scan.value_end``).
 
     Raises:
         NotJson: not a call object (not JSON, a name that is not a string, or closed without a name).
     """
-    scan = scan_object(text, pos)
+    scan = scan_object(text, pos, memo)
     name = None
     if (span := scan.members.get("name")) is not None and span.end is not None:
         name = _loads(text, span.start, span.end)
@@ -196,14 +199,15 @@ def read_call(text: str, pos: int, argument_keys: tuple[str, ...]) -> tuple[Call
     return CallDraft(name, arguments, scan.end is not None), scan.end
 
 
-def read_call_list(text: str, pos: int, argument_keys: tuple[str, ...]) -> list[CallDraft]:
+def read_call_list(text: str, pos: int, argument_keys: tuple[str, ...],
+                   memo: ScanMemo | None = None) -> list[CallDraft]:
     """The calls of the JSON array whose ``[`` is at ``pos``, as far as the text goes (a
     malformed element ends the list there)."""
     calls: list[CallDraft] = []
     i = skip_ws(text, pos + 1)
     while i < len(text) and text[i] == "{":
         try:
-            call, end = read_call(text, i, argument_keys)
+            call, end = read_call(text, i, argument_keys, memo)
         except NotJson:
             break
         calls.append(call)

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.tools import TOOL_PARSERS, ForcedToolParser, ToolParser, get_tool_parser
 from gateway.tools.hermes import HermesToolParser
-from gateway.tools.json_scan import NotJson, scan_object
+from gateway.tools.json_scan import NotJson, scan_object, value_end
 from gateway.tools.llama3_json import Llama3JsonToolParser
 from gateway.tools.mistral import MistralToolParser
 from shared.config import Settings
@@ -145,6 +145,18 @@ def test_a_reply_cut_short_keeps_the_call_begun():
 
 
 # ---------------------------------------------------------------- the scanner, the registry
+
+def test_a_growing_container_is_scanned_from_where_it_stopped():
+    """With a memo, an open value's scan resumes (inside a string, after a backslash) and a
+    closed one is not scanned again; the ends are those of a scan from scratch."""
+    text = '[{"a": "x}\\"y["}, ["z"]]'  # a backslash-escaped quote and brackets inside a string
+    memo: dict = {}
+    for cut in range(1, len(text)):
+        assert value_end(text[:cut], 0, memo) is None
+        assert memo[0].pos == cut
+    assert json.loads(text) == [{"a": 'x}"y['}, ["z"]]
+    assert value_end(text, 0, memo) == len(text) == value_end(text, 0) and memo[0] == len(text)
+    assert value_end(text + " tail", 0, memo) == len(text)
 
 def test_scan_object_spans_and_open_values():
     text = '{"a": "x}", "b": [1, {"c": "]"}], "d": 12'
