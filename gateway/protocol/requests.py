@@ -309,7 +309,7 @@ class ChatCompletionRequest(_SamplingFields):
         ("add_special_tokens", is_false, "the chat template's text is tokenized without adding special tokens"),
         ("echo", is_false, "only echo=false is supported"),
         ("continue_final_message", is_false, "only continue_final_message=false is supported"),
-        ("chat_template", is_none, "the model's own chat template is always used"),
+        ("chat_template", is_none, "the server's chat template (--chat-template, else the model's) is always used"),
     )
 
     @model_validator(mode="after")
