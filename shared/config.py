@@ -180,14 +180,15 @@ class Settings(BaseSettings):
     @field_validator("chat_template")
     @classmethod
     def _check_chat_template(cls, v: str | None) -> str | None:
-        """A file path (``~`` expanded) or a template's text (it has ``{``); a path that is not
-        a file is refused now rather than at the first chat."""
+        """A file path (``~`` expanded, made absolute: a service may start in another directory) or a
+        template's text (it has ``{``); a path that is not a file is refused now rather than at
+        the first chat."""
         if v is None or "{" in v:
             return v
         path = Path(v).expanduser()
         if not path.is_file():
             raise ValueError(f"chat_template: no such file {v!r} (give a Jinja template file or the template itself)")
-        return str(path)
+        return str(path.resolve())
 
     @model_validator(mode="after")
     def _check_auto_tool_choice(self) -> Settings:
