@@ -15,13 +15,16 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
 from tqdm.auto import tqdm
 
 from gateway.generation import RequestState
+from gateway.protocol.tools import ChatTool
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagedllm.launcher import InProcessServices, pinned_settings
 from pagedllm.outputs import RequestOutput, request_output
 from pagedllm.sampling_params import BeamSearchParams
+from services.tokenizer.chat import load_chat_template
 from shared.bus import Bus
 from shared.config import Settings
 from shared.engine_client import EngineClient
@@ -33,6 +36,7 @@ from shared.service import wait_engine_ready
 from shared.subjects import Subjects
 
 ENGINE_SERVICES = ("scheduler", "tokenizer", "detokenizer", "executor")
+_TOOLS = TypeAdapter(list[ChatTool])
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -153,11 +157,33 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations (chat template applied;
-        ``RequestOutput.prompt`` is the prompt text it rendered)."""
+        ``RequestOutput.prompt`` is the prompt text it rendered).
+
+        Args:
+            chat_template: a Jinja chat template (a file path or the template's text) used
+                instead of the engine's (``LLM(chat_template=...)``, else the model's).
+            tools: OpenAI function tools (``{"type": "function", "function": {"name", "description",
+                "parameters"}}``) for the chat template to show the model, as vLLM's ``LLM.chat``:
+                the reply is text; calls in it are not parsed here.
+
+        Raises:
+            ValueError: malformed ``tools``, an unreadable ``chat_template`` file, or messages
+                the template refuses (the message names the parameter).
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        items = [{"messages": list(c), "add_generation_prompt": add_generation_prompt} for c in conversations]
+        template = load_chat_template(chat_template)
+        tool_dicts = None
+        if tools is not None:
+            try:
+                tool_dicts = [tool.template_dict() for tool in _TOOLS.validate_python(tools)]
+            except ValidationError as exc:
+                raise ValueError(f"tools: {exc.errors()[0]['msg']} at {list(exc.errors()[0]['loc'])}") from None
+        items = [{"messages": list(c), "add_generation_prompt": add_generation_prompt, "tools": tool_dicts,
+                  "chat_template": template} for c in conversations]
         return self._run(items, sampling_params, use_tqdm, None)
 
     @staticmethod

@@ -152,6 +152,8 @@ class EngineClient(RequestTable):
         priority: int = 0,
         cache_salt: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
         cap_at_max_model_len: bool = False,
         return_prompt: bool = False,
         notify_accepted: bool = False,
@@ -164,8 +166,9 @@ class EngineClient(RequestTable):
         and stops there with finish_reason "length" (the offline API, as vLLM's ``LLM``)
         instead of being refused (the OpenAI server). ``return_prompt``: the reply carries the
         prompt text (a chat request's as the template rendered it; token ids decoded).
-        ``notify_accepted``: the scheduler says when it accepts the request; ``wait_accepted``
-        waits for that. ``background``: a batch line, which the scheduler admits after every
+        ``tools`` and ``chat_template``: for a chat's template (the tools it lists; a template
+        used instead of the server's). ``notify_accepted``: the scheduler says when it accepts
+        the request; ``wait_accepted`` waits for that. ``background``: a batch line, which the scheduler admits after every
         interactive request and preempts first. While no tokenizer serves the model (one
         restarting), the request is sent again every 0.25 s until ``tokenize_timeout_s``.
 
@@ -188,6 +191,8 @@ class EngineClient(RequestTable):
             prompt=prompt,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template=chat_template,
             sampling_params=sampling_params,
             priority=priority,
             cache_salt=cache_salt,

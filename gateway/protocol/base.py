@@ -40,8 +40,8 @@ def _int_out_of_range(value: Any) -> int | None:
 
 
 #: the fields that travel to the services (msgpack and torch take int64 at most); a chat
-#: message's extra keys go to the chat template with it
-_ENGINE_INT_FIELDS = ("prompt", "messages", "n", "max_tokens", "max_completion_tokens", "seed", "top_k",
+#: message's extra keys and the tools go to the chat template with it
+_ENGINE_INT_FIELDS = ("prompt", "messages", "tools", "n", "max_tokens", "max_completion_tokens", "seed", "top_k",
                       "priority", "stop_token_ids")
 
 
@@ -122,8 +122,8 @@ _UNSERVED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("documents", _is_empty, "documents for the chat template"),
     ("logits_processors", _is_empty, "custom logits processors"),
     ("prompt_embeds", _is_empty, "prompt embeddings"),
-    ("functions", _is_empty, "tools and function calling"),
-    ("function_call", lambda v: _is_empty(v) or v == "none", "tools and function calling"),
+    ("functions", _is_empty, "the legacy functions API; use tools"),
+    ("function_call", lambda v: _is_empty(v) or v == "none", "the legacy functions API; use tool_choice"),
     ("audio", _is_empty, "audio output"),
     ("modalities", lambda v: _is_empty(v) or v == ["text"], "only text output"),
     ("spaces_between_special_tokens", _is_true_or_none, "special tokens are always decoded with spaces"),

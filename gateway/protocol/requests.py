@@ -26,6 +26,7 @@ from gateway.protocol.base import (
     one_or_none,
 )
 from gateway.protocol.structured import structured_outputs_of
+from gateway.protocol.tools import ChatTool, NamedToolChoice, ToolCallParam, ToolChoice
 from shared.messages import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
@@ -268,6 +269,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant"):
+            raise ValueError(f"messages: a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"messages: only assistant messages have tool_calls, not {self.role} ones")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -298,8 +309,9 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # False: "required" forces one call (auto: not enforced)
     chat_template: str | None = None
     add_special_tokens: bool = False  # vLLM extension: the chat template adds them
 
@@ -307,16 +319,30 @@ class ChatCompletionRequest(_SamplingFields):
         ("add_special_tokens", is_false, "the chat template's text is tokenized without adding special tokens"),
         ("echo", is_false, "only echo=false is supported"),
         ("continue_final_message", is_false, "only continue_final_message=false is supported"),
-        ("chat_template", is_none, "the model's own chat template is always used"),
+        ("chat_template", is_none, "the server's chat template (--chat-template, else the model's) is always used"),
     )
 
     @model_validator(mode="after")
-    def _no_tools(self) -> ChatCompletionRequest:
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tools are not supported (tool_choice='none' is accepted)")
-        if self.tool_choice not in (None, "none") and self.tools is None:  # as vLLM
+    def _tools_and_choice(self) -> ChatCompletionRequest:
+        """As vLLM: ``tools`` is not empty; ``tool_choice`` other than "none" needs ``tools``;
+        a named function is one of them."""
+        if self.tools is not None and not self.tools:
+            raise ValueError("tools must not be an empty array; give at least one tool or leave it out")
+        if self.tool_choice not in (None, "none") and self.tools is None:
             raise ValueError("tool_choice: when using `tool_choice`, `tools` must be set")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools or ()}:
+                raise ValueError(f"tool_choice: the function {name!r} is not one of `tools`")
         return self
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """``tool_choice`` as it applies: not given, "auto" when there are tools (as OpenAI
+        and vLLM), else "none"."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
 
     @model_validator(mode="after")
     def _top_logprobs(self) -> ChatCompletionRequest:
