@@ -22,6 +22,9 @@
 #define GGUF_Q4_0 2
 #define GGUF_Q4_1 3
 #define GGUF_Q8_0 8
+#define GGUF_Q4_K 12 /* super-blocks of 256 */
+#define GGUF_Q5_K 13
+#define GGUF_Q6_K 14
 
 /* The argument block of pagedllm_llama_layers_bf16: the model's pointers (set once) and the step's. */
 typedef struct {
