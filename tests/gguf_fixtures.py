@@ -1,12 +1,13 @@
 """GGUF test data written by our own code: random but valid blocks of any kept format
 (:func:`random_blocks`), K-quant packers from float weights (:func:`pack_k`: round to nearest,
 simpler than llama.cpp's search, the layouts of gguf-py's ``quants.py``, whose ``quantize`` lacks
-the K-quants), and a tiny Llama GGUF file with K-quant matrices and SmolLM2's tokenizer
+the K-quants), and a tiny Llama GGUF file with K-quant matrices and a cut of SmolLM2's tokenizer
 (:func:`write_tiny_gguf`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -84,24 +85,56 @@ TINY_FORMATS = {"token_embd": G.Q6_K, "attn_q": G.Q5_K, "attn_k": G.Q5_K, "attn_
                 "attn_output": G.Q4_K, "ffn_gate": G.Q4_K, "ffn_up": G.Q4_K, "ffn_down": G.Q6_K}
 
 
-def write_tiny_gguf(path: Path, tokenizer_gguf: Path, seed: int = 0, std: float = 0.15) -> None:
-    """A Llama GGUF at ``path``: :data:`TINY`'s shapes, random normal weights (``std``) packed in
-    :data:`TINY_FORMATS` (tied embeddings; norms F32), the tokenizer metadata (and vocabulary
-    size) of ``tokenizer_gguf``."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:  # [H D, ...] -> [H D, ...]
+    """llama.cpp's converter's q/k row order: Hugging Face row ``h D + j D/2 + i`` is stored at
+    ``h D + 2 i + j`` (whole rows: blocks move with them)."""
+    d = rows.shape[0] // heads
+    return rows.reshape(heads, 2, d // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
-    reader = GGUFReader(tokenizer_gguf)
+
+def tiny_hf_config(vocab: int):
+    """The ``LlamaConfig`` of :func:`write_tiny_gguf`'s file."""
+    from transformers import LlamaConfig
+
+    t = TINY
+    return LlamaConfig(vocab_size=vocab, hidden_size=t["hidden"], intermediate_size=t["inter"],
+                       num_hidden_layers=t["layers"], num_attention_heads=t["heads"],
+                       num_key_value_heads=t["kv_heads"], max_position_embeddings=t["context"], rms_norm_eps=1e-5,
+                       rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+                       pad_token_id=None)
+
+
+def write_tiny_gguf(path: Path, tokenizer_dir: Path, vocab: int = 1024, seed: int = 0,
+                    std: float = 0.15) -> dict[str, torch.Tensor]:
+    """A Llama GGUF at ``path``: :data:`TINY`'s shapes, random normal weights (``std``) packed in
+    :data:`TINY_FORMATS` (tied embeddings; norms F32; q and k rows in llama.cpp's order), and the
+    byte-level BPE tokenizer of the Hugging Face directory ``tokenizer_dir`` (SmolLM2's: token 1
+    BOS, 2 EOS) cut to its first ``vocab`` tokens and the merges among them (49k token strings
+    cost seconds at each parse of the file).
+
+    Returns the Hugging Face state dict of the weights the file holds (dequantized by
+    ``gguf.quants`` to float32), for ``LlamaForCausalLM(tiny_hf_config(vocab))``.
+    """
+    from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
+
+    hf_tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    ids = hf_tok["model"]["vocab"]  # token -> id
+    tokens = sorted((t for t in ids if ids[t] < vocab), key=ids.get)
+    assert len(tokens) == vocab and hf_tok["model"]["type"] == "BPE"
+    special = {a["id"] for a in hf_tok["added_tokens"] if a["special"]}
+    known = set(tokens)
+    merges = [" ".join(m) for m in hf_tok["model"]["merges"] if "".join(m) in known and set(m) <= known]
     writer = GGUFWriter(path, "llama")
-    vocab = 0
-    for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
-        kind = field.types[0]
-        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
-        value = field.contents()
-        if name == "tokenizer.ggml.tokens":
-            vocab = len(value)
-        writer.add_key_value(name, value, kind, sub_type=sub)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if i in special else TokenType.NORMAL for i in range(vocab)])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    template = tokenizer_dir / "chat_template.jinja"
+    if template.exists():
+        writer.add_chat_template(template.read_text())
     t = TINY
     writer.add_context_length(t["context"])
     writer.add_embedding_length(t["hidden"])
@@ -115,28 +148,39 @@ def write_tiny_gguf(path: Path, tokenizer_gguf: Path, seed: int = 0, std: float 
     writer.add_vocab_size(vocab)
     rng = np.random.default_rng(seed)
     head = t["hidden"] // t["heads"]
+    state: dict[str, torch.Tensor] = {}
 
-    def matrix(name: str, kind: str, rows: int, cols: int, std_: float = std) -> None:
+    def matrix(name: str, hf: str, kind: str, rows: int, cols: int, std_: float = std, heads: int = 0) -> None:
         fmt = TINY_FORMATS[kind]
-        raw = pack_k(rng.standard_normal((rows, cols)).astype(np.float32) * std_, fmt)
-        writer.add_tensor(name, raw, raw_dtype=GGMLQuantizationType(fmt.ggml_type))
+        raw = pack_k(rng.standard_normal((rows, cols)).astype(np.float32) * std_, fmt)  # HF's row order
+        state[hf] = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(fmt.ggml_type)))
+        stored = np.ascontiguousarray(llama_cpp_permute(raw, heads)) if heads else raw
+        writer.add_tensor(name, stored, raw_dtype=GGMLQuantizationType(fmt.ggml_type))
 
-    def norm(name: str, size: int) -> None:
-        writer.add_tensor(name, (1.0 + 0.2 * rng.standard_normal(size)).astype(np.float32))
+    def norm(name: str, hf: str) -> None:
+        w = (1.0 + 0.2 * rng.standard_normal(t["hidden"])).astype(np.float32)
+        state[hf] = torch.from_numpy(w)
+        writer.add_tensor(name, w)
 
-    matrix("token_embd.weight", "token_embd", vocab, t["hidden"], 1.0)
+    matrix("token_embd.weight", "model.embed_tokens.weight", "token_embd", vocab, t["hidden"], 1.0)
     for i in range(t["layers"]):
-        norm(f"blk.{i}.attn_norm.weight", t["hidden"])
-        matrix(f"blk.{i}.attn_q.weight", "attn_q", t["heads"] * head, t["hidden"])
-        matrix(f"blk.{i}.attn_k.weight", "attn_k", t["kv_heads"] * head, t["hidden"])
-        matrix(f"blk.{i}.attn_v.weight", "attn_v", t["kv_heads"] * head, t["hidden"])
-        matrix(f"blk.{i}.attn_output.weight", "attn_output", t["hidden"], t["heads"] * head)
-        norm(f"blk.{i}.ffn_norm.weight", t["hidden"])
-        matrix(f"blk.{i}.ffn_gate.weight", "ffn_gate", t["inter"], t["hidden"])
-        matrix(f"blk.{i}.ffn_up.weight", "ffn_up", t["inter"], t["hidden"])
-        matrix(f"blk.{i}.ffn_down.weight", "ffn_down", t["hidden"], t["inter"])
-    norm("output_norm.weight", t["hidden"])
+        blk, hf = f"blk.{i}.", f"model.layers.{i}."
+        norm(blk + "attn_norm.weight", hf + "input_layernorm.weight")
+        matrix(blk + "attn_q.weight", hf + "self_attn.q_proj.weight", "attn_q", t["heads"] * head, t["hidden"],
+               heads=t["heads"])
+        matrix(blk + "attn_k.weight", hf + "self_attn.k_proj.weight", "attn_k", t["kv_heads"] * head, t["hidden"],
+               heads=t["kv_heads"])
+        matrix(blk + "attn_v.weight", hf + "self_attn.v_proj.weight", "attn_v", t["kv_heads"] * head, t["hidden"])
+        matrix(blk + "attn_output.weight", hf + "self_attn.o_proj.weight", "attn_output", t["hidden"],
+               t["heads"] * head)
+        norm(blk + "ffn_norm.weight", hf + "post_attention_layernorm.weight")
+        matrix(blk + "ffn_gate.weight", hf + "mlp.gate_proj.weight", "ffn_gate", t["inter"], t["hidden"])
+        matrix(blk + "ffn_up.weight", hf + "mlp.up_proj.weight", "ffn_up", t["inter"], t["hidden"])
+        matrix(blk + "ffn_down.weight", hf + "mlp.down_proj.weight", "ffn_down", t["hidden"], t["inter"])
+    norm("output_norm.weight", "model.norm.weight")
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return state

@@ -8,9 +8,14 @@ The reference is the ``smollm2_path`` directory: transformers' own dequantizatio
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from gguf_fixtures import TINY_FORMATS, tiny_hf_config, write_tiny_gguf
+from greedy import hf_greedy
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams
+from services.executor.layers.gguf import GGUFLinearMethod
+from services.executor.models import get_model_class
+from shared.config import kernel_cache_dir
 from shared.model_source import _gguf_path
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village near the"]
@@ -33,3 +38,37 @@ def test_bundled_gguf_served_directly_matches_hugging_face(smollm2_path):
             gen = model.generate(**ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
             ref.append(gen[0, ids["input_ids"].shape[1]:].tolist())
     assert ours == ref
+
+
+def test_k_quant_gguf_served_directly_gives_the_tokens_of_its_dequantized_weights(tmp_path, smollm2_path):
+    """A tiny Llama GGUF written by our own packer with Q4_K, Q5_K and Q6_K matrices (q/k rows in
+    llama.cpp's order, SmolLM2's tokenizer cut to 1,024 tokens): every matrix stays in its blocks, and greedy tokens
+    through ``LLM.generate`` equal Hugging Face's Llama on the same weights dequantized to float32
+    by ``gguf.quants``."""
+    path = tmp_path / "tiny-kq.gguf"
+    state = write_tiny_gguf(path, smollm2_path)
+    (tmp_path / "cache").mkdir()  # the served directory goes with tmp_path; the kernels are the ones built
+    (tmp_path / "cache" / "kernels").symlink_to(kernel_cache_dir(), target_is_directory=True)
+    prompts = [[1, 2, 3, 400, 500, 700], [900, 17, 31], list(range(300, 340))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=8 << 20, cache_dir=str(tmp_path / "cache")) as llm:
+        served = llm.model_info.path
+        ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                             use_tqdm=False)]
+    config = tiny_hf_config(state["model.embed_tokens.weight"].shape[0])
+    hf = LlamaForCausalLM(config).eval()
+    hf.load_state_dict(state)
+    ref = [hf_greedy(hf, p, 8)[0] for p in prompts]
+    assert ours == ref
+    assert len({tuple(t) for t in ref}) > 1
+
+    config = AutoConfig.from_pretrained(served)  # the served directory's config, as the executor reads it
+    model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+    model.load_weights(served)
+    layer = model.model.layers[1]
+    kept = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+            "down": layer.mlp.down_proj, "embed": model.model.embed_tokens}
+    assert all(isinstance(m.quant_method, GGUFLinearMethod) for m in kept.values())
+    assert {k: m.quant_method.fmt for k, m in kept.items()} == {
+        "qkv": TINY_FORMATS["attn_q"], "o": TINY_FORMATS["attn_output"], "gate_up": TINY_FORMATS["ffn_gate"],
+        "down": TINY_FORMATS["ffn_down"], "embed": TINY_FORMATS["token_embd"]}

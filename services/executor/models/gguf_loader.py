@@ -1,5 +1,5 @@
 """A Llama-architecture GGUF file -> a :class:`~services.executor.models.llama.LlamaForCausalLM`'s
-parameters, its Q4_0 / Q4_1 / Q8_0 matrices kept quantized (``layers/gguf.py``).
+parameters, its Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices kept quantized (``layers/gguf.py``).
 
 GGUF names (llama.cpp's ``gguf-py`` tensor map) -> ours, per decoder layer ``N``:
 
