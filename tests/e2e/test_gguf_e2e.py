@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from gguf_fixtures import TINY_FORMATS, tiny_hf_config, write_tiny_gguf
 from greedy import hf_greedy
+from processes import start_serve, stop_all
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams
@@ -72,3 +73,28 @@ def test_k_quant_gguf_served_directly_gives_the_tokens_of_its_dequantized_weight
     assert {k: m.quant_method.fmt for k, m in kept.items()} == {
         "qkv": TINY_FORMATS["attn_q"], "o": TINY_FORMATS["attn_output"], "gate_up": TINY_FORMATS["ffn_gate"],
         "down": TINY_FORMATS["ffn_down"], "embed": TINY_FORMATS["token_embd"]}
+
+
+def test_serve_of_the_bundled_gguf_answers_a_chat_completion_with_the_openai_sdk(smollm2_path):
+    """``pagedllm serve <the bundled .gguf>`` (Q4_1 kept quantized, float32 activations), asked
+    through the ``openai`` SDK: greedy chat text equals Hugging Face's on the same file's weights
+    (``smollm2_path``, see the module docstring) with the file's chat template."""
+    from openai import OpenAI
+
+    gguf = _gguf_path()
+    proc, port, _ = start_serve(smollm2_path.parent, str(gguf), "--dtype", "float32",
+                                "--kv-cache-memory-bytes", str(16 << 20), "--log-level", "WARNING")
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+        reply = client.chat.completions.create(model=gguf.stem, messages=messages, temperature=0, max_tokens=10)
+    finally:
+        stop_all([proc])
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        gen = model.generate(**ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    new = gen[0, ids["input_ids"].shape[1]:]
+    assert reply.model == gguf.stem and reply.usage.completion_tokens == len(new)
+    assert reply.choices[0].message.content == tok.decode(new, skip_special_tokens=True)

@@ -224,3 +224,48 @@ def test_compressed_tensors_weights_equal_hugging_face_loader(bits, group, tiny_
     state = hf.state_dict()
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
         torch.testing.assert_close(state[name].float(), plain[name], atol=1e-6, rtol=1e-6)
+
+
+GEMMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=24, num_hidden_layers=2, max_position_embeddings=256, initializer_range=0.15,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None, architectures=["GemmaForCausalLM"])
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "ct-w4a16"])
+def test_quantized_tiny_gemma_gives_the_greedy_tokens_of_its_dequantized_weights(fmt, tmp_path):
+    """A non-Llama architecture (Gemma: GeGLU, scaled embedding, head_dim 24) takes the quantized
+    linears: its q/k/v, o, gate/up and down int4 (repacked for the C kernel), its greedy tokens
+    and logits those of the same weights dequantized to float32."""
+    from transformers import GemmaConfig
+
+    tiny_checkpoint(GemmaConfig(**GEMMA), tmp_path / "src", seed=1)
+    qf.quantize_checkpoint(tmp_path / "src", tmp_path / "q", tmp_path / "deq", fmt)
+    quantized = ours(GemmaConfig(**json.loads((tmp_path / "q" / "config.json").read_text())), tmp_path / "q")
+    plain = ours(GemmaConfig(**GEMMA), tmp_path / "deq")
+    layer = quantized.model.layers[1]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(linear.quant_derived, PackedInt4)
+    new_q, logits_q = paged_greedy(quantized, PROMPTS[:4], 6)
+    new_p, logits_p = paged_greedy(plain, PROMPTS[:4], 6)
+    for a, b in zip(logits_q, logits_p, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+    assert new_q == new_p and len({tuple(t) for t in new_p}) > 1
+
+
+def test_architectures_without_quantized_layers_refuse_a_quantized_checkpoint():
+    """GPT-2 (Conv1D weights) is refused at build time naming the method and the architectures
+    that take one; a MoE model whose quantization covers its experts names the expert."""
+    from transformers import GPT2Config, MixtralConfig
+
+    from services.executor.models import get_model_class
+
+    gpt2 = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, architectures=["GPT2LMHeadModel"],
+                      quantization_config=qf.QUANT_CONFIGS["gptq"])
+    with pytest.raises(ValueError, match=r"gptq quantization is not supported for GPT2LMHeadModel \(quantized "
+                                         r"checkpoints: the Llama family"):
+        get_model_class(gpt2)(gpt2, torch.float32, "cpu")
+    mixtral = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                            num_key_value_heads=2, num_hidden_layers=1, num_local_experts=4,
+                            architectures=["MixtralForCausalLM"], quantization_config=qf.QUANT_CONFIGS["gptq"])
+    with pytest.raises(ValueError, match=r"MoE experts \(model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\)"):
+        get_model_class(mixtral)(mixtral, torch.float32, "cpu")
