@@ -226,25 +226,31 @@ def test_compressed_tensors_weights_equal_hugging_face_loader(bits, group, tiny_
         torch.testing.assert_close(state[name].float(), plain[name], atol=1e-6, rtol=1e-6)
 
 
-GEMMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=24, num_hidden_layers=2, max_position_embeddings=256, initializer_range=0.15,
-             bos_token_id=None, eos_token_id=None, pad_token_id=None, architectures=["GemmaForCausalLM"])
+NON_LLAMA = {  # architecture -> (config class name, its tiny config)
+    "gemma": ("GemmaConfig", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=24, num_hidden_layers=2, max_position_embeddings=256,
+                                  initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                  architectures=["GemmaForCausalLM"])),
+    "opt": ("OPTConfig", dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                              num_attention_heads=4, max_position_embeddings=128, init_std=0.15, bos_token_id=None,
+                              eos_token_id=None, pad_token_id=None, architectures=["OPTForCausalLM"])),
+}
 
 
-@pytest.mark.parametrize("fmt", ["gptq", "ct-w4a16"])
-def test_quantized_tiny_gemma_gives_the_greedy_tokens_of_its_dequantized_weights(fmt, tmp_path):
-    """A non-Llama architecture (Gemma: GeGLU, scaled embedding, head_dim 24) takes the quantized
-    linears: its q/k/v, o, gate/up and down int4 (repacked for the C kernel), its greedy tokens
-    and logits those of the same weights dequantized to float32."""
-    from transformers import GemmaConfig
+@pytest.mark.parametrize(("arch", "fmt"), [("gemma", "gptq"), ("opt", "ct-w4a16")])
+def test_quantized_non_llama_models_give_the_greedy_tokens_of_their_dequantized_weights(arch, fmt, tmp_path):
+    """Architectures other than Llama take the quantized linears (Gemma: GeGLU, head_dim 24; OPT:
+    biases, ReLU, learned positions): every decoder linear int4 (repacked for the C kernel), the
+    greedy tokens and logits those of the same weights dequantized to float32."""
+    import transformers
 
-    tiny_checkpoint(GemmaConfig(**GEMMA), tmp_path / "src", seed=1)
+    config_cls, kwargs = getattr(transformers, NON_LLAMA[arch][0]), NON_LLAMA[arch][1]
+    tiny_checkpoint(config_cls(**kwargs), tmp_path / "src", seed=1)
     qf.quantize_checkpoint(tmp_path / "src", tmp_path / "q", tmp_path / "deq", fmt)
-    quantized = ours(GemmaConfig(**json.loads((tmp_path / "q" / "config.json").read_text())), tmp_path / "q")
-    plain = ours(GemmaConfig(**GEMMA), tmp_path / "deq")
-    layer = quantized.model.layers[1]
-    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        assert isinstance(linear.quant_derived, PackedInt4)
+    quantized = ours(config_cls(**json.loads((tmp_path / "q" / "config.json").read_text())), tmp_path / "q")
+    plain = ours(config_cls(**kwargs), tmp_path / "deq")
+    packed = [m for m in quantized.modules() if isinstance(getattr(m, "quant_derived", None), PackedInt4)]
+    assert len(packed) == 8  # per layer: q|k|v, o, gate|up (fc1), down (fc2)
     new_q, logits_q = paged_greedy(quantized, PROMPTS[:4], 6)
     new_p, logits_p = paged_greedy(plain, PROMPTS[:4], 6)
     for a, b in zip(logits_q, logits_p, strict=True):
