@@ -234,14 +234,19 @@ NON_LLAMA = {  # architecture -> (config class name, its tiny config)
     "opt": ("OPTConfig", dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                               num_attention_heads=4, max_position_embeddings=128, init_std=0.15, bos_token_id=None,
                               eos_token_id=None, pad_token_id=None, architectures=["OPTForCausalLM"])),
+    "phi3": ("Phi3Config", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
+                                initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                tie_word_embeddings=False, architectures=["Phi3ForCausalLM"])),
 }
 
 
-@pytest.mark.parametrize(("arch", "fmt"), [("gemma", "gptq"), ("opt", "ct-w4a16")])
+@pytest.mark.parametrize(("arch", "fmt"), [("gemma", "gptq"), ("opt", "ct-w4a16"), ("phi3", "awq")])
 def test_quantized_non_llama_models_give_the_greedy_tokens_of_their_dequantized_weights(arch, fmt, tmp_path):
     """Architectures other than Llama take the quantized linears (Gemma: GeGLU, head_dim 24; OPT:
-    biases, ReLU, learned positions): every decoder linear int4 (repacked for the C kernel), the
-    greedy tokens and logits those of the same weights dequantized to float32."""
+    biases, ReLU, learned positions; Phi-3: q|k|v and gate|up fused in the checkpoint): every
+    decoder linear int4 (repacked for the C kernel), the greedy tokens and logits those of the
+    same weights dequantized to float32."""
     import transformers
 
     config_cls, kwargs = getattr(transformers, NON_LLAMA[arch][0]), NON_LLAMA[arch][1]
