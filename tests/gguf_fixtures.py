@@ -80,9 +80,11 @@ def pack_k(w: np.ndarray, fmt: G.BlockFormat) -> np.ndarray:
 
 #: tiny Llama (head_dim 64; every matrix's input a multiple of 256, as the K-quants need)
 TINY = dict(hidden=256, inter=512, layers=2, heads=4, kv_heads=2, context=512)
-#: the format of each matrix: merged layers (q | k | v, gate | up) share one, so they stay quantized
+#: the format of each matrix (merged layers' shards share one) but for :data:`TINY_LAYER0_V`
 TINY_FORMATS = {"token_embd": G.Q6_K, "attn_q": G.Q5_K, "attn_k": G.Q5_K, "attn_v": G.Q5_K,
                 "attn_output": G.Q4_K, "ffn_gate": G.Q4_K, "ffn_up": G.Q4_K, "ffn_down": G.Q6_K}
+#: layer 0's attn_v, in another format than its q and k (as llama.cpp's Q4_K_M does)
+TINY_LAYER0_V = G.Q6_K
 
 
 def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:  # [H D, ...] -> [H D, ...]
@@ -151,7 +153,7 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, vocab: int = 1024, seed: in
     state: dict[str, torch.Tensor] = {}
 
     def matrix(name: str, hf: str, kind: str, rows: int, cols: int, std_: float = std, heads: int = 0) -> None:
-        fmt = TINY_FORMATS[kind]
+        fmt = TINY_LAYER0_V if name == "blk.0.attn_v.weight" else TINY_FORMATS[kind]
         raw = pack_k(rng.standard_normal((rows, cols)).astype(np.float32) * std_, fmt)  # HF's row order
         state[hf] = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(fmt.ggml_type)))
         stored = np.ascontiguousarray(llama_cpp_permute(raw, heads)) if heads else raw

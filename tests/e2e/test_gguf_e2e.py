@@ -8,13 +8,13 @@ The reference is the ``smollm2_path`` directory: transformers' own dequantizatio
 from __future__ import annotations
 
 import torch
-from gguf_fixtures import TINY_FORMATS, tiny_hf_config, write_tiny_gguf
+from gguf_fixtures import TINY_FORMATS, TINY_LAYER0_V, tiny_hf_config, write_tiny_gguf
 from greedy import hf_greedy
 from processes import start_serve, stop_all
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams
-from services.executor.layers.gguf import GGUFLinearMethod
+from services.executor.layers.gguf import GGUFLinearMethod, GGUFShardedLinearMethod
 from services.executor.models import get_model_class
 from shared.config import kernel_cache_dir
 from shared.model_source import _gguf_path
@@ -43,7 +43,8 @@ def test_bundled_gguf_served_directly_matches_hugging_face(smollm2_path):
 
 def test_k_quant_gguf_served_directly_gives_the_tokens_of_its_dequantized_weights(tmp_path, smollm2_path):
     """A tiny Llama GGUF written by our own packer with Q4_K, Q5_K and Q6_K matrices (q/k rows in
-    llama.cpp's order, SmolLM2's tokenizer cut to 1,024 tokens): every matrix stays in its blocks, and greedy tokens
+    llama.cpp's order, layer 0's v in another format than its q and k, SmolLM2's tokenizer cut to
+    1,024 tokens): every matrix stays in its blocks, and greedy tokens
     through ``LLM.generate`` equal Hugging Face's Llama on the same weights dequantized to float32
     by ``gguf.quants``."""
     path = tmp_path / "tiny-kq.gguf"
@@ -73,6 +74,9 @@ def test_k_quant_gguf_served_directly_gives_the_tokens_of_its_dequantized_weight
     assert {k: m.quant_method.fmt for k, m in kept.items()} == {
         "qkv": TINY_FORMATS["attn_q"], "o": TINY_FORMATS["attn_output"], "gate_up": TINY_FORMATS["ffn_gate"],
         "down": TINY_FORMATS["ffn_down"], "embed": TINY_FORMATS["token_embd"]}
+    mixed = model.model.layers[0].self_attn.qkv_proj  # q, k Q5_K and v Q6_K: each shard's blocks
+    assert isinstance(mixed.quant_method, GGUFShardedLinearMethod)
+    assert [p.fmt for p in mixed.quant_method.parts] == [TINY_FORMATS["attn_q"], TINY_FORMATS["attn_k"], TINY_LAYER0_V]
 
 
 def test_serve_of_the_bundled_gguf_answers_a_chat_completion_with_the_openai_sdk(smollm2_path):

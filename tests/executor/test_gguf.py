@@ -65,3 +65,18 @@ def test_install_refuses_partial_rows():
     blocks, _ = quantized(G.Q4_1, 2, 64)
     with pytest.raises(ValueError, match="not rows of 96 elements"):
         G.GGUFLinearMethod(G.Q4_1, torch.float32).install(nn.Module(), blocks, 96)
+
+
+def test_sharded_method_multiplies_each_shard_in_its_format():
+    """q | k | v in Q5_K, Q5_K and Q6_K (a Q4_K_M file's mix): the outputs of each shard's
+    blocks side by side, plus the bias."""
+    shards = [quantized(fmt, rows, 256, seed=i) for i, (fmt, rows) in enumerate(((G.Q5_K, 8), (G.Q5_K, 4),
+                                                                                  (G.Q6_K, 4)))]
+    layer = nn.Module()
+    method = G.GGUFShardedLinearMethod([G.Q5_K, G.Q5_K, G.Q6_K], torch.float32)
+    method.install(layer, [blocks for blocks, _ in shards], 256)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(16)
+    weight = torch.cat([torch.from_numpy(ref) for _, ref in shards])  # [16, 256]
+    torch.testing.assert_close(method.apply(layer, x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert layer.weight.numel() == 0 and len(layer.gguf_shards) == 3

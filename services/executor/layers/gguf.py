@@ -24,6 +24,10 @@ Q6_K      210    128 bytes ``ql`` (low 4 bits), 64 bytes ``qh`` (high 2),       
                  ``ql[64 g + 32 (s%2) + e] >> 4 (s/2)``, ``qh[32 g + e] >> 2 s``
 ========  =====  ===========================================================  ===============
 
+A merged layer whose shards come in different formats (llama.cpp's Q4_K_M files keep some
+layers' ``attn_v`` in Q6_K beside Q4_K ``attn_q`` / ``attn_k``) is served by
+:class:`GGUFShardedLinearMethod`: each shard's blocks kept apart, one matmul per shard.
+
 The layer's ``weight`` is a uint8 parameter ``[N, K / block_size * block_bytes]``: whole rows, so
 merged layers (q | k | v, gate | up) concatenate their shards' rows and rows can be permuted
 without dequantizing. :meth:`GGUFLinearMethod.apply` runs the native kernel
@@ -184,3 +188,36 @@ class GGUFLinearMethod(LinearMethodBase):
             return out if bias is None else out.add_(bias)
         compute = torch.float32 if out_dtype == torch.float32 else x.dtype
         return F.linear(x.to(compute), self.weight(layer, compute), None if bias is None else bias.to(compute))
+
+
+class GGUFShardedLinearMethod(LinearMethodBase):
+    """A merged linear layer (q | k | v, gate | up) whose shards are GGUF blocks of different
+    formats: shard ``i``'s rows ``[N_i, K / block_size_i * block_bytes_i]`` are held by the
+    sub-module ``layer.gguf_shards[i]`` and multiplied by its :class:`GGUFLinearMethod`; the
+    outputs are concatenated in shard order (``[T, sum N_i]``). The layer's own ``weight`` is
+    left empty."""
+
+    quantized = True
+
+    def __init__(self, fmts: list[BlockFormat], dtype: torch.dtype, native: bool = False) -> None:
+        self.parts = [GGUFLinearMethod(fmt, dtype, native) for fmt in fmts]
+
+    def install(self, layer: nn.Module, shards: list[torch.Tensor], input_size: int) -> None:
+        """Make each of ``shards`` (uint8 block rows, in this method's formats) one part of ``layer``.
+
+        Raises:
+            ValueError: a shard that is not whole rows of ``input_size`` elements in its format.
+        """
+        layer.gguf_shards = nn.ModuleList()
+        for method, blocks in zip(self.parts, shards, strict=True):
+            part = nn.Module()
+            method.install(part, blocks, input_size)
+            layer.gguf_shards.append(part)
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.gguf_input_size = input_size
+        layer.quant_method = self
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, K] -> [T, sum N_i] in x's dtype
+        out = torch.cat([m.apply(part, x) for m, part in zip(self.parts, layer.gguf_shards, strict=True)], dim=-1)
+        return out if bias is None else out.add_(bias)
