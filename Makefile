@@ -8,7 +8,7 @@ PORT ?= 8000
 MODEL ?=
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: run test test-fast setup model lint bench clean
+.PHONY: run test test-fast setup model lint bench bench-llama-cpp clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,10 @@ lint: setup
 
 bench: model
 	$(BIN)/python benchmarks/throughput.py
+
+# optional: against llama.cpp's llama-server on the bundled GGUF (prints how to build it when missing)
+bench-llama-cpp: model
+	$(BIN)/python benchmarks/llama_cpp_compare.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

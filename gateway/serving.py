@@ -31,6 +31,8 @@ from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.protocol.requests import AnyRequest, ChatCompletionRequest
 from gateway.protocol.responses import ModelCard
+from gateway.protocol.structured import name_structured_error
+from gateway.tools.choice import NO_TOOLS, ToolUse, tool_use
 from shared.bus import RemoteError
 from shared.config import Settings
 from shared.engine_client import EngineClient, new_request_id
@@ -52,16 +54,17 @@ class ServedRequest:
     timers: dict[str, RequestTimer]
 
 
-def engine_requests(body: AnyRequest) -> tuple[str, list[str], list[dict[str, Any]]]:
+def engine_requests(body: AnyRequest, tools: ToolUse = NO_TOOLS) -> tuple[str, list[str], list[dict[str, Any]]]:
     """How one OpenAI request maps to engine requests: the response's id, and per prompt (a
     completions batch has several) its engine request id and the tokenizer's inputs (the
-    ``EngineClient.submit`` fields). One prompt: the engine request has the response's id; a
-    batch: ``<id>-<p>`` for prompt ``p``."""
+    ``EngineClient.submit`` fields; a chat's tools for its template). One prompt: the engine
+    request has the response's id; a batch: ``<id>-<p>`` for prompt ``p``."""
     chat = isinstance(body, ChatCompletionRequest)
     request_id = new_request_id("chatcmpl" if chat else "cmpl")
     inputs: list[dict[str, Any]]
     if isinstance(body, ChatCompletionRequest):
-        inputs = [dict(messages=body.messages_input(), add_generation_prompt=body.add_generation_prompt)]
+        inputs = [dict(messages=body.messages_input(), add_generation_prompt=body.add_generation_prompt,
+                       tools=tools.template_tools)]
     else:
         inputs = [dict(prompt=prompt, return_prompt=body.echo) for prompt in body.prompt_inputs()]
     engine_ids = [request_id] if len(inputs) == 1 else [f"{request_id}-{p}" for p in range(len(inputs))]
@@ -69,10 +72,12 @@ def engine_requests(body: AnyRequest) -> tuple[str, list[str], list[dict[str, An
 
 
 def new_generation(body: AnyRequest, request_id: str, model: str,
-                   prompts: list[tuple[str, TokenizeReply]]) -> Generation:
-    """The endpoint's ``Generation`` of ``body`` over its engine requests' ``(id, tokenizer reply)``."""
-    cls = ChatGeneration if isinstance(body, ChatCompletionRequest) else CompletionGeneration
-    return cls(request_id, model, body, prompts)  # type: ignore[arg-type]
+                   prompts: list[tuple[str, TokenizeReply]], tools: ToolUse = NO_TOOLS) -> Generation:
+    """The endpoint's ``Generation`` of ``body`` over its engine requests' ``(id, tokenizer
+    reply)``; a chat's ``tools`` say how its calls are read."""
+    if isinstance(body, ChatCompletionRequest):
+        return ChatGeneration(request_id, model, body, prompts, tools)
+    return CompletionGeneration(request_id, model, body, prompts)
 
 
 class OpenAIServing:
@@ -133,11 +138,12 @@ class OpenAIServing:
             raise APIError.of(503, "the server is shutting down; send the request to another replica",
                               code="server_shutting_down")
         self.check_model(body.model)
+        tools = tool_use(body, self.settings) if isinstance(body, ChatCompletionRequest) else NO_TOOLS
         try:
-            params = body.sampling_params()
+            params = tools.sampling_params(body.sampling_params())
         except ValidationError as exc:
             raise validation_error(exc.errors()) from None
-        request_id, engine_ids, inputs = engine_requests(body)
+        request_id, engine_ids, inputs = engine_requests(body, tools)
         # a stream: no 200 before the scheduler can no longer refuse it (priority, KV cache
         # size); a batch: every prompt accepted before any output counts
         notify = body.stream or len(inputs) > 1
@@ -154,7 +160,9 @@ class OpenAIServing:
                 if isinstance(outcome, BaseException):
                     raise outcome
                 if outcome.error is not None:
-                    raise prompt_error(outcome.error, p, len(inputs))
+                    error = name_structured_error(outcome.error, "tools" if tools.schema is not None
+                                                  else body.structured_outputs_path)
+                    raise prompt_error(error, p, len(inputs))
                 replies.append(outcome)
             if notify:
                 for p, engine_id in enumerate(engine_ids):
@@ -166,7 +174,7 @@ class OpenAIServing:
                 self.abort_soon(running)
             raise
         prompts = list(zip(engine_ids, replies, strict=True))
-        gen = new_generation(body, request_id, self.model_info.name, prompts)
+        gen = new_generation(body, request_id, self.model_info.name, prompts, tools)
         timers = {engine_id: self.metrics.timer(params.n, len(reply.prompt_token_ids), arrival)
                   for engine_id, reply in prompts}
         log.debug("request_submitted", request_id=request_id, num_prompts=len(prompts),

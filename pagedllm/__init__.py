@@ -6,9 +6,9 @@
 """
 
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name: str):

@@ -15,11 +15,16 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
 from tqdm.auto import tqdm
 
 from gateway.generation import RequestState
+from gateway.protocol.tools import ChatTool
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagedllm.launcher import InProcessServices, pinned_settings
 from pagedllm.outputs import RequestOutput, request_output
+from pagedllm.sampling_params import BeamSearchParams
+from services.tokenizer.chat import load_chat_template
 from shared.bus import Bus
 from shared.config import Settings
 from shared.engine_client import EngineClient
@@ -31,6 +36,7 @@ from shared.service import wait_engine_ready
 from shared.subjects import Subjects
 
 ENGINE_SERVICES = ("scheduler", "tokenizer", "detokenizer", "executor")
+_TOOLS = TypeAdapter(list[ChatTool])
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -110,17 +116,74 @@ class LLM:
         items = self._normalize_prompts(prompts)
         return self._run([{"prompt": p} for p in items], sampling_params, use_tqdm, priority)
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's ``LLM.beam_search``); results in input order,
+        each with its ``beam_width`` best beams, best first.
+
+        The search runs in the engine: the prompt is prefilled once, every live beam is one
+        decode row per step, and the beams share their prompt and common-prefix blocks
+        (``services/scheduler/beam.py`` has the selection rule and the length convention).
+
+        Args:
+            prompts: as for :meth:`generate` (strings, token-id lists, ``{"prompt": ...}`` or
+                ``{"prompt_token_ids": [...]}``).
+            params: a ``BeamSearchParams``.
+
+        Raises:
+            TypeError: ``params`` is not a ``BeamSearchParams``.
+            ValueError: a prompt is rejected, as for :meth:`generate`.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        items = self._normalize_prompts(prompts)
+        outputs = self._run([{"prompt": p} for p in items], params.sampling_params(), use_tqdm, None)
+        return [
+            BeamSearchOutput(sequences=[
+                BeamSearchSequence(tokens=[*out.prompt_token_ids, *c.token_ids], logprobs=c.logprobs or [],
+                                   cum_logprob=c.cumulative_logprob or 0.0, text=c.text,
+                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                for c in out.outputs])
+            for out in outputs
+        ]
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations (chat template applied;
-        ``RequestOutput.prompt`` is the prompt text it rendered)."""
+        ``RequestOutput.prompt`` is the prompt text it rendered).
+
+        Args:
+            chat_template: a Jinja chat template (a file path or the template's text) used
+                instead of the engine's (``LLM(chat_template=...)``, else the model's).
+            tools: OpenAI function tools (``{"type": "function", "function": {"name", "description",
+                "parameters"}}``) for the chat template to show the model, as vLLM's ``LLM.chat``:
+                the reply is text; calls in it are not parsed here.
+
+        Raises:
+            ValueError: malformed ``tools``, an unreadable ``chat_template`` file, or messages
+                the template refuses (the message names the parameter).
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        items = [{"messages": list(c), "add_generation_prompt": add_generation_prompt} for c in conversations]
+        template = load_chat_template(chat_template)
+        tool_dicts = None
+        if tools is not None:
+            try:
+                tool_dicts = [tool.template_dict() for tool in _TOOLS.validate_python(tools)]
+            except ValidationError as exc:
+                raise ValueError(f"tools: {exc.errors()[0]['msg']} at {list(exc.errors()[0]['loc'])}") from None
+        items = [{"messages": list(c), "add_generation_prompt": add_generation_prompt, "tools": tool_dicts,
+                  "chat_template": template} for c in conversations]
         return self._run(items, sampling_params, use_tqdm, None)
 
     @staticmethod
@@ -186,7 +249,8 @@ class LLM:
             prompt = item.get("prompt")
             # chat: the rendered text; token ids: None, as vLLM's LLM
             text = reply.prompt if "messages" in item else prompt if isinstance(prompt, str) else None
-            outputs.append(request_output(state, text, list(reply.prompt_token_ids), sp.logprobs is not None))
+            outputs.append(request_output(state, text, list(reply.prompt_token_ids),
+                                          sp.logprobs is not None or sp.use_beam_search))
         return outputs
 
     # ------------------------------------------------------------------ lifecycle

@@ -127,6 +127,14 @@ class Settings(BaseSettings):
     allowed_origins: str = Field(
         "*", description="Browser origins allowed by CORS, comma-separated ('*' = any, as vLLM; '' = none)"
     )
+    # --- chat and tools (vLLM names) ---
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template file (or the template itself) used instead of the model's; "
+        "tools reach the prompt through it (examples/tool_chat_template_smollm2.jinja for SmolLM2)")
+    enable_auto_tool_choice: bool = Field(
+        False, description="Serve tool_choice 'auto': generation is free and --tool-call-parser reads the calls")
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+        None, description="How tool calls are read from the model's text (gateway/tools/)")
 
     @field_validator("block_size")
     @classmethod
@@ -167,6 +175,26 @@ class Settings(BaseSettings):
         if self.nats_creds is not None and not self.nats_url:
             raise ValueError("nats_creds needs nats_url: the credentials are for the NATS server it names "
                              "(the embedded one takes only its own token)")
+        return self
+
+    @field_validator("chat_template")
+    @classmethod
+    def _check_chat_template(cls, v: str | None) -> str | None:
+        """A file path (``~`` expanded, made absolute: a service may start in another directory) or a
+        template's text (it has ``{``); a path that is not a file is refused now rather than at
+        the first chat."""
+        if v is None or "{" in v:
+            return v
+        path = Path(v).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat_template: no such file {v!r} (give a Jinja template file or the template itself)")
+        return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _check_auto_tool_choice(self) -> Settings:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:  # as vLLM
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser: the parser that reads the calls "
+                             "(hermes, llama3_json or mistral)")
         return self
 
     @field_validator("log_level")

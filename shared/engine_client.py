@@ -31,7 +31,6 @@ from nats.aio.subscription import Subscription
 from shared import subjects
 from shared.bus import Bus
 from shared.inflight import InFlight, Received
-from shared.liveness import MissCounter
 from shared.logging import get_logger
 from shared.messages import (
     AbortRequests,
@@ -40,14 +39,13 @@ from shared.messages import (
     Ping,
     Pong,
     RequestDelta,
-    RequestsKnown,
-    RequestsQuery,
     SamplingParams,
     SchedulerStarted,
     ServiceError,
     TokenizeReply,
     TokenizeRequest,
 )
+from shared.request_recovery import RequestTable
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
@@ -58,7 +56,7 @@ def new_request_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex}"
 
 
-class EngineClient:
+class EngineClient(RequestTable):
     """Talks to the tokenizer (requests), the detokenizer (outputs) and the scheduler (aborts).
 
     Args:
@@ -77,23 +75,13 @@ class EngineClient:
     with a 503 ``request_lost`` error.
     """
 
-    liveness_idle_s = 10.0
-    liveness_check_s = 5.0
-
     def __init__(
         self, bus: Bus, model: str, *, gateway_id: str | None = None, tokenize_timeout_s: float = 30.0
     ) -> None:
-        self.bus = bus
+        super().__init__(bus, Subjects(model), tokenize_timeout_s)
         self.model = model
-        self.subjects = Subjects(model)
         self.gateway_id = gateway_id or uuid.uuid4().hex
-        self.tokenize_timeout_s = tokenize_timeout_s
-        self._pending: dict[str, InFlight] = {}  # the client's request id -> its state
-        self._engine_ids: dict[str, str] = {}  # the id the engine knows -> the client's request id
-        self._misses: MissCounter[str] = MissCounter(limit=2)  # liveness checks it was missing in a row
         self._subs: list[Subscription] = []
-        self._tasks: set[asyncio.Task] = set()
-        self.num_resubmitted = 0  # resubmissions over the client's life
 
     async def start(self) -> None:
         """Subscribe to this gateway's subject (flushed, so no output can be missed)."""
@@ -106,11 +94,6 @@ class EngineClient:
         ]
         await self.bus.flush()
         self._spawn(self._watch_liveness())
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def stop(self) -> None:
         """Abort every request still in flight (their streams end) and unsubscribe."""
@@ -159,94 +142,6 @@ class EngineClient:
             self._settle(pending, delta.error)
             pending.queue.put_nowait(delta)
 
-    def _current(self, engine_id: str) -> InFlight | None:
-        """The request the engine knows as ``engine_id``, if that is its current attempt."""
-        request_id = self._engine_ids.get(engine_id)
-        return self._pending.get(request_id) if request_id is not None else None
-
-    @staticmethod
-    def _settle(pending: InFlight, error: ServiceError | None) -> None:
-        """The scheduler's verdict for ``wait_accepted``: the first acceptance, output or error."""
-        if pending.verdict is not None and not pending.verdict.done():
-            pending.verdict.set_result(error)
-
-    def _lost(self, pending: InFlight, why: str) -> None:
-        """The engine lost the request: resubmit it (in a task), or end it with a 503."""
-        if not pending.recoverable:
-            log.warning("request_lost", request_id=pending.request_id, attempts=pending.attempts, reason=why)
-            self._end(pending, ServiceError(
-                message="the engine lost this request (a scheduler or detokenizer restarted or is unreachable); "
-                        "send it again", type="server_error", code="request_lost", status=503))
-            return
-        if pending.submitted:  # not already being resubmitted
-            pending.submitted = False
-            log.warning("request_resubmitting", request_id=pending.request_id, reason=why,
-                        output_tokens=len(pending.outputs[0]), attempt=pending.attempts + 1)
-            self._spawn(self._resubmit(pending))
-
-    def _end(self, pending: InFlight, error: ServiceError) -> None:
-        """End every sample's stream with ``error``."""
-        self._settle(pending, error)
-        pending.queue.put_nowait(RequestDelta(request_id=pending.request_id, finished=True, finish_reason="error",
-                                              error=error))
-
-    async def _resubmit(self, pending: InFlight) -> None:
-        """Send the request's next attempt through the tokenizer; the attempt before it is
-        aborted at the scheduler (if it still runs there, for nobody)."""
-        old = pending.engine_id
-        message = pending.resubmission()
-        self._engine_ids.pop(old, None)
-        self._engine_ids[pending.engine_id] = pending.request_id
-        self.num_resubmitted += 1
-        try:
-            await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=[old]))
-            reply = await self.bus.request(self.subjects.tokenize, message, TokenizeReply,
-                                           timeout=self.tokenize_timeout_s)
-        except Exception as exc:  # no tokenizer or NATS away: the liveness check tries again
-            log.warning("resubmit_failed", request_id=pending.request_id, error=repr(exc))
-            reply = None
-        if self._pending.get(pending.request_id) is not pending:  # ended meanwhile (aborted)
-            return
-        pending.last_output = time.monotonic()
-        pending.submitted = True
-        if reply is not None and reply.error is not None:  # refused now (it was accepted before)
-            self._end(pending, reply.error)
-
-    async def _on_scheduler_started(self, _: SchedulerStarted) -> None:
-        """A scheduler (re)started: resubmit at once what it does not hold."""
-        self._spawn(self._check_held([p for p in self._pending.values() if p.submitted], rounds=1))
-
-    async def _watch_liveness(self) -> None:
-        """Resubmit idle requests the scheduler does not hold (see the class docstring)."""
-        while True:
-            await asyncio.sleep(self.liveness_check_s)
-            now = time.monotonic()
-            idle = [p for p in self._pending.values() if p.submitted and now - p.last_output > self.liveness_idle_s]
-            self._misses.retain([p.engine_id for p in idle])  # output since: "in a row" starts again
-            if idle:
-                await self._check_held(idle, rounds=self._misses.limit)
-
-    async def _check_held(self, requests: list[InFlight], rounds: int) -> None:
-        """Ask the scheduler which of ``requests`` it holds; one missing ``rounds`` checks in a
-        row (a scheduler that does not answer holds nothing) is lost."""
-        if not requests:
-            return
-        try:
-            reply = await self.bus.request(self.subjects.requests_get,
-                                           RequestsQuery(request_ids=[p.engine_id for p in requests]),
-                                           RequestsKnown, timeout=2.0)
-            known = set(reply.known)
-        except Exception:  # no scheduler answers: it holds nothing for us now
-            known = set()
-        for pending in requests:
-            engine_id = pending.engine_id
-            if engine_id in known:
-                self._misses.hit(engine_id)
-            elif self._pending.get(pending.request_id) is pending and pending.submitted and \
-                    (rounds == 1 or self._misses.miss(engine_id)):
-                self._misses.hit(engine_id)
-                self._lost(pending, why="its scheduler does not hold it")
-
     async def submit(
         self,
         request_id: str,
@@ -257,6 +152,8 @@ class EngineClient:
         priority: int = 0,
         cache_salt: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
         cap_at_max_model_len: bool = False,
         return_prompt: bool = False,
         notify_accepted: bool = False,
@@ -269,8 +166,9 @@ class EngineClient:
         and stops there with finish_reason "length" (the offline API, as vLLM's ``LLM``)
         instead of being refused (the OpenAI server). ``return_prompt``: the reply carries the
         prompt text (a chat request's as the template rendered it; token ids decoded).
-        ``notify_accepted``: the scheduler says when it accepts the request; ``wait_accepted``
-        waits for that. ``background``: a batch line, which the scheduler admits after every
+        ``tools`` and ``chat_template``: for a chat's template (the tools it lists; a template
+        used instead of the server's). ``notify_accepted``: the scheduler says when it accepts
+        the request; ``wait_accepted`` waits for that. ``background``: a batch line, which the scheduler admits after every
         interactive request and preempts first. While no tokenizer serves the model (one
         restarting), the request is sent again every 0.25 s until ``tokenize_timeout_s``.
 
@@ -293,6 +191,8 @@ class EngineClient:
             prompt=prompt,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template=chat_template,
             sampling_params=sampling_params,
             priority=priority,
             cache_salt=cache_salt,

@@ -2,7 +2,7 @@
 
 Unknown request fields are ignored and logged, as vLLM does. A field that is known (to
 OpenAI or vLLM) but whose value this engine cannot honour (``prompt_logprobs``, ``best_of``,
-guided decoding, a chat's ``echo``, ...) fails validation with a message that starts with the
+``guided_whitespace_pattern``, a chat's ``echo``, ...) fails validation with a message that starts with the
 field's name, so the error's ``param`` names it: ignoring it would change what the output
 means. Every integer that reaches the engine must fit a signed 64-bit integer.
 """
@@ -40,8 +40,8 @@ def _int_out_of_range(value: Any) -> int | None:
 
 
 #: the fields that travel to the services (msgpack and torch take int64 at most); a chat
-#: message's extra keys go to the chat template with it
-_ENGINE_INT_FIELDS = ("prompt", "messages", "n", "max_tokens", "max_completion_tokens", "seed", "top_k",
+#: message's extra keys and the tools go to the chat template with it
+_ENGINE_INT_FIELDS = ("prompt", "messages", "tools", "n", "max_tokens", "max_completion_tokens", "seed", "top_k",
                       "priority", "stop_token_ids")
 
 
@@ -110,22 +110,20 @@ def _is_true_or_none(v: Any) -> bool:
 #: (field, is_noop(value), what it does) of OpenAI and vLLM request fields not implemented
 #: here: refused when present with a value other than their no-op one
 _UNSERVED_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    *((name, _is_empty, "guided decoding") for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern", "structured_outputs")),
+    ("guided_decoding_backend", _is_empty, "the structured output backend is chosen by the server"),
+    ("guided_whitespace_pattern", _is_empty, "a JSON whitespace pattern (structured_outputs."
+                                            "disable_any_whitespace is supported)"),
     ("bad_words", _is_empty, "banned words"),
     ("allowed_token_ids", _is_empty, "restricting the vocabulary"),
     ("prompt_logprobs", _is_empty, "log probabilities of the prompt"),
-    ("use_beam_search", _is_empty, "beam search"),
-    ("length_penalty", lambda v: v is None or v == 1, "beam search"),
     ("truncate_prompt_tokens", _is_empty, "prompt truncation"),
     ("chat_template_kwargs", _is_empty, "the model's chat template is rendered with its defaults"),
     ("mm_processor_kwargs", _is_empty, "multimodal inputs"),
     ("documents", _is_empty, "documents for the chat template"),
     ("logits_processors", _is_empty, "custom logits processors"),
     ("prompt_embeds", _is_empty, "prompt embeddings"),
-    ("functions", _is_empty, "tools and function calling"),
-    ("function_call", lambda v: _is_empty(v) or v == "none", "tools and function calling"),
+    ("functions", _is_empty, "the legacy functions API; use tools"),
+    ("function_call", lambda v: _is_empty(v) or v == "none", "the legacy functions API; use tool_choice"),
     ("audio", _is_empty, "audio output"),
     ("modalities", lambda v: _is_empty(v) or v == ["text"], "only text output"),
     ("spaces_between_special_tokens", _is_true_or_none, "special tokens are always decoded with spaces"),

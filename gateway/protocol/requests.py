@@ -7,7 +7,15 @@ import math
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gateway.protocol.base import (
     UNSERVED_NAMES,
@@ -17,7 +25,9 @@ from gateway.protocol.base import (
     is_none,
     one_or_none,
 )
-from shared.messages import MAX_LOGPROBS, SamplingParams
+from gateway.protocol.structured import structured_outputs_of
+from gateway.protocol.tools import ChatTool, NamedToolChoice, ToolCallParam, ToolChoice
+from shared.messages import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -58,6 +68,31 @@ class _SamplingFields(OpenAIRequest):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     return_tokens_as_token_ids: bool | None = None  # vLLM extension: logprobs name tokens token_id:<id>
+    use_beam_search: bool = False  # vLLM extension: n is the beam width; the n best beams are the choices
+    length_penalty: float = 1.0  # vLLM extension, beam search: score = cum_logprob / length ** length_penalty
+    # structured outputs (gateway/protocol/structured.py): OpenAI's, vLLM's, vLLM's older fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _structured: StructuredOutputsParams | None = PrivateAttr(default=None)
+    _structured_path: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _structured_outputs(self) -> _SamplingFields:
+        """The structured output constraint, from whichever field asks for it (one at most)."""
+        self._structured, self._structured_path = structured_outputs_of(
+            {name: getattr(self, name) for name in ("response_format", "structured_outputs", "guided_json",
+                                                     "guided_regex", "guided_choice", "guided_grammar")})
+        return self
+
+    @property
+    def structured_outputs_path(self) -> str | None:
+        """The path of the field that asked for a constraint (``response_format.json_schema.schema``,
+        ``guided_regex``, ...), to name it in an error; None without one."""
+        return self._structured_path
 
     @field_validator("logit_bias")
     @classmethod
@@ -95,6 +130,12 @@ class _SamplingFields(OpenAIRequest):
         if limit is not None and self.min_tokens > limit:
             default = "" if name in self.model_fields_set else " (its default when not given)"
             raise ValueError(f"min_tokens={self.min_tokens} is more than {name}={limit}{default}")
+        return self
+
+    @model_validator(mode="after")
+    def _beam_search_is_not_streamed(self) -> _SamplingFields:
+        if self.use_beam_search and self.stream:  # as vLLM: the beams are known only at the end
+            raise ValueError("use_beam_search: beam search results cannot be streamed; set stream to false")
         return self
 
     @model_validator(mode="before")
@@ -135,6 +176,9 @@ class _SamplingFields(OpenAIRequest):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
+            structured_outputs=self._structured,
         )
 
 
@@ -154,13 +198,11 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
-    response_format: dict[str, Any] | None = None  # vLLM extension
     add_special_tokens: bool = True  # vLLM extension
 
     echo_takes_zero_max_tokens: ClassVar[bool] = True
     unsupported_values: ClassVar[Unsupported] = (
         ("add_special_tokens", bool, "the tokenizer's special tokens are always added to a prompt"),
-        ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
         ("best_of", one_or_none, "only best_of=1 is supported"),
         ("suffix", is_none, "suffix is not supported"),
     )
@@ -227,6 +269,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant"):
+            raise ValueError(f"messages: a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"messages: only assistant messages have tool_calls, not {self.role} ones")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -257,9 +309,9 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # False: "required" forces one call (auto: not enforced)
     chat_template: str | None = None
     add_special_tokens: bool = False  # vLLM extension: the chat template adds them
 
@@ -267,17 +319,30 @@ class ChatCompletionRequest(_SamplingFields):
         ("add_special_tokens", is_false, "the chat template's text is tokenized without adding special tokens"),
         ("echo", is_false, "only echo=false is supported"),
         ("continue_final_message", is_false, "only continue_final_message=false is supported"),
-        ("chat_template", is_none, "the model's own chat template is always used"),
-        ("response_format", lambda v: v is None or v.get("type") == "text", "only type 'text' is supported"),
+        ("chat_template", is_none, "the server's chat template (--chat-template, else the model's) is always used"),
     )
 
     @model_validator(mode="after")
-    def _no_tools(self) -> ChatCompletionRequest:
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tools are not supported (tool_choice='none' is accepted)")
-        if self.tool_choice not in (None, "none") and self.tools is None:  # as vLLM
+    def _tools_and_choice(self) -> ChatCompletionRequest:
+        """As vLLM: ``tools`` is not empty; ``tool_choice`` other than "none" needs ``tools``;
+        a named function is one of them."""
+        if self.tools is not None and not self.tools:
+            raise ValueError("tools must not be an empty array; give at least one tool or leave it out")
+        if self.tool_choice not in (None, "none") and self.tools is None:
             raise ValueError("tool_choice: when using `tool_choice`, `tools` must be set")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools or ()}:
+                raise ValueError(f"tool_choice: the function {name!r} is not one of `tools`")
         return self
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """``tool_choice`` as it applies: not given, "auto" when there are tools (as OpenAI
+        and vLLM), else "none"."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
 
     @model_validator(mode="after")
     def _top_logprobs(self) -> ChatCompletionRequest:

@@ -73,11 +73,26 @@ class CompletionStreamResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    """A call's function: its name and arguments (the model's JSON text, as OpenAI's)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):
@@ -120,15 +135,38 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
-    """The ``delta`` of a chat chunk; unset (None) keys are left out."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class _NoNone(BaseModel):
+    """A model whose unset (None) keys are left out when dumped."""
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_NoNone):
+    """A piece of a streamed call's function: its name in the call's first delta, then
+    pieces of its arguments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_NoNone):
+    """A piece of a streamed tool call (``index``: which call of the choice); ``id`` and
+    ``type`` only in its first delta, as OpenAI streams them."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_NoNone):
+    """The ``delta`` of a chat chunk; unset (None) keys are left out."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -45,7 +45,7 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c
 LINK_FLAGS = ["-shared", "-fopenmp"]
 PROBE_TIMEOUT_S = 60  # the compiler's --version and its predefined macros
 COMPILE_TIMEOUT_S = 600  # one source file, or the link; a timeout is a failed build
-ABI_VERSION = 2  # PAGEDLLM_ABI_VERSION in csrc/pagedllm_abi.h
+ABI_VERSION = 3  # PAGEDLLM_ABI_VERSION in csrc/pagedllm_abi.h
 PANEL = 16  # output columns per packed weight panel (csrc/pagedllm_abi.h): kernels.cpu.ops packs in it
 
 _lock = threading.Lock()
@@ -138,6 +138,7 @@ class LlamaLayersArgs(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         *[(n, _PP) for n in ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
                              "down_w", "down_b", "k_cache", "v_cache")],
+        ("wtype", _P),
         ("T", ctypes.c_int64), ("h", _P), ("cos", _P), ("sin", _P), ("slots", _P), ("block_index", _P),
         ("nblk", ctypes.c_int64), ("row_seq", _P), ("row_len", _P),
         *[(n, _P) for n in ("x", "qkv", "attn", "gate_up", "act", "delta")],

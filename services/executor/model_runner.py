@@ -34,6 +34,7 @@ from services.executor.models import get_model_class, kv_cache_bytes_per_block, 
 from services.executor.models.base import QUANTIZED_ARCHITECTURES
 from services.executor.parallel.group import SINGLE_RANK, TensorParallelGroup, use_tp_group
 from services.executor.sampler import Sampler, compute_logprobs
+from services.executor.structured_output import StructuredOutputManager
 from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings, kernel_cache_dir
 from shared.logging import get_logger
 from shared.messages import PromptLogprobs, SampleLogprobs, SamplingParams, StepPlan, StepResult
@@ -106,6 +107,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(settings.seed, self.device, model_info.eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
+        # the grammar matchers of structured outputs: rank 0's, which samples
+        self.structured = StructuredOutputManager(model_info.path, model_info.vocab_size, model_info.eos_token_ids)
         self.cpu_threads = self._cpu_thread_governor()
         log.info(
             "model_loaded",
@@ -126,6 +129,7 @@ class ModelRunner:
         its requests from their first token). The KV cache keeps its content; nothing reads
         it again before a plan writes it."""
         self.requests.clear()
+        self.structured.clear()
 
     def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
         """Append the tokens rank 0 sampled for these requests in the previous step (the
@@ -207,16 +211,35 @@ class ModelRunner:
                     num_prompt_tokens=state.num_prompt_tokens,
                 )
                 self.requests[child_id] = child
+                if self.tp.is_first_rank and state.request_id in self.structured:
+                    self.structured.fork(state.request_id, child_id)
                 sample_states.append(child)
                 logits_rows.append(row)
 
     # ------------------------------------------------------------------ step
 
     def _update_states(self, plan: StepPlan) -> None:
+        for fork in plan.beam_forks:  # before finished_request_ids, which may drop the parents
+            parent = self.requests[fork.parent_id]
+            computed = parent.num_computed_tokens  # the parent's tokens as planned, not its own sample
+            self.requests[fork.request_id] = CachedRequestState(
+                request_id=fork.request_id,
+                token_ids=parent.token_ids[:computed] + [fork.token_id],
+                block_ids=list(parent.block_ids),
+                num_computed_tokens=computed,
+                sampling_params=parent.sampling_params,
+                generator=None,
+                num_prompt_tokens=parent.num_prompt_tokens,
+            )
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
+            self.structured.remove(rid)
         vocab = self.model_info.vocab_size
         for new in plan.new_requests:
+            self.structured.remove(new.request_id)  # recomputed: its matcher starts again
+            if new.sampling_params.structured_outputs is not None and self.tp.is_first_rank:
+                outputs = new.prompt_token_ids[len(new.prompt_token_ids) - new.num_output_tokens:]
+                self.structured.add(new.request_id, new.sampling_params.structured_outputs, outputs)
             self.requests[new.request_id] = CachedRequestState(
                 request_id=new.request_id,
                 token_ids=list(new.prompt_token_ids),
@@ -351,14 +374,21 @@ class ModelRunner:
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return result
         params = [s.sampling_params for s in sample_states]
+        sample_ids = [s.request_id for s in sample_states]
+        bitmask = self.structured.bitmask(sample_ids)  # [R, ceil(V / 32)] of the constrained rows
         tokens = self.sampler.sample(logits, params, [s.generator for s in sample_states],
-                                     [s.token_ids for s in sample_states], [s.num_prompt_tokens for s in sample_states])
+                                     [s.token_ids for s in sample_states], [s.num_prompt_tokens for s in sample_states],
+                                     bitmask=bitmask)
+        if bitmask is not None:
+            self.structured.accept(sample_ids, tokens)
         for state, tok in zip(sample_states, tokens, strict=True):
             state.token_ids.append(tok)
             result.sampled_token_ids[state.request_id] = tok
-        if any(p.logprobs is not None for p in params):
-            for state, lp in zip(sample_states, compute_logprobs(logits, tokens, [p.logprobs for p in params]),
-                                 strict=True):
+        # a beam-search row returns the top continuations its scheduler picks the next beams from
+        num_eos = len(self.model_info.eos_token_ids)
+        num_top = [p.beam_candidates(num_eos) if p.use_beam_search else p.logprobs for p in params]
+        if any(k is not None for k in num_top):
+            for state, lp in zip(sample_states, compute_logprobs(logits, tokens, num_top), strict=True):
                 if lp is not None:
                     result.logprobs[state.request_id] = lp
         return result

@@ -3,7 +3,8 @@ per-request seeds.
 
 Logits processing (vLLM's order and formulas): ``logit_bias``, ``min_tokens`` (EOS and stop
 token ids masked), then the repetition (CTRL), frequency and presence penalties
-(``apply_penalties``); greedy rows take the argmax of the processed logits. Log probabilities
+(``apply_penalties``), then a structured output's token bitmask (the constrained rows only);
+greedy rows take the argmax of the processed logits. Log probabilities
 (``compute_logprobs``) are of the raw logits.
 
 Sampling draws ``q ~ Exponential(1)`` per vocabulary entry and takes
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from shared.messages import SampleLogprobs, SamplingParams
+from shared.structured_output import apply_token_bitmask
 
 
 def greedy_argmax(
@@ -250,13 +252,23 @@ class Sampler:
         generators: list[torch.Generator | None],
         token_ids: list[list[int]] | None = None,  # [N] each row's prompt + output tokens so far
         num_prompt_tokens: list[int] | None = None,  # [N]
+        bitmask: tuple[torch.Tensor, list[int]] | None = None,  # (int32 [R, ceil(V / 32)], their R rows)
     ) -> list[int]:
         """One token id per row (``logits`` is left as it is).
+
+        ``bitmask``: the structured-output rows' allowed tokens
+        (``shared/structured_output.py``), applied to those rows only, after the logits
+        processing and before the temperature.
 
         Raises:
             ValueError: a row needs its tokens (``min_tokens``, penalties) and none were given.
         """
-        logits = self.process_logits(logits, params, token_ids, num_prompt_tokens)
+        processed = self.process_logits(logits, params, token_ids, num_prompt_tokens)
+        if bitmask is not None:
+            if processed is logits:  # the raw logits stay for the log probabilities
+                processed = logits.clone()
+            apply_token_bitmask(processed, *bitmask)
+        logits = processed
         greedy = greedy_argmax(logits)  # [N]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.block_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
-from shared.messages import GroupStats, RegisterGroup, ServiceError, StepPlan
+from shared.messages import BeamFork, GroupStats, RegisterGroup, ServiceError, StepPlan
 
 DECODE_COST_TOKENS = 16  # routing: one running request's per-step work, in prefill tokens
 
@@ -40,10 +40,18 @@ class GroupState:
     known: set[str] = field(default_factory=set)  # request ids the executor holds state for
     to_forget: list[str] = field(default_factory=list)  # finished/preempted, not yet told
     in_flight: list[InFlightStep] = field(default_factory=list)  # oldest first
+    beam_forks: list[BeamFork] = field(default_factory=list)  # new beams, not yet told
 
     @property
     def capacity_tokens(self) -> int:
         return self.kv.num_blocks * self.kv.block_size
+
+    def capacity_for(self, req: Request) -> int:
+        """The most tokens ``req`` may hold here: the pool, or for a beam search of width n its
+        n-th part in whole blocks (each beam may end up holding blocks of its own; a search
+        that could not fit alone would preempt itself for ever)."""
+        width = req.sampling_params.n if req.sampling_params.use_beam_search else 1
+        return self.kv.num_blocks // width * self.kv.block_size
 
     def queued_work(self) -> int:
         """Tokens this group must compute before a newly routed request would start."""
@@ -157,7 +165,7 @@ def pick_group(groups: Iterable[GroupState], req: Request) -> GroupState | None:
     requests, then the group id; None if no group's pool can hold it."""
     best, best_cost = None, None
     for group in groups:
-        if req.max_total_tokens > group.capacity_tokens:
+        if req.max_total_tokens > group.capacity_for(req):
             continue
         _, hit = group.kv.get_computed_blocks(req)
         cost = (group.queued_work() + req.num_tokens - hit, len(group.running), group.group_id)
@@ -175,7 +183,7 @@ def fit_pools(groups: Iterable[GroupState], req: Request) -> ServiceError | None
     its context length instead: it stops there with finish_reason "length", rather than being
     refused.
     """
-    largest = max(g.capacity_tokens for g in groups)
+    largest = max(g.capacity_for(req) for g in groups)
     if req.sampling_params.max_tokens is None and req.num_prompt_tokens < largest < req.max_model_len:
         req.max_model_len = largest
     if req.max_total_tokens <= largest:
@@ -184,7 +192,8 @@ def fit_pools(groups: Iterable[GroupState], req: Request) -> ServiceError | None
         message=(
             f"The request needs up to {req.max_total_tokens} tokens of KV cache "
             f"(prompt {req.num_prompt_tokens} + max_tokens), but the largest KV cache "
-            f"pool holds {largest} tokens. Reduce max_tokens or the prompt."
+            f"pool holds {largest} tokens{' per beam' if req.sampling_params.use_beam_search else ''}. "
+            "Reduce max_tokens or the prompt."
         ),
         param="max_tokens",
         code="kv_cache_too_small",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from services.scheduler.beam import BeamSearch
 from shared.messages import FinishReason, SampleLogprobs, SamplingParams, SubmitRequest
 
 
@@ -65,6 +66,12 @@ class Request:
     index: int = 0
     child_ids: list[str] = field(default_factory=list)
     fork_pending: bool = False  # the step in flight forks this request
+    # beam search (services/scheduler/beam.py): the root request holds the search; each live
+    # beam after the first step is a request "<id>@<k>" of its own pointing at the root
+    beam: BeamSearch | None = None
+    beam_root: Request | None = None
+    cum_logprob: float = 0.0  # a beam's: the sum of its generated tokens' log probabilities
+    beam_logprobs: list[SampleLogprobs] = field(default_factory=list)  # a beam's, one per generated token
     # async scheduling: tokens sampled by steps in flight whose results have not arrived
     num_output_placeholders: int = 0
     epoch: int = 0  # bumped when preempted or requeued: results of earlier steps are stale
@@ -77,7 +84,14 @@ class Request:
                     now: float) -> Request:
         """A request as the tokenizer submitted it; ``now`` (unix seconds) is its arrival time
         if the message has none. A ``cache_salt`` becomes its prefix-cache extra key."""
+        beam = None
+        if msg.sampling_params.use_beam_search:
+            params = msg.sampling_params
+            beam = BeamSearch(width=params.n, length_penalty=params.length_penalty, ignore_eos=params.ignore_eos,
+                              eos_token_ids=eos_token_ids, num_candidates=params.beam_candidates(len(eos_token_ids)),
+                              rows=[msg.request_id])
         return cls(
+            beam=beam,
             request_id=msg.request_id,
             gateway_id=msg.gateway_id,
             prompt_token_ids=msg.prompt_token_ids,
@@ -109,16 +123,44 @@ class Request:
             index=index,
         )
 
+    def fork_beam(self, parent: Request, token_id: int, logprobs: SampleLogprobs, cum_logprob: float) -> Request:
+        """A new live beam of this root's search, ``"<id>@<k>"``: ``parent``'s tokens and
+        ``token_id``, running on the same group; its blocks are shared by ``KVCacheManager.fork``."""
+        assert self.beam is not None
+        beam = Request(
+            request_id=f"{self.request_id}@{self.beam.next_beam}",
+            sampling_params=self.sampling_params,
+            **{name: getattr(self, name) for name in _INHERITED},
+            output_token_ids=[*parent.output_token_ids, token_id],
+            status=RequestStatus.RUNNING,
+            num_computed_tokens=parent.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            group_id=self.group_id,
+            beam_root=self,
+            cum_logprob=cum_logprob,
+            beam_logprobs=[*parent.beam_logprobs, logprobs],
+        )
+        self.beam.next_beam += 1
+        return beam
+
+    @property
+    def is_beam(self) -> bool:
+        """It is a live beam of a beam search: the root while it is prefilled, or a beam."""
+        return self.beam is not None or self.beam_root is not None
+
     def new_request_bytes(self, num_tokens: int | None = None) -> int:
         """An upper bound of the bytes its ``NewRequestData`` takes in a msgpack ``StepPlan``
         with ``num_tokens`` tokens (default: the tokens known now): at most 5 bytes per token
         id and per block id (block size >= 8), its sampling params (field names and the widest
-        values: 512, plus 18 per ``logit_bias`` entry), its id in the plan's maps, the field
+        values: 512, plus 18 per ``logit_bias`` entry and the text of a structured-output
+        constraint, at most twice its canonical form), its id in the plan's maps, the field
         names and counters (256), and the ids of the samples an n > 1 request forks."""
         tokens = self.num_tokens if num_tokens is None else num_tokens
         params = self.sampling_params
         params_bytes = (512 + sum(len(s.encode()) + 5 for s in params.stop) + 9 * len(params.stop_token_ids)
                         + 18 * len(params.logit_bias))
+        if params.structured_outputs is not None:
+            params_bytes += 64 + 2 * len(params.structured_outputs.spec().encode())
         forks = (params.n - 1) * (len(self.request_id.encode()) + 8)
         return 5 * (tokens + tokens // 8 + 1) + params_bytes + 3 * len(self.request_id.encode()) + 256 + forks
 
@@ -131,6 +173,8 @@ class Request:
         prefill completes."""
         rid = len(self.request_id.encode())
         forks = (self.sampling_params.n - 1) * (rid + 8) + rid + 5 if self.needs_fork else 0
+        if self.beam_root is not None:  # its BeamFork: its id, its parent's, a token and field names
+            forks = 2 * rid + 48
         return 2 * rid + 128 + 5 * num_new_blocks + forks
 
     @property
@@ -154,7 +198,8 @@ class Request:
 
     @property
     def needs_fork(self) -> bool:
-        return self.sampling_params.n > 1 and not self.child_ids and self.parent_request_id is None
+        return (self.sampling_params.n > 1 and not self.child_ids and self.parent_request_id is None
+                and not self.sampling_params.use_beam_search)
 
     @property
     def num_prompt_tokens(self) -> int:

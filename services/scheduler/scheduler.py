@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from services.scheduler import beam_group
 from services.scheduler.blame import blame, find_suspect
 from services.scheduler.block_manager import KVCacheManager
 from services.scheduler.group import GroupState, fit_pools, pick_group
@@ -111,6 +112,19 @@ class Scheduler:
         if group is None:
             return []
         moved = group.release_all()
+        roots = {}  # a beam search starts again from its prompt, as its root
+        for req in moved:
+            root = req.beam_root or (req if req.beam is not None else None)
+            if root is not None:
+                roots[root.request_id] = root
+        for root in roots.values():
+            beam_group.restart(None, root, self.requests)
+            root.num_computed_tokens, root.block_ids, root.num_cached_blocks = 0, [], 0
+            root.epoch += 1
+            root.group_id = None
+            root.block_hashes.clear()
+            root.status = RequestStatus.PREEMPTED
+        moved = [r for r in moved if r.beam_root is None and r.beam is None] + list(roots.values())
         for req in sorted(moved, key=Request.sort_key):
             self.route(req)
         return moved
@@ -161,9 +175,15 @@ class Scheduler:
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[Request]:
         """Finish these requests now and free their blocks. Unknown ids are ignored."""
-        done = []
+        done: list[Request] = []
         for rid in request_ids:
             req = self.requests.get(rid)
+            if req is not None and req.beam_root is not None:  # a beam: its whole search ends
+                req = req.beam_root
+                if req in done:
+                    continue
+            if req is not None and req.beam is not None:
+                beam_group.drop_beams(self.groups.get(req.group_id or ""), req, self.requests)
             family = [req] if req is not None else []
             if req is not None and req.parent_request_id is None and reason != "stop":
                 family += [self.requests[c] for c in req.child_ids if c in self.requests]
@@ -233,10 +253,9 @@ class Scheduler:
                 if allocated is not None:
                     break
                 victim = group.running.pop()  # lowest priority, then newest
-                self._preempt(victim, group)
-                gone.add(victim.request_id)
+                gone.update(r.request_id for r in self._preempt(victim, group))
                 preempted = True
-                if victim is req:
+                if req.request_id in gone:
                     break
             if allocated is None:  # the request preempted itself
                 break
@@ -246,6 +265,9 @@ class Scheduler:
             scheduled[req.request_id] = num_new
             budget -= num_new
 
+        for rid in gone:  # a preempted beam search's beams may have been scheduled before
+            scheduled.pop(rid, None)
+            copies.pop(rid, None)
         if not preempted and suspect is None and waiting_suspect is None:
             self._admit(group, budget, scheduled, new_blocks)
         if not scheduled:
@@ -291,6 +313,7 @@ class Scheduler:
         group = self.groups[result.group_id]
         step = group.in_flight.pop(0)
         plan = step.plan
+        searches: dict[str, Request] = {}  # beam searches whose every live beam reported
         for rid in plan.num_scheduled_tokens:
             req = self.requests.get(rid)
             if (req is None or req.epoch != step.epochs[rid] or req.status is not RequestStatus.RUNNING
@@ -306,6 +329,12 @@ class Scheduler:
             if token is None:
                 continue
             self.suspects.discard(rid)  # a step that sampled for it succeeded (fail_step)
+            if req.is_beam:
+                root = req.beam_root or req
+                assert root.beam is not None
+                if root.beam.report(rid, result.logprobs[rid]):
+                    searches[root.request_id] = root
+                continue
             samples = [(req, token)]
             if req.fork_pending:
                 req.fork_pending = False
@@ -319,6 +348,11 @@ class Scheduler:
                 if sample.check_stop():
                     self._finish(sample)
                     outcome.finished.append(sample)
+        for root in searches.values():
+            if (samples := beam_group.advance(group, root, self.requests)) is not None:
+                self._finish(root)
+                outcome.updated += samples
+                outcome.finished += samples
         return outcome
 
     def _fork(self, group: GroupState, parent: Request, child_id: str) -> Request:
@@ -333,9 +367,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _preempt(self, req: Request, group: GroupState) -> None:
-        group.preempt(req, self.config.policy == "priority")
+    def _preempt(self, req: Request, group: GroupState) -> list[Request]:
+        """Preempt the running ``req`` (already out of ``running``) for recompute; a beam of a
+        beam search preempts its whole search, which starts again from its prompt. Returns
+        every request taken off the group."""
+        root = req.beam_root or (req if req.beam is not None else None)
+        dropped = [] if root is None else beam_group.restart(group, root, self.requests)
+        group.preempt(root or req, self.config.policy == "priority")
         self.num_preemptions += 1
+        return [root or req, *dropped]
 
     def _finish(self, req: Request) -> None:
         group = self.groups.get(req.group_id) if req.group_id else None

@@ -46,15 +46,18 @@ def build_step_plan(
     Records the step in flight (``group.in_flight``) and counts its tokens as computed now
     (``num_computed_tokens``, as in vLLM V1): a request whose computed tokens reach its known
     ones (and placeholders) samples, and gets one more output placeholder; one whose prefill
-    completes and needs n > 1 samples forks them (``StepPlan.forks``).
+    completes and needs n > 1 samples forks them (``StepPlan.forks``). A beam of a beam search
+    gets no placeholder (its next token is not its own sample); the beams forked since the last
+    plan go first (``StepPlan.beam_forks``).
     """
     plan = StepPlan(
         step_id=step_id,
         group_id=group.group_id,
         finished_request_ids=group.to_forget,
         block_copies=list(copies.values()),
+        beam_forks=group.beam_forks,
     )
-    group.to_forget = []
+    group.to_forget, group.beam_forks = [], []
     epochs: dict[str, int] = {}
     samplers: set[str] = set()
     for req in group.running:
@@ -81,6 +84,8 @@ def build_step_plan(
         # the plan carries the step's start; the scheduler counts the step as computed now
         req.num_computed_tokens += num
         epochs[req.request_id] = req.epoch
+        if req.is_beam:  # its next token is chosen when every beam of its search has reported
+            continue
         if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:  # reaches its last token
             req.num_output_placeholders += 1
             samplers.add(req.request_id)

@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import nats.errors
 
+from services.tokenizer.chat import ChatRenderer, load_chat_template
+from services.tokenizer.errors import TokenizeError
 from shared.bus import Bus
 from shared.config import Settings
 from shared.logging import get_logger
 from shared.messages import SamplingParams, ServiceError, SubmitRequest, TokenizeReply, TokenizeRequest
 from shared.model_source import ModelInfo, load_tokenizer
 from shared.service import BusService
+from shared.structured_output import StructuredOutputBackend, StructuredOutputError, shared_backend
 from shared.subjects import TOKENIZER_QUEUE
 
 log = get_logger(__name__)
@@ -33,14 +35,6 @@ log = get_logger(__name__)
 #: measured 73 and ~64 (msgpack, short token texts, token bytes as int lists; less now that they travel
 #: as bin), with room for longer texts
 PROMPT_LOGPROB_BYTES = (120, 96)
-
-
-class TokenizeError(Exception):
-    """A request the tokenizer refuses; ``error`` is the typed error sent back (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.error = ServiceError(message=message, type="invalid_request_error", param=param, code=code)
 
 
 class TokenizerService(BusService):
@@ -65,11 +59,26 @@ class TokenizerService(BusService):
     ) -> None:
         super().__init__(settings, model_info, bus)
         self.tokenizer = tokenizer
+        self._chat: ChatRenderer | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._structured: StructuredOutputBackend | None = None  # made at the first constraint
 
     async def load(self) -> None:
+        """Load the tokenizer (unless given) and the ``chat_template`` setting's template.
+
+        Raises:
+            ValueError: the ``chat_template`` file cannot be read.
+        """
         if self.tokenizer is None:
             self.tokenizer = await load_tokenizer(self.model_info.path)
+        _ = self.chat  # a chat_template that cannot be read stops the service now
+
+    @property
+    def chat(self) -> ChatRenderer:
+        """The renderer of chat messages (the ``chat_template`` setting's template, else the model's)."""
+        if self._chat is None or self._chat.tokenizer is not self.tokenizer:
+            self._chat = ChatRenderer(self.tokenizer, load_chat_template(self.settings.chat_template))
+        return self._chat
 
     async def serve(self) -> None:
         await self.subscribe(self.subjects.tokenize, TokenizeRequest, self.handle, queue=TOKENIZER_QUEUE)
@@ -147,8 +156,9 @@ class TokenizerService(BusService):
         Raises:
             TokenizeError: empty or malformed input, token ids (of the prompt or of
                 ``logit_bias``) outside ``[0, vocab_size)``,
-                no chat template, or too long for ``max_model_len`` (the error names the
-                parameter: ``prompt``, ``messages`` or ``max_tokens``; with
+                no chat template, a structured output constraint that does not compile
+                (``structured_outputs.<kind>``), or too long for ``max_model_len`` (the error
+                names the parameter: ``prompt``, ``messages`` or ``max_tokens``; with
                 ``cap_at_max_model_len`` only a prompt that leaves no room for one token).
         """
         if request.messages is not None and request.prompt is not None:
@@ -160,7 +170,8 @@ class TokenizerService(BusService):
         prompt_text = None
         if request.messages is not None:
             param = "messages"
-            prompt_text = self._render_chat(request.messages, request.add_generation_prompt)
+            prompt_text = self.chat.render(request.messages, request.add_generation_prompt, request.tools,
+                                           request.chat_template)
             ids = [int(t) for t in self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]]
         elif request.prompt is None:
             raise TokenizeError("the request has neither a prompt nor messages", param="prompt")
@@ -175,7 +186,22 @@ class TokenizerService(BusService):
         max_tokens = None if request.cap_at_max_model_len else request.sampling_params.max_tokens
         self._check_length(len(ids), max_tokens, param)
         self._check_prompt_logprobs_size(len(ids), request.sampling_params.prompt_logprobs)
+        self._check_structured_outputs(request.sampling_params)
         return ids, prompt_text
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's structured output constraint (cached), so that a schema, regex
+        or grammar that no backend takes is refused now, naming the field, rather than fail in
+        the executor; the executor's compile of the same spec then succeeds."""
+        if params.structured_outputs is None:
+            return
+        if self._structured is None:
+            info = self.model_info
+            self._structured = shared_backend(info.path, info.vocab_size, info.eos_token_ids, lambda: self.tokenizer)
+        try:
+            self._structured.compile(params.structured_outputs)
+        except StructuredOutputError as e:
+            raise TokenizeError(str(e), param=e.param) from None
 
     def _check_prompt_logprobs_size(self, num_prompt: int, num_top: int | None) -> None:
         """A prompt's log probabilities travel in one message to the detokenizer and one to
@@ -214,21 +240,6 @@ class TokenizerService(BusService):
             return params.model_copy(update={"max_tokens": None})
         return params
 
-    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        conversation = normalize_messages(messages)
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise TokenizeError("this model has no chat template: use the completions API with a prompt",
-                                param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-        except Exception as e:  # jinja2 errors raised by the template (e.g. "roles must alternate")
-            raise TokenizeError(f"the chat template rejected the messages: {e}", param="messages") from e
-        if not isinstance(text, str):
-            raise TokenizeError(f"the chat template rendered {type(text).__name__}, not a string", param="messages")
-        return text
-
     def _check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
         limit = self.model_info.max_model_len
         where = "messages" if param == "messages" else "prompt"
@@ -246,51 +257,4 @@ class TokenizerService(BusService):
                 f"completion). Please reduce the length of the {where} or completion.",
                 param="max_tokens", code="context_length_exceeded",
             )
-
-
-def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Chat messages checked and reduced to ``{"role": str, "content": str, ...}``.
-
-    ``content`` may be a string or a list of ``{"type": "text", "text": str}`` parts, joined
-    with "\\n" as vLLM does; an assistant message may have ``content`` None (read as "").
-    Other keys (e.g. ``name``) are passed to the chat template unchanged.
-
-    Raises:
-        TokenizeError: the list is empty, or a message is malformed (param ``messages``; the
-            message names the offending index).
-    """
-    if not messages:
-        raise TokenizeError("messages must be a non-empty list", param="messages")
-    out: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise TokenizeError(f"messages[{i}] must be an object with role and content", param="messages")
-        role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise TokenizeError(f"messages[{i}].role must be a non-empty string", param="messages")
-        content = m.get("content")
-        if isinstance(content, str):
-            text = content
-        elif content is None and role == "assistant":
-            text = ""
-        elif isinstance(content, list):
-            parts: list[str] = []
-            for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, Mapping) else None
-                if kind != "text":
-                    raise TokenizeError(
-                        f"messages[{i}].content[{j}]: only parts of type 'text' are supported, got {kind!r}",
-                        param="messages",
-                    )
-                if not isinstance(part.get("text"), str):
-                    raise TokenizeError(f"messages[{i}].content[{j}].text must be a string", param="messages")
-                parts.append(part["text"])
-            text = "\n".join(parts)
-        else:
-            raise TokenizeError(
-                f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}",
-                param="messages",
-            )
-        out.append({**m, "role": role, "content": text})
-    return out
 

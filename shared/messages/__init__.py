@@ -45,6 +45,7 @@ from shared.messages.control import (
 )
 from shared.messages.sampling import SamplingParams
 from shared.messages.steps import (
+    BeamFork,
     CachedRequestData,
     DecodedLogprobs,
     DetokNewRequest,
@@ -60,13 +61,14 @@ from shared.messages.steps import (
     TokenLogprob,
     TokenUpdate,
 )
+from shared.messages.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 __all__ = [
-    "GREEDY_TEMPERATURE", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_N", "AbortRequests",
+    "GREEDY_TEMPERATURE", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_N", "AbortRequests", "BeamFork",
     "CachedRequestData", "DecodedLogprobs", "DetokNewRequest", "DetokStep", "FailRequests", "FinishReason",
-    "GatewayStep", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
+    "GatewayStep", "GuidedDecodingParams", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
     "PromptLogprobs", "RegisterAck", "RegisterGroup", "RequestDelta", "RequestsKnown", "RequestsQuery",
     "SampleLogprobs", "SamplingParams", "SchedulerStarted", "SchedulerStats", "ServiceError", "StatsQuery", "StepMessage",
-    "StepPlan", "StepResult", "SubmitRequest", "TokenLogprob", "TokenUpdate", "TokenizeReply",
+    "StepPlan", "StructuredOutputsParams", "StepResult", "SubmitRequest", "TokenLogprob", "TokenUpdate", "TokenizeReply",
     "TokenizeRequest",
 ]

@@ -21,6 +21,10 @@ class TokenizeRequest(Message):
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    # chat: the tools the chat template gets (OpenAI's {"type": "function", "function": {...}})
+    tools: list[dict[str, Any]] | None = None
+    # chat: a Jinja chat template (its text) used instead of the server's (offline LLM.chat)
+    chat_template: str | None = None
     sampling_params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0  # unix seconds

@@ -8,12 +8,21 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from shared.messages.common import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, Message
+from shared.messages.structured_outputs import StructuredOutputsParams
 
 _VLLM_ONLY_SAMPLING_PARAMS = frozenset({
     "best_of", "logits_processors", "bad_words", "allowed_token_ids",
-    "truncate_prompt_tokens", "guided_decoding", "structured_outputs", "output_kind", "detokenize",
+    "truncate_prompt_tokens", "output_kind", "detokenize",
     "spaces_between_special_tokens", "extra_args",
 })
+
+
+#: fields beam search does not combine with, and their defaults (a request that changes one is refused)
+_NOT_WITH_BEAM_SEARCH: dict[str, Any] = {
+    "top_p": 1.0, "top_k": 0, "seed": None, "stop": [], "stop_token_ids": [], "logprobs": None,
+    "prompt_logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_p": 0.0, "min_tokens": 0, "logit_bias": {}, "structured_outputs": None,
+}
 
 
 class SamplingParams(Message):
@@ -37,6 +46,19 @@ class SamplingParams(Message):
     token present there. Greedy requests take the argmax after these. Then the temperature;
     ``min_p`` drops tokens less likely than ``min_p`` times the most likely one; then top-k and
     top-p.
+
+    Beam search (``use_beam_search``, vLLM's OpenAI field; the offline API builds it from
+    ``BeamSearchParams``): ``n`` is the beam width, ``length_penalty`` the exponent of the
+    length normalisation; the engine keeps ``n`` beams per step and returns the ``n`` best
+    finished ones (``services/scheduler/beam.py``). Only ``max_tokens``, ``ignore_eos``,
+    ``temperature`` (as in vLLM it does not change the raw log probabilities the beams are
+    scored by), ``skip_special_tokens`` and ``include_stop_str_in_output`` combine with it;
+    any other sampling or logits-processing field is refused by name.
+
+    ``structured_outputs`` constrains the output to a JSON schema, a regex, a list of choices,
+    a grammar or any JSON object (``StructuredOutputsParams``): a token bitmask applied after
+    the logits processing above, before the temperature; once the constraint is complete only
+    EOS is allowed. ``guided_decoding`` (vLLM's older name) is taken as ``structured_outputs``.
 
     Raises:
         pydantic.ValidationError: a value is out of range, also when assigned later, or a
@@ -63,10 +85,20 @@ class SamplingParams(Message):
     min_p: float = 0.0  # 0..1
     min_tokens: int = 0  # <= max_tokens
     logit_bias: dict[int, float] = Field(default_factory=dict)  # token id -> bias in -100..100
+    use_beam_search: bool = False  # n is the beam width
+    length_penalty: float = 1.0  # beam search: score = cum_logprob / generated_len ** length_penalty
+    structured_outputs: StructuredOutputsParams | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _vllm_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "guided_decoding" in data:
+            data = dict(data)
+            guided = data.pop("guided_decoding")
+            if guided is not None:
+                if data.get("structured_outputs") is not None:
+                    raise ValueError("guided_decoding and structured_outputs are the same parameter: give one")
+                data["structured_outputs"] = guided
         if isinstance(data, dict):
             given = sorted(k for k in data if k in _VLLM_ONLY_SAMPLING_PARAMS)
             if given:
@@ -123,7 +155,24 @@ class SamplingParams(Message):
             raise ValueError(f"logit_bias: token ids must be between 0 and {INT64_MAX}, got {bad_ids[0]}")
         if bad := [v for v in self.logit_bias.values() if not (-100.0 <= v <= 100.0)]:
             raise ValueError(f"logit_bias: biases must be in [-100, 100], got {bad[0]}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
+        if self.use_beam_search:
+            changed = [name for name, default in _NOT_WITH_BEAM_SEARCH.items()
+                       if getattr(self, name) != default and not (name == "top_k" and self.top_k == -1)]
+            if changed:
+                raise ValueError(f"{changed[0]}: not supported with beam search (use_beam_search); only "
+                                 "max_tokens, ignore_eos, temperature, length_penalty, skip_special_tokens and "
+                                 "include_stop_str_in_output apply to it")
+        elif self.length_penalty != 1.0:
+            raise ValueError(f"length_penalty={self.length_penalty} applies only to beam search (use_beam_search)")
         return self
+
+    def beam_candidates(self, num_eos_tokens: int) -> int:
+        """How many continuations of each live beam a beam-search step looks at: Hugging Face's
+        ``max(2, 1 + number of EOS tokens) * beam width``, enough to keep ``n`` beams alive
+        after every EOS candidate has finished."""
+        return max(2, 1 + num_eos_tokens) * self.n
 
     @property
     def has_penalties(self) -> bool:

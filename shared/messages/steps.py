@@ -57,6 +57,19 @@ class CachedRequestData(StepMessage, kw_only=True):
     replaced_block: tuple[int, int] | None = None
 
 
+class BeamFork(StepMessage, kw_only=True):
+    """Beam search: a new beam ``request_id`` continues beam ``parent_id`` with ``token_id``.
+
+    The executor starts it as a copy of the parent's state as the parent was planned (its
+    first ``num_computed_tokens`` tokens and its block table, shared) plus ``token_id``; the
+    same plan's ``CachedRequestData`` for it then carries its copy-on-write and new blocks.
+    """
+
+    request_id: str
+    parent_id: str
+    token_id: int
+
+
 class StepPlan(StepMessage, kw_only=True):
     """One step for one executor group (vLLM V1's ``SchedulerOutput``).
 
@@ -75,6 +88,9 @@ class StepPlan(StepMessage, kw_only=True):
     # n > 1: when a parent's prefill completes this step, the executor forks these children
     # (same tokens and blocks) and samples each one's first token from the parent's logits.
     forks: dict[str, list[str]] = field(default_factory=dict)
+    # beam search: beams to start before anything else of the plan (before finished_request_ids
+    # drops their parents)
+    beam_forks: list[BeamFork] = field(default_factory=list)
 
 
 class SampleLogprobs(StepMessage, kw_only=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -92,6 +93,30 @@ def test_chat_output_has_the_rendered_prompt(llm, smollm2_path):
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
     assert out.prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
     assert out.prompt_token_ids == tok(out.prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_chat_shows_tools_through_a_given_template(llm, smollm2_path):
+    """As vLLM's LLM.chat(tools=..., chat_template=...): the tools and past calls are rendered
+    by the template given (a file here; its text works too); without one, SmolLM2's own
+    template ignores the tools."""
+    template = Path(__file__).resolve().parents[2] / "examples" / "tool_chat_template_smollm2.jinja"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    out = llm.chat(messages, one, use_tqdm=False, tools=tools, chat_template=str(template))[0]
+    expected = AutoTokenizer.from_pretrained(smollm2_path).apply_chat_template(
+        messages, tools=tools, chat_template=template.read_text(), add_generation_prompt=True, tokenize=False)
+    assert out.prompt == expected
+    assert '<tools>\n{"name": "get_weather", "parameters"' in out.prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in out.prompt
+    assert llm.chat(messages, one, use_tqdm=False, tools=tools, chat_template=template.read_text())[0].prompt == expected
+    assert "<tools>" not in llm.chat(messages[:1], one, use_tqdm=False, tools=tools)[0].prompt
+    with pytest.raises(ValueError, match="tools: Field required"):
+        llm.chat(messages[:1], one, use_tqdm=False, tools=[{"type": "function"}])
 
 
 def test_bad_prompts_raise_and_engine_keeps_working(llm):

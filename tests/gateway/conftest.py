@@ -1,5 +1,6 @@
 """The ``gw`` fixture: a gateway on a real nats-server in front of ``FakeBackend``
-(``gateway_fakes.py``), with an OpenAI SDK client and an HTTP client (one per test module)."""
+(``gateway_fakes.py``), with an OpenAI SDK client and an HTTP client (one per test module;
+a module's ``GATEWAY_SETTINGS`` dict adds settings)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from shared.model_source import ModelInfo
 
 
 @pytest_asyncio.fixture(scope="module")
-async def gw(nats_url: str):
+async def gw(request, nats_url: str):
     model = f"gwtest-{uuid.uuid4().hex[:8]}"
     bus = await Bus.connect(nats_url, name="fake-backend")
     backend = FakeBackend(bus, model)
@@ -27,7 +28,8 @@ async def gw(nats_url: str):
     info = ModelInfo(
         path=Path("/models") / model, name=model, max_model_len=106, eos_token_ids=(2,), vocab_size=1000
     )
-    service = GatewayService(Settings(nats_url=nats_url, host="127.0.0.1", port=0), info)
+    extra = getattr(request.module, "GATEWAY_SETTINGS", {})
+    service = GatewayService(Settings(nats_url=nats_url, host="127.0.0.1", port=0, **extra), info)
     await service.start()
     base = service.url
     oai = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=10)

@@ -4,7 +4,8 @@ Its answers, with no I/O: the tokenizer's reply (one token per prompt word) and 
 that spell "The capital of France is Paris." (one word per token, cut at ``max_tokens``).
 The tests of ``gateway/generation.py`` fold them directly; ``FakeBackend`` (a tokenizer +
 detokenizer stand-in on a real nats-server, for the HTTP, SSE and WebSocket tests) publishes
-them. Prompts containing "slow" produce one delta and then wait for an abort; with
+them. A prompt (a chat's last message) that starts with "SAY:" is answered with the rest of
+it instead, in pieces of ``SAY_PIECE`` characters. Prompts containing "slow" produce one delta and then wait for an abort; with
 "children first" the samples of n > 1 come last to first; prompts containing "fail" end with
 an engine error, "refuse" is refused by the scheduler after tokenization; ``max_tokens``
 above 100 is refused by the fake tokenizer.
@@ -79,11 +80,23 @@ def fake_tokenize(request_id: str, prompt: str | list[int] | None = None,
                                prompt=text if return_prompt else None)
 
 
+SAY_PIECE = 5
+
+
+def answer_of(text: str) -> list[str]:
+    """The pieces of the answer to ``text``: ``ANSWER``, or what follows "SAY:" cut in pieces."""
+    if text.startswith("SAY:"):
+        said = text.removeprefix("SAY:")
+        return [said[i:i + SAY_PIECE] for i in range(0, len(said), SAY_PIECE)]
+    return ANSWER
+
+
 def answer_steps(request_id: str, text: str, num_prompt: int, params: SamplingParams) -> list[list[RequestDelta]]:
-    """The deltas of one engine request, one list per step (a word of ``ANSWER`` for every
-    sample; with "children first" in the prompt the samples come last to first). Every
+    """The deltas of one engine request, one list per step (a piece of ``answer_of(text)`` for
+    every sample; with "children first" in the prompt the samples come last to first). Every
     sample gets the same answer; the prompt's log probabilities come with sample 0's first."""
-    pieces = ANSWER[:params.max_tokens or len(ANSWER)]
+    answer = answer_of(text)
+    pieces = answer[:params.max_tokens or len(answer)]
     order = range(params.n)[::-1] if "children first" in text else range(params.n)
     steps = []
     for i, piece in enumerate(pieces):
@@ -97,7 +110,7 @@ def answer_steps(request_id: str, text: str, num_prompt: int, params: SamplingPa
             prompt_logprobs=(fake_prompt_logprobs(text, params.prompt_logprobs)
                              if params.prompt_logprobs is not None and i == 0 and index == 0 else []),
             finished=last,
-            finish_reason=("stop" if len(pieces) == len(ANSWER) else "length") if last else None,
+            finish_reason=("stop" if len(pieces) == len(answer) else "length") if last else None,
             num_prompt_tokens=num_prompt,
             num_output_tokens=i + 1,
         ) for index in order])

@@ -206,6 +206,12 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": [1, 2**64]}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "meta": [[[[[{"id": 2**64}]]]]]}]},
      "messages"),
+    # tools without tool_choice mean "auto", which needs --enable-auto-tool-choice (as vLLM)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "none", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "maximum": 2**64}}}]},
+     "tools"),  # the tools go to the chat template
     ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
@@ -220,16 +226,10 @@ async def test_invalid_requests_are_400(gw, path, body, param):
 
 
 async def test_integers_that_never_reach_the_engine_are_not_range_checked(gw):
-    """Only the fields that travel to the services must fit int64: a tool schema's bounds
-    (tools with tool_choice "none") are passed over; an empty stream_options without stream
-    is accepted, as vLLM does. (A message's extra keys do travel, to the chat template:
-    out of range there is a 400 naming messages, see BAD_BODIES.)"""
-    big = 2**64
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"type": "integer", "maximum": big}}}}}]
+    """Only the fields that travel to the services must fit int64: an empty stream_options
+    without stream is accepted, as vLLM does. (A message's extra keys and the tools do travel,
+    to the chat template: out of range there is a 400 naming them, see BAD_BODIES.)"""
     for path, body in [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "tools": tools,
-                                  "tool_choice": "none"}),
         ("/v1/completions", {"prompt": PROMPT, "stream_options": {}}),
     ]:
         r = await gw.http.post(path, json={"model": gw.model, "max_tokens": 2, **body})
@@ -400,9 +400,8 @@ async def test_a_stream_the_scheduler_refuses_is_a_plain_400(gw):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-    ("structured_outputs", {"choice": ["a"]}), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]),
-    ("prompt_logprobs", 1), ("use_beam_search", True), ("truncate_prompt_tokens", 2),
+    ("guided_whitespace_pattern", " *"), ("guided_decoding_backend", "xgrammar"), ("bad_words", ["x"]),
+    ("allowed_token_ids", [1, 2]), ("prompt_logprobs", 1), ("truncate_prompt_tokens", 2),
 ("chat_template_kwargs", {"enable_thinking": True}),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("spaces_between_special_tokens", False),
 ])
@@ -413,13 +412,13 @@ async def test_vllm_fields_not_served_are_refused_by_name(gw, field, value):
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
         r = await gw.http.post(path, json={"model": gw.model, **body, field: value})
         assert field in assert_openai_error(r, 400, field)["message"]
-    noop = {"spaces_between_special_tokens": True, "use_beam_search": False}.get(field)
+    noop = {"spaces_between_special_tokens": True}.get(field)
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, field: noop})
     assert r.status_code == 200, r.text
 
 
 async def test_other_refusals_as_vllm(gw, monkeypatch):
-    """tool_choice without tools, an empty cache_salt, a completions response_format and a
+    """tool_choice without tools, an empty cache_salt, an unknown response_format type and a
     boolean token id are 400s; unknown fields are ignored and logged, as vLLM does."""
     from gateway.protocol import base as protocol
 
@@ -437,7 +436,7 @@ async def test_other_refusals_as_vllm(gw, monkeypatch):
     r = await gw.http.post("/v1/chat/completions", json={**chat, "cache_salt": ""})
     assert "non-empty" in assert_openai_error(r, 400, "cache_salt")["message"]
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT,
-                                                    "response_format": {"type": "json_object"}})
+                                                    "response_format": {"type": "xml"}})
     assert_openai_error(r, 400, "response_format")
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": [[True]]})
     assert_openai_error(r, 400, "prompt")

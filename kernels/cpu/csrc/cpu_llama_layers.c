@@ -10,7 +10,7 @@
  * LlamaDecoderLayer.forward with panels: see its numerics change checklist), every
  * intermediate in bf16:
  *   x = RMSNorm(h)                      (cpu_rms_norm.c; fused with the previous layer's residual add)
- *   qkv = x . Wqkv^T (+ b)              (cpu_gemm_bf16.c)
+ *   qkv = x . Wqkv^T (+ b)              (cpu_gemm_bf16.c, or cpu_gguf_gemm.c for GGUF blocks: wtype)
  *   q, k = RoPE(q, k)                   rotate_half form: bf16(bf16(rot(x) * sin) + bf16(x * cos))
  *   k, v -> cache at slots[t]           (reshape_and_cache; slots < 0 are skipped)
  *   a = PagedAttention(q, cache)        (cpu_paged_attention.c, rows as planned by the caller)
@@ -77,6 +77,17 @@ static void residual_add(uint16_t* h, const uint16_t* delta, int64_t n, int num_
   for (int64_t i = 0; i < n; ++i) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(delta[i]));
 }
 
+/* out [T, N] = in [T, K] . W^T (+ b) for weight `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer l:
+ * the bf16 panels' GEMM, or the GGUF blocks' (bf16 in and out, as the per-layer path's
+ * GGUFLinearMethod calls it). */
+static int linear(const pagedllm_llama_args* a, int64_t l, int which, const uint16_t* w, const uint16_t* b,
+                  const uint16_t* in, int64_t K, uint16_t* out, int64_t N, int nt) {
+  const int32_t wt = a->wtype ? a->wtype[l * 4 + which] : 0;
+  if (wt == 0) return pagedllm_gemm_bf16w(1, in, K, w, b, 1, out, N, a->T, N, K, nt);
+  if (b) return 1;
+  return pagedllm_gemm_gguf(wt, (const uint8_t*)w, 1, in, K, 1, out, N, a->T, N, K, nt);
+}
+
 /* Returns 0, or 1 for bad sizes, 2 for a slot outside the cache, 10 + k for kernel k failing. */
 int pagedllm_llama_layers_bf16(const pagedllm_llama_args* a) {
   const int64_t T = a->T, hidden = a->hidden, H = a->num_heads, Hkv = a->num_kv_heads, D = a->head_dim;
@@ -92,21 +103,16 @@ int pagedllm_llama_layers_bf16(const pagedllm_llama_args* a) {
     /* x = RMSNorm(h), with the previous layer's MLP residual add fused in */
     if (pagedllm_add_rms_norm_bf16(a->h, l ? a->delta : 0, a->in_norm[l], a->x, T, hidden, a->eps, nt_hidden))
       return 11;
-    if (pagedllm_gemm_bf16w(1, a->x, hidden, a->qkv_w[l], a->qkv_b[l], 1, a->qkv, qkv_n, T, qkv_n, hidden, nt))
-      return 12;
+    if (linear(a, l, 0, a->qkv_w[l], a->qkv_b[l], a->x, hidden, a->qkv, qkv_n, nt)) return 12;
     rope_and_cache(a, l, nt_qkv);
     if (pagedllm_paged_attention(1, a->qkv, qkv_n, a->k_cache[l], a->v_cache[l], a->block_index, a->nblk,
                                  a->row_seq, a->row_len, a->attn, T, H, Hkv, D, a->block_size, a->scale, nt))
       return 13;
-    if (pagedllm_gemm_bf16w(1, a->attn, H * D, a->o_w[l], a->o_b[l], 1, a->delta, hidden, T, hidden, H * D, nt))
-      return 14;
+    if (linear(a, l, 1, a->o_w[l], a->o_b[l], a->attn, H * D, a->delta, hidden, nt)) return 14;
     if (pagedllm_add_rms_norm_bf16(a->h, a->delta, a->post_norm[l], a->x, T, hidden, a->eps, nt_hidden)) return 15;
-    if (pagedllm_gemm_bf16w(1, a->x, hidden, a->gate_up_w[l], a->gate_up_b[l], 1, a->gate_up, 2 * I, T, 2 * I,
-                            hidden, nt))
-      return 16;
+    if (linear(a, l, 2, a->gate_up_w[l], a->gate_up_b[l], a->x, hidden, a->gate_up, 2 * I, nt)) return 16;
     silu_mul(a, nt_inter);
-    if (pagedllm_gemm_bf16w(1, a->act, I, a->down_w[l], a->down_b[l], 1, a->delta, hidden, T, hidden, I, nt))
-      return 17;
+    if (linear(a, l, 3, a->down_w[l], a->down_b[l], a->act, I, a->delta, hidden, nt)) return 17;
   }
   residual_add(a->h, a->delta, T * hidden, nt_hidden);
   return 0;

@@ -10,7 +10,7 @@
 #define PAGEDLLM_ABI_H
 #include <stdint.h>
 
-#define PAGEDLLM_ABI_VERSION 2
+#define PAGEDLLM_ABI_VERSION 3
 
 #define MAX_GROUP 16     /* query heads per KV head (cpu_paged_attention.c) */
 #define MAX_HEAD_DIM 256 /* head_dim of paged attention (cpu_paged_attention.c) */
@@ -43,6 +43,10 @@ typedef struct {
   const uint16_t* const* down_b;
   uint16_t* const* k_cache;         /* [L] -> [num_blocks, block_size, Hkv, D] */
   uint16_t* const* v_cache;
+  /* [L * 4]: the weight form of each layer's qkv, o, gate_up and down: 0 = bf16 panels, else a
+   * GGML block type of pagedllm_gemm_gguf (its *_w then point at the GGUF blocks, rows [N, K / 32
+   * blocks], no bias); NULL: every weight is panels */
+  const int32_t* wtype;
   /* the step */
   int64_t T;
   uint16_t* h;                      /* [T, hidden] in: embeddings; out: the last layer's residual */

@@ -247,6 +247,8 @@ class LlamaModel(FastModule):
             self.native_layers = NativeLayers(self.layers, kv_caches) if applies else None
             if self.native_layers is None:
                 return None
+        if self.native_layers.max_rows is not None and attn_metadata.slot_mapping.shape[0] > self.native_layers.max_rows:
+            return None
         attn = self.layers[0].self_attn
         return self.attn_backend.native_rows(attn_metadata, kv_caches[0][0], attn.num_heads, attn.head_dim, self.dtype)
 
@@ -341,8 +343,7 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         # no sliding window
         self.model.native_layers_enabled = (kernels.native_matmuls and self.tp_size == 1 and self.quant_config is None
                                             and not any(self.model.sliding_windows)
-                                            and self.model.layers[0].self_attn.q_norm is None
-                                            and not self.quantized)
+                                            and self.model.layers[0].self_attn.q_norm is None)
         self.model.native_layers = None
         self.kernels = kernels
 
@@ -367,11 +368,6 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         else:
             loader.load_weights(self, model_dir, self.stacked_params_mapping, skip=self._skip_checkpoint_tensor)
         self.use_kernels(self.kernels)
-
-    @property
-    def quantized(self) -> bool:
-        """Some matmul reads quantized weights (GGUF blocks): the all-layers C call cannot run."""
-        return any(getattr(m, "quant_method", None) is not None and m.quant_method.quantized for m in self.modules())
 
     def _skip_checkpoint_tensor(self, name: str) -> bool:
         return "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight")

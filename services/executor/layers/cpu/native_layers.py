@@ -1,10 +1,11 @@
 """Every decoder layer of a bf16 Llama-family model in one C call per step (``kernels/cpu/csrc/cpu_llama_layers.c``).
 
-Where the panels (``panels.py``) serve every matmul and the C norms every norm, the per-layer
+Where the panels (``panels.py``) or GGUF blocks (``layers/gguf.py``) serve every matmul and the C norms every norm, the per-layer
 path is ~25 Python-level calls per layer around C kernels; :class:`NativeLayers` strings the
 same kernels together in C with the same roundings, for steps whose every attention row the
-backend's C kernel serves (``AttentionBackend.native_rows``). Its weights are the layers'
-own panels and norm weights (pointers, no copies).
+backend's C kernel serves (``AttentionBackend.native_rows``), of at most ``max_rows`` tokens
+where GGUF blocks serve a matmul. Its weights are the layers' own panels or blocks and norm
+weights (pointers, no copies).
 """
 
 from __future__ import annotations
@@ -17,14 +18,21 @@ from torch import nn
 
 from kernels.cpu import native, ops
 from kernels.cpu.attention_plan import NativeRows
+from services.executor.layers.gguf import NATIVE_MAX_ROWS, GGUFLinearMethod
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V [num_blocks, block_size, Hkv, D]
 
 
 def _projections(layer: nn.Module) -> dict[str, nn.Module]:
-    """A decoder layer's four linear layers, by the C argument block's names."""
+    """A decoder layer's four linear layers, by the C argument block's names (in its ``wtype`` order)."""
     attn, mlp = layer.self_attn, layer.mlp
     return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+
+
+def _gguf(proj: nn.Module) -> GGUFLinearMethod | None:
+    """The layer's GGUF method when the C call can serve it (native, no bias), else None."""
+    method = getattr(proj, "quant_method", None)
+    return method if isinstance(method, GGUFLinearMethod) and method.native and proj.bias is None else None
 
 
 class NativeLayers:
@@ -51,8 +59,14 @@ class NativeLayers:
         a.post_norm = pointers([layer.post_attention_layernorm.weight for layer in layers])
         projections = [_projections(layer) for layer in layers]
         for name in ("qkv", "o", "gate_up", "down"):
-            setattr(a, f"{name}_w", pointers([p[name].panel for p in projections]))
+            setattr(a, f"{name}_w", pointers([p[name].weight if _gguf(p[name]) else p[name].panel for p in projections]))
             setattr(a, f"{name}_b", pointers([p[name].bias for p in projections]))
+        gguf = [_gguf(p) for projs in projections for p in projs.values()]
+        self._wtype = torch.tensor([0 if m is None else m.fmt.ggml_type for m in gguf], dtype=torch.int32)
+        a.wtype = self._wtype.data_ptr()
+        # GGUF blocks: the C kernel dequantizes once per 8 rows; over NATIVE_MAX_ROWS the per-layer
+        # path (a dequantized weight in torch's GEMM) is quicker
+        self.max_rows = NATIVE_MAX_ROWS if any(m is not None for m in gguf) else None
         a.k_cache = pointers([k for k, _ in kv_caches])
         a.v_cache = pointers([v for _, v in kv_caches])
         self.args = a
@@ -62,14 +76,16 @@ class NativeLayers:
 
     @staticmethod
     def applies(layers: Sequence[nn.Module], kv_caches: KVCaches) -> bool:
-        """Whether these layers and caches can run here: panels on every matmul and the C norms
-        on every norm (the per-layer path's kernels), one dense bf16 cache pair per layer, all of
-        one shape, head_dim even and within the library's ``max_rope_dim``."""
+        """Whether these layers and caches can run here: panels (or GGUF blocks the C kernel
+        serves, without bias) on every matmul and the C norms on every norm (the per-layer
+        path's kernels), one dense bf16 cache pair per layer, all of one shape, head_dim even
+        and within the library's ``max_rope_dim``."""
         shape = kv_caches[0][0].shape if kv_caches else None
         head_dim = layers[0].self_attn.head_dim
         return (
             len(kv_caches) == len(layers)
-            and all(getattr(p, "panel", None) is not None for layer in layers for p in _projections(layer).values())
+            and all(getattr(p, "panel", None) is not None or _gguf(p) is not None
+                    for layer in layers for p in _projections(layer).values())
             and all(layer.input_layernorm.native and layer.post_attention_layernorm.native for layer in layers)
             and head_dim % 2 == 0 and head_dim <= ops.load().abi.max_rope_dim
             and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape == shape for kv in kv_caches for t in kv)

@@ -1,0 +1,50 @@
+"""The bundled Q4_1 GGUF served in bf16 with the native kernels: steps of at most
+``NATIVE_MAX_ROWS`` tokens run every decoder layer in one C call (``NativeLayers``, the GGUF
+blocks read by ``cpu_gguf_gemm.c`` inside ``cpu_llama_layers.c``), with the per-layer path's
+greedy tokens and logits; longer steps run layer by layer."""
+
+from __future__ import annotations
+
+import torch
+from greedy import paged_greedy
+from native_builds import NEEDS_KERNEL
+from transformers import AutoConfig
+
+from kernels.cpu import ops
+from services.executor.layers import gguf as G
+from services.executor.layers.cpu.native_layers import NativeLayers
+from services.executor.models import get_model_class
+from shared.model_source import _gguf_path, prepare_gguf_model
+
+PROMPTS = [[1, 9690, 28, 314, 2234], [1, 504, 3458, 282, 4649, 314, 982, 30, 198], [1, 19556, 30]]
+
+
+@NEEDS_KERNEL
+def test_gguf_blocks_run_in_the_all_layers_c_call(tmp_path, monkeypatch):
+    monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
+    path = prepare_gguf_model(_gguf_path(), tmp_path)
+    config = AutoConfig.from_pretrained(path)
+    model = get_model_class(config)(config, dtype=torch.bfloat16, device="cpu", native_cpu_kernels=True)
+    model.load_weights(path)
+    assert model.use_native_norms(True) and model.use_native_matmuls(True)
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj.quant_method, G.GGUFLinearMethod)  # kept quantized
+    assert model.model.native_layers_enabled
+
+    fused: list[int] = []
+    real_run = NativeLayers.run
+    monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
+    new_n, logits_n = paged_greedy(model, PROMPTS, 5)
+    # the 17-token prefill step is over NATIVE_MAX_ROWS: layer by layer; the 3-row decodes in C
+    assert sum(map(len, PROMPTS)) > G.NATIVE_MAX_ROWS and fused == [len(PROMPTS)] * 4
+    assert model.model.native_layers.max_rows == G.NATIVE_MAX_ROWS
+    assert model.model.native_layers._wtype.tolist() == [G.Q4_1.ggml_type] * (4 * config.num_hidden_layers)
+
+    monkeypatch.setattr(NativeLayers, "applies", staticmethod(lambda layers, caches: False))
+    model.model.native_layers = None
+    fused.clear()
+    new_l, logits_l = paged_greedy(model, PROMPTS, 5)
+    assert not fused
+    assert new_n == new_l
+    for a, b in zip(logits_n, logits_l, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)  # the same kernels but for SiLU's exp
