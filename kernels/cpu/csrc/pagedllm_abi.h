@@ -44,8 +44,8 @@ typedef struct {
   uint16_t* const* k_cache;         /* [L] -> [num_blocks, block_size, Hkv, D] */
   uint16_t* const* v_cache;
   /* [L * 4]: the weight form of each layer's qkv, o, gate_up and down: 0 = bf16 panels, else a
-   * GGML block type of pagedllm_gemm_gguf (its *_w then point at the GGUF blocks, rows [N, K / 32
-   * blocks], no bias); NULL: every weight is panels */
+   * GGML block type of pagedllm_gemm_gguf (its *_w then point at the GGUF blocks, rows of K / 32
+   * blocks, K / 256 for the K-quants; no bias); NULL: every weight is panels */
   const int32_t* wtype;
   /* the step */
   int64_t T;
