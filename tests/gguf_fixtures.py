@@ -106,13 +106,13 @@ def tiny_hf_config(vocab: int):
                        pad_token_id=None)
 
 
-def write_tiny_gguf(path: Path, tokenizer_dir: Path, vocab: int = 1024, seed: int = 0,
-                    std: float = 0.15) -> dict[str, torch.Tensor]:
+def write_tiny_gguf(path: Path, tokenizer_dir: Path, vocab: int = 1024, seed: int = 0, std: float = 0.15,
+                    mixed: bool = True) -> dict[str, torch.Tensor]:
     """A Llama GGUF at ``path``: :data:`TINY`'s shapes, random normal weights (``std``) packed in
     :data:`TINY_FORMATS` (tied embeddings; norms F32; q and k rows in llama.cpp's order), and the
     byte-level BPE tokenizer of the Hugging Face directory ``tokenizer_dir`` (SmolLM2's: token 1
     BOS, 2 EOS) cut to its first ``vocab`` tokens and the merges among them (49k token strings
-    cost seconds at each parse of the file).
+    cost seconds at each parse of the file). ``mixed``: layer 0's attn_v in :data:`TINY_LAYER0_V`.
 
     Returns the Hugging Face state dict of the weights the file holds (dequantized by
     ``gguf.quants`` to float32), for ``LlamaForCausalLM(tiny_hf_config(vocab))``.
@@ -153,7 +153,7 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, vocab: int = 1024, seed: in
     state: dict[str, torch.Tensor] = {}
 
     def matrix(name: str, hf: str, kind: str, rows: int, cols: int, std_: float = std, heads: int = 0) -> None:
-        fmt = TINY_LAYER0_V if name == "blk.0.attn_v.weight" else TINY_FORMATS[kind]
+        fmt = TINY_LAYER0_V if mixed and name == "blk.0.attn_v.weight" else TINY_FORMATS[kind]
         raw = pack_k(rng.standard_normal((rows, cols)).astype(np.float32) * std_, fmt)  # HF's row order
         state[hf] = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(fmt.ggml_type)))
         stored = np.ascontiguousarray(llama_cpp_permute(raw, heads)) if heads else raw
