@@ -109,12 +109,16 @@ def quantize(w: torch.Tensor, fmt: str, seed: int = 0) -> tuple[dict[str, torch.
 
 def _act_order_seed(name: str) -> int:
     """GPTQ's act order comes from a layer's inputs: q, k, v share one, gate and up another."""
-    layer = int(name.split(".")[2])
-    kind = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
-    return 4 * layer + kind[name.split(".")[-2]]
+    parts = name.split(".")
+    layer = int(parts[parts.index("layers") + 1])
+    kind = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "out_proj": 1, "gate_proj": 2, "up_proj": 2,
+            "fc1": 2, "down_proj": 3, "fc2": 3, "qkv_proj": 0, "gate_up_proj": 2}
+    return 4 * layer + kind[parts[-2]]
 
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: the decoder linears quantized (Llama / Gemma names, OPT's out_proj, fc1, fc2, Phi-3's fused qkv_proj, gate_up_proj)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "out_proj", "fc1", "fc2",
+           "qkv_proj", "gate_up_proj")
 
 
 def quantize_checkpoint(src: Path, dst: Path, dequantized: Path, fmt: str) -> None:

@@ -3,7 +3,8 @@
 
 :func:`gemm_w4` runs ``cpu_gemm_w4.c``: weight-only int4 group-quantized matmuls (GPTQ, AWQ,
 compressed-tensors W4A16 in the layout of ``services/executor/layers/quantization/int4.py``);
-:func:`gemm_gguf` runs ``cpu_gguf_gemm.c``: GGUF Q4_0 / Q4_1 / Q8_0 blocks multiplied as they are.
+:func:`gemm_gguf` runs ``cpu_gguf_gemm.c``: GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks
+multiplied as they are.
 """
 
 from __future__ import annotations
@@ -63,15 +64,15 @@ def gemm_w4(
     return out
 
 
-#: bytes per 32-element block of each GGML type :func:`gemm_gguf` reads (Q4_0, Q4_1, Q8_0)
-GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+#: (elements, bytes) per block of each GGML type :func:`gemm_gguf` reads (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+GGUF_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
 
 def gemm_gguf(
     x: torch.Tensor,  # [M, K] bfloat16 or float32, unit stride along K
-    blocks: torch.Tensor,  # [N, K / 32 * block_bytes] uint8, dense: each weight row's GGUF blocks
-    ggml_type: int,  # 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)
-    k: int,  # K, the weight's input features (a multiple of 32)
+    blocks: torch.Tensor,  # [N, K / block_size * block_bytes] uint8, dense: each weight row's GGUF blocks
+    ggml_type: int,  # a key of GGUF_BLOCKS: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K)
+    k: int,  # K, the weight's input features (a multiple of the block size: 32, or 256 for the K-quants)
     out_dtype: torch.dtype = torch.bfloat16,  # bfloat16 or float32
     lib: ctypes.CDLL | None = None,
     validate: bool = True,  # False: the caller vouches for the tensors (the model's hot path)
@@ -91,11 +92,12 @@ def gemm_gguf(
     if validate:
         if x.dim() != 2 or x.dtype not in _DTYPES or x.device.type != "cpu" or x.stride(1) != 1 or x.shape[1] != k:
             raise ValueError(f"x must be a float32/bfloat16 [M, {k}] CPU tensor with unit stride along K")
-        if ggml_type not in GGUF_BLOCK_BYTES or k % 32:
-            raise ValueError(f"ggml_type must be one of {sorted(GGUF_BLOCK_BYTES)} and k a multiple of 32")
+        if ggml_type not in GGUF_BLOCKS or k % GGUF_BLOCKS[ggml_type][0]:
+            raise ValueError(f"ggml_type must be one of {sorted(GGUF_BLOCKS)} and k a multiple of its block size")
+        size, nbytes = GGUF_BLOCKS[ggml_type]
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous() \
-                or blocks.shape[1] != k // 32 * GGUF_BLOCK_BYTES[ggml_type] or blocks.device.type != "cpu":
-            raise ValueError(f"blocks must be a dense [N, {k // 32 * GGUF_BLOCK_BYTES[ggml_type]}] uint8 CPU tensor")
+                or blocks.shape[1] != k // size * nbytes or blocks.device.type != "cpu":
+            raise ValueError(f"blocks must be a dense [N, {k // size * nbytes}] uint8 CPU tensor")
         if out_dtype not in _DTYPES:
             raise ValueError("out_dtype must be torch.float32 or torch.bfloat16")
     n = blocks.shape[0]

@@ -1,5 +1,5 @@
-"""Triton matmul over GGUF Q4_0 / Q4_1 / Q8_0 weight rows kept as raw blocks: the CUDA side of
-:func:`kernels.cpu.quant_ops.gemm_gguf`.
+"""Triton matmuls over GGUF weight rows kept as raw blocks (Q4_0 / Q4_1 / Q8_0, and the K-quants
+Q4_K / Q5_K / Q6_K): the CUDA side of :func:`kernels.cpu.quant_ops.gemm_gguf`.
 
 ``out = x @ W.T`` where each row of ``W`` ``[N, K]`` is stored as ``K / 32`` ggml blocks of 32
 consecutive input elements (layouts in ``services/executor/layers/gguf.py``): an fp16 scale
@@ -14,6 +14,11 @@ halves in registers (float32, as ``gguf.py``'s ``dequantize``), and multiplies e
 half of the ``x`` columns (two ``tl.dot``), accumulating in float32. The operands are x's dtype,
 or float32 when the output is float32 (the logits: exact products, as the CPU paths compute).
 
+The K-quants (``_gemm_gguf_k_kernel``; super-blocks of 256 elements, layouts in ``gguf.py``) take
+one 32-element sub-block per step: each weight row's sub-block scale and min (Q6_K: a scale per
+16 elements) are read from its super-block's bytes, the 32 quants assembled from their bit
+fields, and the ``[32, BLOCK_N]`` dequantized tile multiplied with 32 columns of ``x``.
+
 Nothing here queries CUDA at import time; under ``TRITON_INTERPRET=1`` it runs on CPU tensors.
 """
 
@@ -25,8 +30,9 @@ import triton.language as tl
 
 from kernels.triton.utils import KernelLaunch, is_interpreted, round_bf16
 
-#: bytes per 32-element block of each GGML type (Q4_0, Q4_1, Q8_0), as ``kernels.cpu.ops``
-GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+#: bytes per block of each GGML type: Q4_0, Q4_1, Q8_0 (32 elements), Q4_K, Q5_K, Q6_K (256)
+GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 144, 13: 176, 14: 210}
+K_QUANTS = (12, 13, 14)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -117,6 +123,80 @@ def _gemm_gguf_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+
+@triton.jit
+def _gemm_gguf_k_kernel(
+    x_ptr,  # [M, K] float32 / float16 / bfloat16
+    blocks_ptr,  # [N, K / 256 * BLOCK_BYTES] uint8, each weight row's super-blocks
+    out_ptr,  # [M, N] float32 / float16 / bfloat16
+    M,  # int, rows of x
+    N,  # int, output columns (weight rows)
+    K,  # int, a multiple of 256
+    stride_xm: tl.int64,
+    stride_xk: tl.int64,
+    stride_bn: tl.int64,
+    stride_om: tl.int64,
+    stride_on: tl.int64,
+    GGML_TYPE: tl.constexpr,  # 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)
+    BLOCK_BYTES: tl.constexpr,  # 144, 176 or 210: GGUF_BLOCK_BYTES[GGML_TYPE]
+    F32_OPERANDS: tl.constexpr,  # as _gemm_gguf_kernel
+    EMULATE_BF16: tl.constexpr,  # as _gemm_gguf_kernel
+    BLOCK_M: tl.constexpr,  # power of two >= 16
+    BLOCK_N: tl.constexpr,  # power of two >= 16
+):
+    """Program (tile of M, tile of N): see the module docstring; one sub-block of 32 per step."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_e = tl.arange(0, 32).to(tl.int64)  # element of the sub-block
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    w_mask = n_mask[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_e[None, :] * stride_xk  # [BLOCK_M, 32]
+    rows = blocks_ptr + offs_n * stride_bn  # [BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, 32):
+        x = tl.load(x_ptrs + k0 * stride_xk, mask=m_mask[:, None], other=0.0)  # [BLOCK_M, 32]
+        sb = rows + k0 // 256 * BLOCK_BYTES  # [BLOCK_N] each row's super-block
+        j = k0 // 32 % 8  # the sub-block
+        e_ptrs = sb[None, :] + offs_e[:, None]  # [32, BLOCK_N]
+        if GGML_TYPE == 14:
+            d = _load_fp16(sb + 208, n_mask)  # [BLOCK_N]
+            ql = tl.load(e_ptrs + (64 * (j // 4) + 32 * (j % 2)), mask=w_mask, other=0).to(tl.int32)
+            qh = tl.load(e_ptrs + (128 + 32 * (j // 4)), mask=w_mask, other=0).to(tl.int32)
+            q = ((ql >> (4 * (j % 4 // 2))) & 15) | (((qh >> (2 * (j % 4))) & 3) << 4)  # [32, BLOCK_N] 0..63
+            sc = tl.load(sb[None, :] + 192 + 2 * j + offs_e[:, None] // 16, mask=w_mask, other=0)
+            scale = d[None, :] * sc.to(tl.int8, bitcast=True).to(tl.float32)  # [32, BLOCK_N]
+            w = scale * (q - 32).to(tl.float32)
+        else:
+            jl = j % 4
+            a = tl.load(sb + 4 + jl, mask=n_mask, other=0).to(tl.int32)  # scale bytes jl, jl + 4, jl + 8
+            b = tl.load(sb + 8 + jl, mask=n_mask, other=0).to(tl.int32)
+            c = tl.load(sb + 12 + jl, mask=n_mask, other=0).to(tl.int32)
+            sc = tl.where(j < 4, a & 63, (c & 15) | ((a >> 6) << 4))  # [BLOCK_N]
+            mn = tl.where(j < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
+            d = _load_fp16(sb, n_mask) * sc.to(tl.float32)
+            dm = _load_fp16(sb + 2, n_mask) * mn.to(tl.float32)
+            QS: tl.constexpr = 48 if GGML_TYPE == 13 else 16  # the low nibbles' offset
+            qs = tl.load(e_ptrs + (QS + 32 * (j // 2)), mask=w_mask, other=0).to(tl.int32)
+            q = (qs >> (4 * (j % 2))) & 15  # [32, BLOCK_N]
+            if GGML_TYPE == 13:
+                qh = tl.load(e_ptrs + 16, mask=w_mask, other=0).to(tl.int32)
+                q = q | (((qh >> j) & 1) << 4)
+            w = d[None, :] * q.to(tl.float32) - dm[None, :]
+        if F32_OPERANDS:
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        elif EMULATE_BF16:
+            acc += tl.dot(x.to(tl.float32), round_bf16(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty))
+    if EMULATE_BF16 and out_ptr.dtype.element_ty == tl.bfloat16:
+        acc = round_bf16(acc)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
 def plan_gemm_gguf(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out: torch.Tensor,
                    block_m: int | None = None, block_n: int = 64) -> KernelLaunch:
     """The launch of ``out = x @ dequantize(blocks).T`` (:func:`gemm_gguf`'s arguments, ``out``
@@ -125,17 +205,26 @@ def plan_gemm_gguf(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out: t
     n = blocks.shape[0]
     assert ggml_type in GGUF_BLOCK_BYTES, ggml_type
     assert x.dtype in _DTYPES and out.dtype in _DTYPES, (x.dtype, out.dtype)
-    assert k % 32 == 0, k
+    size = 256 if ggml_type in K_QUANTS else 32
+    assert k % size == 0, k
     assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.stride(1) == 1
-    assert blocks.shape[1] == k // 32 * GGUF_BLOCK_BYTES[ggml_type], (tuple(blocks.shape), k)
+    assert blocks.shape[1] == k // size * GGUF_BLOCK_BYTES[ggml_type], (tuple(blocks.shape), k)
     assert tuple(out.shape) == (m, n)
     if block_m is None:
         block_m = 16 if m <= 16 else 64
-    per_step = 2 if k % 64 == 0 else 1
     f32 = torch.float32 in (x.dtype, out.dtype)
-    emulate = torch.bfloat16 in (x.dtype, out.dtype) and is_interpreted(_gemm_gguf_kernel)
+    kernel = _gemm_gguf_k_kernel if ggml_type in K_QUANTS else _gemm_gguf_kernel
+    emulate = torch.bfloat16 in (x.dtype, out.dtype) and is_interpreted(kernel)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    return KernelLaunch(_gemm_gguf_kernel, grid, dict(
+    if ggml_type in K_QUANTS:
+        return KernelLaunch(kernel, grid, dict(
+            x_ptr=x, blocks_ptr=blocks, out_ptr=out, M=m, N=n, K=k, stride_xm=x.stride(0), stride_xk=x.stride(1),
+            stride_bn=blocks.stride(0), stride_om=out.stride(0), stride_on=out.stride(1), GGML_TYPE=ggml_type,
+            BLOCK_BYTES=GGUF_BLOCK_BYTES[ggml_type], F32_OPERANDS=f32, EMULATE_BF16=emulate, BLOCK_M=block_m,
+            BLOCK_N=block_n, num_warps=4, num_stages=2,
+        ))
+    per_step = 2 if k % 64 == 0 else 1
+    return KernelLaunch(kernel, grid, dict(
         x_ptr=x, blocks_ptr=blocks, out_ptr=out, M=m, N=n, K=k, stride_xm=x.stride(0), stride_xk=x.stride(1),
         stride_bn=blocks.stride(0), stride_om=out.stride(0), stride_on=out.stride(1), GGML_TYPE=ggml_type,
         BLOCK_BYTES=GGUF_BLOCK_BYTES[ggml_type], F32_OPERANDS=f32, EMULATE_BF16=emulate, BLOCK_M=block_m,
@@ -145,8 +234,8 @@ def plan_gemm_gguf(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out: t
 
 def gemm_gguf(
     x: torch.Tensor,  # [M, K] float32 / float16 / bfloat16
-    blocks: torch.Tensor,  # [N, K / 32 * block_bytes] uint8: each weight row's GGUF blocks
-    ggml_type: int,  # 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)
+    blocks: torch.Tensor,  # [N, K / block_size * block_bytes] uint8: each weight row's GGUF blocks
+    ggml_type: int,  # a key of GGUF_BLOCK_BYTES: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K)
     out_dtype: torch.dtype | None = None,  # default x's dtype
 ) -> torch.Tensor:  # [M, N] out_dtype
     """``F.linear(x, dequantize(blocks))`` with the weight kept quantized (float32 sums, one

@@ -31,6 +31,7 @@ from services.executor.cpu_threads import CpuThreadGovernor
 from services.executor.device import resolve_device
 from services.executor.layers.quantization import get_quantization_config
 from services.executor.models import get_model_class, kv_cache_bytes_per_block, kv_cache_shape
+from services.executor.models.base import QUANTIZED_ARCHITECTURES
 from services.executor.parallel.group import SINGLE_RANK, TensorParallelGroup, use_tp_group
 from services.executor.sampler import Sampler, compute_logprobs
 from services.executor.structured_output import StructuredOutputManager
@@ -90,7 +91,7 @@ class ModelRunner:
         quant_kwargs = {} if quant is None else {"quant_config": quant}
         if quant is not None and "quant_config" not in inspect.signature(model_cls).parameters:
             raise ValueError(f"{quant.name} quantization is not supported for {model_cls.__name__} "
-                             "(only the Llama family's LlamaForCausalLM)")
+                             f"(quantized checkpoints: {QUANTIZED_ARCHITECTURES})")
         t0 = time.perf_counter()
         self.attn_backend = get_attention_backend(
             settings.attention_backend, self.device, native_cpu_kernels=settings.native_cpu_kernels

@@ -8,38 +8,50 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
+from gguf_fixtures import pack_k, random_blocks
 from torch import nn
 
 from services.executor.layers import gguf as G
 
-FORMATS = [G.Q4_0, G.Q4_1, G.Q8_0]
+FORMATS = [G.Q4_0, G.Q4_1, G.Q8_0, G.Q4_K, G.Q5_K, G.Q6_K]
 
 
 def quantized(fmt: G.BlockFormat, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
-    """Random ``[n, k]`` weights quantized by ``gguf.quants``: (the uint8 blocks, gguf's dequantization)."""
+    """Random ``[n, k]`` weights quantized by ``gguf.quants`` (the K-quants: by our packer):
+    (the uint8 blocks, gguf's dequantization)."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    raw = quants.quantize(w, GGMLQuantizationType(fmt.ggml_type))  # [n, k / 32 * block_bytes] uint8
+    raw = pack_k(w, fmt) if fmt.block_size == 256 else quants.quantize(w, GGMLQuantizationType(fmt.ggml_type))
     return torch.from_numpy(raw), quants.dequantize(raw, GGMLQuantizationType(fmt.ggml_type))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_block_layout_matches_gguf(fmt):
-    blocks, reference = quantized(fmt, 6, 96)
-    assert blocks.shape == (6, 96 // 32 * fmt.block_bytes)
+    k = 3 * fmt.block_size
+    blocks, reference = quantized(fmt, 6, k)
+    assert blocks.shape == (6, 3 * fmt.block_bytes)
     assert fmt.block_bytes == quants.GGML_QUANT_SIZES[GGMLQuantizationType(fmt.ggml_type)][1]
     torch.testing.assert_close(G.dequantize(blocks, fmt), torch.from_numpy(reference), rtol=0, atol=0)
     torch.testing.assert_close(G.dequantize(blocks, fmt, torch.bfloat16), torch.from_numpy(reference).bfloat16(),
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fmt", [G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda f: f.name)
+def test_k_quant_random_blocks_dequantize_as_gguf(fmt):
+    """Every bit pattern of the quants and scales (random bytes, finite fp16 scales) reads as gguf reads it."""
+    blocks = random_blocks(fmt, 5, 512, seed=fmt.ggml_type)
+    reference = quants.dequantize(blocks.numpy(), GGMLQuantizationType(fmt.ggml_type))
+    torch.testing.assert_close(G.dequantize(blocks, fmt), torch.from_numpy(reference), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_linear_method_torch_path(fmt, dtype):
-    blocks, reference = quantized(fmt, 10, 64, seed=1)
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    k = 2 * fmt.block_size
+    blocks, reference = quantized(fmt, 10, k, seed=1)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2)).to(dtype)
     layer = nn.Module()
     method = G.GGUFLinearMethod(fmt, dtype, native=False)
-    method.install(layer, blocks, 64)
+    method.install(layer, blocks, k)
     w = torch.from_numpy(reference).to(dtype)
     torch.testing.assert_close(method.apply(layer, x), F.linear(x, w), rtol=0, atol=0)
     logits = method.apply_logits(layer, x)
@@ -53,3 +65,18 @@ def test_install_refuses_partial_rows():
     blocks, _ = quantized(G.Q4_1, 2, 64)
     with pytest.raises(ValueError, match="not rows of 96 elements"):
         G.GGUFLinearMethod(G.Q4_1, torch.float32).install(nn.Module(), blocks, 96)
+
+
+def test_sharded_method_multiplies_each_shard_in_its_format():
+    """q | k | v in Q5_K, Q5_K and Q6_K (a Q4_K_M file's mix): the outputs of each shard's
+    blocks side by side, plus the bias."""
+    shards = [quantized(fmt, rows, 256, seed=i) for i, (fmt, rows) in enumerate(((G.Q5_K, 8), (G.Q5_K, 4),
+                                                                                  (G.Q6_K, 4)))]
+    layer = nn.Module()
+    method = G.GGUFShardedLinearMethod([G.Q5_K, G.Q5_K, G.Q6_K], torch.float32)
+    method.install(layer, [blocks for blocks, _ in shards], 256)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(16)
+    weight = torch.cat([torch.from_numpy(ref) for _, ref in shards])  # [16, 256]
+    torch.testing.assert_close(method.apply(layer, x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert layer.weight.numel() == 0 and len(layer.gguf_shards) == 3

@@ -48,3 +48,32 @@ def test_gguf_blocks_run_in_the_all_layers_c_call(tmp_path, monkeypatch):
     assert new_n == new_l
     for a, b in zip(logits_n, logits_l, strict=True):
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)  # the same kernels but for SiLU's exp
+
+
+@NEEDS_KERNEL
+def test_k_quant_blocks_run_in_the_all_layers_c_call(tmp_path, smollm2_path, monkeypatch):
+    """A tiny Q4_K / Q5_K / Q6_K GGUF (``tests/gguf_fixtures.py``, one format per merged layer)
+    in bf16: its steps run in the one C call, reading the super-blocks, with the per-layer
+    path's greedy tokens."""
+    from gguf_fixtures import TINY_FORMATS, write_tiny_gguf
+
+    monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
+    write_tiny_gguf(tmp_path / "tiny.gguf", smollm2_path, mixed=False)
+    path = prepare_gguf_model(tmp_path / "tiny.gguf", tmp_path / "cache")
+    config = AutoConfig.from_pretrained(path)
+    model = get_model_class(config)(config, dtype=torch.bfloat16, device="cpu", native_cpu_kernels=True)
+    model.load_weights(path)
+    assert model.use_native_norms(True) and model.use_native_matmuls(True)
+    fused: list[int] = []
+    real_run = NativeLayers.run
+    monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
+    prompts = [[1, 2, 3, 400, 500, 700], [900, 17, 31]]
+    new_n, _ = paged_greedy(model, prompts, 5)
+    assert fused == [sum(map(len, prompts))] + [len(prompts)] * 4  # the 9-token prefill and the decodes
+    layer_types = [TINY_FORMATS[k].ggml_type for k in ("attn_q", "attn_output", "ffn_gate", "ffn_down")]
+    assert model.model.native_layers._wtype.tolist() == layer_types * config.num_hidden_layers
+
+    monkeypatch.setattr(NativeLayers, "applies", staticmethod(lambda layers, caches: False))
+    model.model.native_layers = None
+    new_l, _ = paged_greedy(model, prompts, 5)
+    assert new_n == new_l

@@ -224,3 +224,59 @@ def test_compressed_tensors_weights_equal_hugging_face_loader(bits, group, tiny_
     state = hf.state_dict()
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
         torch.testing.assert_close(state[name].float(), plain[name], atol=1e-6, rtol=1e-6)
+
+
+NON_LLAMA = {  # architecture -> (config class name, its tiny config)
+    "gemma": ("GemmaConfig", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=24, num_hidden_layers=2, max_position_embeddings=256,
+                                  initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                  architectures=["GemmaForCausalLM"])),
+    "opt": ("OPTConfig", dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                              num_attention_heads=4, max_position_embeddings=128, init_std=0.15, bos_token_id=None,
+                              eos_token_id=None, pad_token_id=None, architectures=["OPTForCausalLM"])),
+    "phi3": ("Phi3Config", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
+                                initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                tie_word_embeddings=False, architectures=["Phi3ForCausalLM"])),
+}
+
+
+@pytest.mark.parametrize(("arch", "fmt"), [("gemma", "gptq"), ("opt", "ct-w4a16"), ("phi3", "awq")])
+def test_quantized_non_llama_models_give_the_greedy_tokens_of_their_dequantized_weights(arch, fmt, tmp_path):
+    """Architectures other than Llama take the quantized linears (Gemma: GeGLU, head_dim 24; OPT:
+    biases, ReLU, learned positions; Phi-3: q|k|v and gate|up fused in the checkpoint): every
+    decoder linear int4 (repacked for the C kernel), the greedy tokens and logits those of the
+    same weights dequantized to float32."""
+    import transformers
+
+    config_cls, kwargs = getattr(transformers, NON_LLAMA[arch][0]), NON_LLAMA[arch][1]
+    tiny_checkpoint(config_cls(**kwargs), tmp_path / "src", seed=1)
+    qf.quantize_checkpoint(tmp_path / "src", tmp_path / "q", tmp_path / "deq", fmt)
+    quantized = ours(config_cls(**json.loads((tmp_path / "q" / "config.json").read_text())), tmp_path / "q")
+    plain = ours(config_cls(**kwargs), tmp_path / "deq")
+    packed = [m for m in quantized.modules() if isinstance(getattr(m, "quant_derived", None), PackedInt4)]
+    assert len(packed) == 8  # per layer: q|k|v, o, gate|up (fc1), down (fc2)
+    new_q, logits_q = paged_greedy(quantized, PROMPTS[:4], 6)
+    new_p, logits_p = paged_greedy(plain, PROMPTS[:4], 6)
+    for a, b in zip(logits_q, logits_p, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+    assert new_q == new_p and len({tuple(t) for t in new_p}) > 1
+
+
+def test_architectures_without_quantized_layers_refuse_a_quantized_checkpoint():
+    """GPT-2 (Conv1D weights) is refused at build time naming the method and the architectures
+    that take one; a MoE model whose quantization covers its experts names the expert."""
+    from transformers import GPT2Config, MixtralConfig
+
+    from services.executor.models import get_model_class
+
+    gpt2 = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, architectures=["GPT2LMHeadModel"],
+                      quantization_config=qf.QUANT_CONFIGS["gptq"])
+    with pytest.raises(ValueError, match=r"gptq quantization is not supported for GPT2LMHeadModel \(quantized "
+                                         r"checkpoints: the Llama family"):
+        get_model_class(gpt2)(gpt2, torch.float32, "cpu")
+    mixtral = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                            num_key_value_heads=2, num_hidden_layers=1, num_local_experts=4,
+                            architectures=["MixtralForCausalLM"], quantization_config=qf.QUANT_CONFIGS["gptq"])
+    with pytest.raises(ValueError, match=r"MoE experts \(model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\)"):
+        get_model_class(mixtral)(mixtral, torch.float32, "cpu")

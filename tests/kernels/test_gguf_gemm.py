@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from gguf_fixtures import random_blocks
 from native_builds import X86
 
 from kernels.cpu import native, quant_ops
@@ -62,6 +63,22 @@ def test_gemm_gguf_matches_the_torch_path(lib, fmt, m, dtype):
                                                             {"rtol": 1.6e-2, "atol": 1e-2}))
 
 
+@pytest.mark.parametrize("fmt", [G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda f: f.name)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 256), (5, 24, 768), (64, 19, 512)])
+def test_gemm_gguf_k_quants_match_gguf_dequantize(lib, fmt, m, n, k):
+    """Random valid K-quant blocks (every quant and scale bit pattern) against
+    ``gguf.quants.dequantize`` and a float32 matmul; bf16 activations and output too."""
+    blocks = random_blocks(fmt, n, k, seed=m + fmt.ggml_type)
+    weight = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(fmt.ggml_type)))  # [n, k]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    reference = x @ weight.t()
+    torch.testing.assert_close(quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=lib), reference,
+                               rtol=1e-5, atol=1e-4)
+    xb = x.bfloat16()
+    out = quant_ops.gemm_gguf(xb, blocks, fmt.ggml_type, k, torch.bfloat16, lib=lib)
+    torch.testing.assert_close(out, (xb.float() @ weight.t()).bfloat16(), rtol=1.6e-2, atol=1e-2)
+
+
 def test_gemm_gguf_reads_strided_rows(lib):
     blocks = _blocks(G.Q4_1, 16, 64, seed=5)
     x = torch.randn(4, 128)[:, 32:96]  # [4, 64], row stride 128
@@ -75,3 +92,5 @@ def test_gemm_gguf_refuses_bad_arguments(lib):
         quant_ops.gemm_gguf(torch.randn(1, 64), blocks, 12, 64, lib=lib)
     with pytest.raises(ValueError, match="blocks must be"):
         quant_ops.gemm_gguf(torch.randn(1, 64), blocks, G.Q8_0.ggml_type, 64, lib=lib)
+    with pytest.raises(ValueError, match="multiple of its block size"):  # K-quants: super-blocks of 256
+        quant_ops.gemm_gguf(torch.randn(1, 64), blocks, G.Q4_K.ggml_type, 64, lib=lib)

@@ -1,5 +1,5 @@
 """The Triton quantized matmuls vs torch references: the int4 group-quantized weight of
-``layers/quantization/int4.py`` (``kernels/triton/gemm_w4.py``) and GGUF Q4_0 / Q4_1 / Q8_0
+``layers/quantization/int4.py`` (``kernels/triton/gemm_w4.py``) and GGUF Q4_0 / Q4_1 / Q8_0 / K-quant
 blocks (``kernels/triton/gemm_gguf.py``, reference ``layers/gguf.py``'s ``dequantize``).
 
 The kernel tests run natively on a GPU, else under the Triton CPU interpreter, set up as in
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_fixtures import random_blocks
 
 DEVICE = os.environ.get("PAGEDLLM_KERNEL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE == "cpu":
@@ -54,14 +55,9 @@ def _int4_weights(n: int, k: int, group: int, seed: int) -> Int4Weights:
 
 
 def _gguf_blocks(fmt: gguf.BlockFormat, n: int, k: int, seed: int) -> torch.Tensor:
-    """Random ``[N, K / 32 * block_bytes]`` rows of ``fmt`` blocks with finite fp16 d (and m)."""
-    gen = torch.Generator().manual_seed(seed)
-    b = torch.randint(0, 256, (n, k // 32, fmt.block_bytes), generator=gen, dtype=torch.uint8)
-    scale = 0.002 if fmt is gguf.Q8_0 else 0.02
-    b[..., 0:2] = (torch.rand(n, k // 32, 1, generator=gen) * scale).half().view(torch.uint8)
-    if fmt is gguf.Q4_1:
-        b[..., 2:4] = (torch.randn(n, k // 32, 1, generator=gen) * 0.1).half().view(torch.uint8)
-    return b.view(n, -1)
+    """Random ``[N, K / block_size * block_bytes]`` rows of ``fmt`` blocks with finite fp16 scales."""
+    scale = {gguf.Q8_0: 0.002, gguf.Q4_K: 5e-4, gguf.Q5_K: 5e-4, gguf.Q6_K: 2e-4}.get(fmt, 0.02)  # |w| ~ 1
+    return random_blocks(fmt, n, k, seed, scale=scale)
 
 
 # ---------------------------------------------------------------- int4
@@ -113,6 +109,33 @@ def test_triton_gemm_gguf_matches_reference(fmt, dtype, out_dtype, m, n, k):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     operand = torch.float32 if out_dtype == torch.float32 else dtype
     expected = x.float() @ gguf.dequantize(blocks, fmt, operand).float().T  # [M, N]
+
+    out = gemm_gguf.gemm_gguf(x.to(DEVICE), blocks.to(DEVICE), fmt.ggml_type, out_dtype)
+
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    atol, rtol = TOL[out_dtype]
+    torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol)
+
+
+@in_process
+@pytest.mark.parametrize("fmt", [gguf.Q4_K, gguf.Q5_K, gguf.Q6_K], ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    ("dtype", "out_dtype"),
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+     (torch.bfloat16, torch.float32)],
+    ids=["f32", "f16", "bf16", "bf16-logits"],
+)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 512), (5, 24, 256), (64, 72, 512)])  # M off and on the tiles
+def test_triton_gemm_gguf_k_quants_match_gguf_dequantize(fmt, dtype, out_dtype, m, n, k):
+    """Random valid super-blocks against ``gguf.quants.dequantize`` and a float32 matmul."""
+    from gguf import GGMLQuantizationType, quants
+
+    gemm_gguf = _kernel("kernels.triton.gemm_gguf", "_gemm_gguf_k_kernel")
+    blocks = _gguf_blocks(fmt, n, k, seed=m + fmt.ggml_type)
+    weight = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(fmt.ggml_type)))  # [N, K]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    operand = torch.float32 if out_dtype == torch.float32 else dtype
+    expected = x.float() @ weight.to(operand).float().T  # [M, N]
 
     out = gemm_gguf.gemm_gguf(x.to(DEVICE), blocks.to(DEVICE), fmt.ggml_type, out_dtype)
 
@@ -184,8 +207,10 @@ for dtype, m in ((torch.bfloat16, 64), (torch.float32, 1)):
     launches.append(plan_gemm_w4(x, torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, k // 128),
                                  torch.empty(n, k // 128), 128, torch.empty(m, n, dtype=dtype)))
 for ggml_type, dtype, out_dtype in ((2, torch.bfloat16, torch.bfloat16), (8, torch.float16, torch.float16),
-                                    (3, torch.bfloat16, torch.float32)):
-    blocks = torch.empty(n, k // 32 * GGUF_BLOCK_BYTES[ggml_type], dtype=torch.uint8)
+                                    (3, torch.bfloat16, torch.float32), (12, torch.bfloat16, torch.bfloat16),
+                                    (13, torch.float16, torch.float16), (14, torch.bfloat16, torch.float32)):
+    size = 256 if ggml_type >= 12 else 32
+    blocks = torch.empty(n, k // size * GGUF_BLOCK_BYTES[ggml_type], dtype=torch.uint8)
     launches.append(plan_gemm_gguf(torch.empty(16, k, dtype=dtype), blocks, ggml_type,
                                    torch.empty(16, n, dtype=out_dtype)))
 assert not any(is_interpreted(launch.kernel) for launch in launches)
@@ -202,4 +227,4 @@ def test_quant_kernels_compile_for_cuda_targets():
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 10, proc.stdout
+    assert proc.stdout.count(" ok") == 16, proc.stdout

@@ -3,14 +3,24 @@
  *
  *   out[m, n] = sum_k A[m, k] * W[n, k]          (out: bf16 rounded once, or float32)
  *
- * W [N, K] is N rows of K / 32 blocks of 32 consecutive k, each block in ggml's layout:
+ * W [N, K] is N rows of blocks of consecutive k (32 or, for the K-quants, 256), in ggml's layouts:
  *   Q4_0 (type 2, 18 bytes): fp16 d, 16 bytes q (k = j: low nibble of byte j, k = j + 16: its
  *        high nibble);                           w = d * (q - 8)
  *   Q4_1 (type 3, 20 bytes): fp16 d, fp16 m, 16 bytes q as Q4_0;   w = d * q + m
  *   Q8_0 (type 8, 34 bytes): fp16 d, 32 int8 q;                    w = d * q
+ * and, in super-blocks of 256 k (8 sub-blocks of 32; gguf-py's quants.py is the reference):
+ *   Q4_K (type 12, 144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8]
+ *        (j < 4: sc = s[j] & 63, m = s[j + 4] & 63; j >= 4: sc = s[j + 4] & 15 | s[j - 4] >> 6 << 4,
+ *        m = s[j + 4] >> 4 | s[j] >> 6 << 4), 128 bytes q (sub-block j: bytes 32 (j / 2) .. + 31,
+ *        low nibbles for even j, high for odd);   w = d sc[j] * q - dmin m[j]
+ *   Q5_K (type 13, 176 bytes): as Q4_K, with 32 bytes qh before the 128 bytes of low nibbles:
+ *        bit j of qh[e] is bit 4 of element e of sub-block j
+ *   Q6_K (type 14, 210 bytes): 128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d; element
+ *        i = 128 g + 32 s + e (e < 32): low 4 bits ql[64 g + 32 (s % 2) + e] >> 4 (s / 2), high
+ *        2 bits qh[32 g + e] >> 2 s;              w = d scales[i / 16] * (q - 32)
  *
  * Each OpenMP thread owns a contiguous range of output rows n. For each row, the activation rows
- * are taken in tiles of up to MT: every block of the weight row is dequantized once per tile into
+ * are taken in tiles of up to MT: every 32 elements of the weight row are dequantized once per tile into
  * two vectors of 16 floats (AVX-512) and multiplied into MT float32 accumulators, so a block's
  * dequantization is shared by the tile's rows; the weights are read at their quantized size
  * (20 bytes per 32 weights for Q4_1 against 64 in bf16). A bf16 A is first widened to float32
@@ -33,7 +43,8 @@
 #define GGUF_AVX512 1
 #endif
 
-#define QK 32 /* elements per block */
+#define QK 32  /* elements per block (a K-quant's sub-block) */
+#define QKK 256 /* elements per K-quant super-block */
 #define MT 8  /* activation rows per tile */
 
 static int block_bytes(int qtype) {
@@ -41,9 +52,14 @@ static int block_bytes(int qtype) {
     case GGUF_Q4_0: return 18;
     case GGUF_Q4_1: return 20;
     case GGUF_Q8_0: return 34;
+    case GGUF_Q4_K: return 144;
+    case GGUF_Q5_K: return 176;
+    case GGUF_Q6_K: return 210;
     default: return 0;
   }
 }
+
+static int block_elems(int qtype) { return qtype >= GGUF_Q4_K ? QKK : QK; }
 
 static inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -74,8 +90,52 @@ static inline float fp16_to_f32(uint16_t h) {
   return f;
 }
 
-/* One block -> w[32] (portable). */
-static inline void dequant_block(int qtype, const uint8_t* b, float* w) {
+/* Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 scale bytes s. */
+static inline void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+/* Sub-block j (32 elements) of a K-quant super-block b: the scale of elements 0-15 (*dlo) and
+ * 16-31 (*dhi), the offset subtracted (*dm, Q4_K / Q5_K), and the 32 quants (Q6_K: minus 32). */
+static inline void k_sub_block(int qtype, const uint8_t* b, int j, float* dlo, float* dhi, float* dm, int8_t* q) {
+  if (qtype == GGUF_Q6_K) {
+    const float d = fp16_to_f32(load_u16(b + 208));
+    const int8_t* sc = (const int8_t*)(b + 192);
+    const uint8_t* ql = b + 64 * (j / 4) + 32 * (j % 2);
+    const uint8_t* qh = b + 128 + 32 * (j / 4);
+    const int shl = 4 * ((j % 4) / 2), shh = 2 * (j % 4);
+    *dlo = d * (float)sc[2 * j];
+    *dhi = d * (float)sc[2 * j + 1];
+    *dm = 0.f;
+    for (int e = 0; e < QK; ++e) q[e] = (int8_t)((((ql[e] >> shl) & 15) | (((qh[e] >> shh) & 3) << 4)) - 32);
+    return;
+  }
+  int sc, m;
+  k_scale_min(b + 4, j, &sc, &m);
+  *dlo = *dhi = fp16_to_f32(load_u16(b)) * (float)sc;
+  *dm = fp16_to_f32(load_u16(b + 2)) * (float)m;
+  const uint8_t* qs = b + (qtype == GGUF_Q5_K ? 48 : 16) + 32 * (j / 2);
+  const int sh = 4 * (j % 2);
+  for (int e = 0; e < QK; ++e) q[e] = (int8_t)((qs[e] >> sh) & 15);
+  if (qtype == GGUF_Q5_K)
+    for (int e = 0; e < QK; ++e) q[e] |= (int8_t)(((b[16 + e] >> j) & 1) << 4);
+}
+
+/* Sub-block j of one block -> w[32] (portable; j = 0 but for the K-quants). */
+static inline void dequant_block(int qtype, const uint8_t* b, int j, float* w) {
+  if (qtype >= GGUF_Q4_K) {
+    float dlo, dhi, dm;
+    int8_t q[QK];
+    k_sub_block(qtype, b, j, &dlo, &dhi, &dm, q);
+    for (int e = 0; e < QK; ++e) w[e] = (e < QK / 2 ? dlo : dhi) * (float)q[e] - dm;
+    return;
+  }
   const float d = fp16_to_f32(load_u16(b));
   if (qtype == GGUF_Q8_0) {
     for (int j = 0; j < QK; ++j) w[j] = d * (float)(int8_t)b[2 + j];
@@ -94,8 +154,55 @@ static inline void dequant_block(int qtype, const uint8_t* b, float* w) {
 }
 
 #ifdef GGUF_AVX512
-/* One block -> elements 0-15 in *lo, 16-31 in *hi. */
-static inline void dequant_block_avx512(int qtype, const uint8_t* b, __m512* lo, __m512* hi) {
+/* Sub-block j of a K-quant super-block b -> elements 0-15 in *lo, 16-31 in *hi. */
+static inline void dequant_k_avx512(int qtype, const uint8_t* b, int j, __m512* lo, __m512* hi) {
+  const __m128i mask = _mm_set1_epi8(15);
+  __m128i q0, q1;
+  float dlo, dhi, dm = 0.f;
+  if (qtype == GGUF_Q6_K) {
+    const float d = _cvtsh_ss(load_u16(b + 208));
+    const int8_t* sc = (const int8_t*)(b + 192);
+    const uint8_t* ql = b + 64 * (j / 4) + 32 * (j % 2);
+    const uint8_t* qh = b + 128 + 32 * (j / 4);
+    const __m128i shl = _mm_cvtsi32_si128(4 * ((j % 4) / 2)), shh = _mm_cvtsi32_si128(2 * (j % 4));
+    const __m128i three = _mm_set1_epi8(3);
+    q0 = _mm_or_si128(_mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)ql), shl), mask),
+                      _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)qh), shh), three), 4));
+    q1 = _mm_or_si128(_mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)(ql + 16)), shl), mask),
+                      _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)(qh + 16)), shh), three), 4));
+    const __m128i off = _mm_set1_epi8(32);
+    q0 = _mm_sub_epi8(q0, off); /* -32 .. 31 */
+    q1 = _mm_sub_epi8(q1, off);
+    dlo = d * (float)sc[2 * j];
+    dhi = d * (float)sc[2 * j + 1];
+    *lo = _mm512_mul_ps(_mm512_set1_ps(dlo), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+    *hi = _mm512_mul_ps(_mm512_set1_ps(dhi), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+    return;
+  }
+  int sc, m;
+  k_scale_min(b + 4, j, &sc, &m);
+  dlo = _cvtsh_ss(load_u16(b)) * (float)sc;
+  dm = _cvtsh_ss(load_u16(b + 2)) * (float)m;
+  const uint8_t* qs = b + (qtype == GGUF_Q5_K ? 48 : 16) + 32 * (j / 2);
+  const __m128i sh = _mm_cvtsi32_si128(4 * (j % 2));
+  q0 = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)qs), sh), mask);
+  q1 = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)(qs + 16)), sh), mask);
+  if (qtype == GGUF_Q5_K) {
+    const __m128i hj = _mm_cvtsi32_si128(j), one = _mm_set1_epi8(1);
+    q0 = _mm_or_si128(q0, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)(b + 16)), hj), one), 4));
+    q1 = _mm_or_si128(q1, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i*)(b + 32)), hj), one), 4));
+  }
+  const __m512 d = _mm512_set1_ps(dlo), vm = _mm512_set1_ps(dm);
+  *lo = _mm512_sub_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0))), vm);
+  *hi = _mm512_sub_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1))), vm);
+}
+
+/* Sub-block j of one block -> elements 0-15 in *lo, 16-31 in *hi (j = 0 but for the K-quants). */
+static inline void dequant_block_avx512(int qtype, const uint8_t* b, int j, __m512* lo, __m512* hi) {
+  if (qtype >= GGUF_Q4_K) {
+    dequant_k_avx512(qtype, b, j, lo, hi);
+    return;
+  }
   const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(b)));
   if (qtype == GGUF_Q8_0) {
     const __m128i q0 = _mm_loadu_si128((const __m128i*)(b + 2));
@@ -123,16 +230,19 @@ static inline void dequant_block_avx512(int qtype, const uint8_t* b, __m512* lo,
 /* sums[i] = dot(W row wr, A row m0 + i) for i < mt. */
 static void row_tile(int qtype, int bpb, const uint8_t* wr, int64_t nb, const float* a, int64_t lda, int64_t m0,
                      int mt, float* sums) {
+  const int subs = block_elems(qtype) / QK; /* 32-element sub-blocks per block */
 #ifdef GGUF_AVX512
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
-    __m512 lo, hi;
-    dequant_block_avx512(qtype, wr + blk * bpb, &lo, &hi);
-    const float* ab = a + m0 * lda + blk * QK;
-    for (int i = 0; i < mt; ++i) {
-      acc[i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(ab + i * lda), acc[i]);
-      acc[i] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(ab + i * lda + 16), acc[i]);
+    for (int j = 0; j < subs; ++j) {
+      __m512 lo, hi;
+      dequant_block_avx512(qtype, wr + blk * bpb, j, &lo, &hi);
+      const float* ab = a + m0 * lda + (blk * subs + j) * QK;
+      for (int i = 0; i < mt; ++i) {
+        acc[i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(ab + i * lda), acc[i]);
+        acc[i] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(ab + i * lda + 16), acc[i]);
+      }
     }
   }
   for (int i = 0; i < mt; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
@@ -140,12 +250,14 @@ static void row_tile(int qtype, int bpb, const uint8_t* wr, int64_t nb, const fl
   float w[QK];
   for (int i = 0; i < mt; ++i) sums[i] = 0.f;
   for (int64_t blk = 0; blk < nb; ++blk) {
-    dequant_block(qtype, wr + blk * bpb, w);
-    const float* ab = a + m0 * lda + blk * QK;
-    for (int i = 0; i < mt; ++i) {
-      float s = 0.f;
-      for (int j = 0; j < QK; ++j) s += w[j] * ab[i * lda + j];
-      sums[i] += s;
+    for (int j = 0; j < subs; ++j) {
+      dequant_block(qtype, wr + blk * bpb, j, w);
+      const float* ab = a + m0 * lda + (blk * subs + j) * QK;
+      for (int i = 0; i < mt; ++i) {
+        float s = 0.f;
+        for (int e = 0; e < QK; ++e) s += w[e] * ab[i * lda + e];
+        sums[i] += s;
+      }
     }
   }
 #endif
@@ -154,8 +266,8 @@ static void row_tile(int qtype, int bpb, const uint8_t* wr, int64_t nb, const fl
 int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, int64_t lda, int out_dtype,
                        void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads) {
   const int bpb = block_bytes(qtype);
-  if (bpb == 0 || K % QK != 0 || M < 0 || N < 0) return 1;
-  const int64_t nb = K / QK;
+  if (bpb == 0 || K % block_elems(qtype) != 0 || M < 0 || N < 0) return 1;
+  const int64_t nb = K / block_elems(qtype);
   const float* af = (const float*)a;
   float* widened = NULL;
   if (a_dtype == 1) { /* bf16 A: widened once */

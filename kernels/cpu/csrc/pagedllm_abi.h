@@ -22,6 +22,9 @@
 #define GGUF_Q4_0 2
 #define GGUF_Q4_1 3
 #define GGUF_Q8_0 8
+#define GGUF_Q4_K 12 /* super-blocks of 256 */
+#define GGUF_Q5_K 13
+#define GGUF_Q6_K 14
 
 /* The argument block of pagedllm_llama_layers_bf16: the model's pointers (set once) and the step's. */
 typedef struct {
@@ -41,8 +44,8 @@ typedef struct {
   uint16_t* const* k_cache;         /* [L] -> [num_blocks, block_size, Hkv, D] */
   uint16_t* const* v_cache;
   /* [L * 4]: the weight form of each layer's qkv, o, gate_up and down: 0 = bf16 panels, else a
-   * GGML block type of pagedllm_gemm_gguf (its *_w then point at the GGUF blocks, rows [N, K / 32
-   * blocks], no bias); NULL: every weight is panels */
+   * GGML block type of pagedllm_gemm_gguf (its *_w then point at the GGUF blocks, rows of K / 32
+   * blocks, K / 256 for the K-quants; no bias); NULL: every weight is panels */
   const int32_t* wtype;
   /* the step */
   int64_t T;

@@ -1,10 +1,11 @@
-"""GGUF weights kept quantized: the raw blocks of Q4_0, Q4_1 and Q8_0 tensors in memory,
-dequantized inside the matmul (:class:`GGUFLinearMethod`).
+"""GGUF weights kept quantized: the raw blocks of Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K tensors
+in memory, dequantized inside the matmul (:class:`GGUFLinearMethod`).
 
 A GGUF quantized tensor ``[N, K]`` (rows = output features) is stored row by row, each row as
-``K / 32`` blocks of 32 consecutive input elements (ggml's ``block_q4_0`` / ``block_q4_1`` /
-``block_q8_0``; the byte layouts are checked against ``gguf.quants.dequantize`` in
-``tests/executor/test_gguf.py``):
+blocks of consecutive input elements: ``K / 32`` blocks of 32 (ggml's ``block_q4_0`` /
+``block_q4_1`` / ``block_q8_0``) or ``K / 256`` super-blocks of 256 (the K-quants; their
+arithmetic is that of gguf-py's ``quants.py``). The byte layouts are checked against
+``gguf.quants.dequantize`` in ``tests/executor/test_gguf.py``:
 
 ========  =====  ===========================================================  ===============
 type      bytes  layout                                                       value
@@ -13,9 +14,21 @@ Q4_0      18     fp16 ``d``, 16 bytes: element j in the low nibble of byte j,  `
                  element j + 16 in its high nibble
 Q4_1      20     fp16 ``d``, fp16 ``m``, 16 bytes of nibbles as Q4_0           ``d * q + m``
 Q8_0      34     fp16 ``d``, 32 int8                                           ``d * q``
+Q4_K      144    fp16 ``d``, fp16 ``dmin``, 12 bytes: 6-bit ``sc[8]``, ``m[8]``  ``d sc[j] q - dmin m[j]``
+                 (sub-block ``j`` of 32), 128 bytes: sub-block ``2 i`` in the
+                 low nibbles of bytes ``32 i .. 32 i + 31``, ``2 i + 1`` high
+Q5_K      176    as Q4_K with 32 bytes ``qh`` before the nibbles: bit ``j`` of  as Q4_K, q < 32
+                 ``qh[e]`` is bit 4 of element ``e`` of sub-block ``j``
+Q6_K      210    128 bytes ``ql`` (low 4 bits), 64 bytes ``qh`` (high 2),       ``d sc[i/16] (q - 32)``
+                 16 int8 ``sc``, fp16 ``d``; element ``128 g + 32 s + e``:
+                 ``ql[64 g + 32 (s%2) + e] >> 4 (s/2)``, ``qh[32 g + e] >> 2 s``
 ========  =====  ===========================================================  ===============
 
-The layer's ``weight`` is a uint8 parameter ``[N, K / 32 * block_bytes]``: whole rows, so
+A merged layer whose shards come in different formats (llama.cpp's Q4_K_M files keep some
+layers' ``attn_v`` in Q6_K beside Q4_K ``attn_q`` / ``attn_k``) is served by
+:class:`GGUFShardedLinearMethod`: each shard's blocks kept apart, one matmul per shard.
+
+The layer's ``weight`` is a uint8 parameter ``[N, K / block_size * block_bytes]``: whole rows, so
 merged layers (q | k | v, gate | up) concatenate their shards' rows and rows can be permuted
 without dequantizing. :meth:`GGUFLinearMethod.apply` runs the native kernel
 (``kernels/cpu/csrc/cpu_gguf_gemm.c``: each block dequantized in registers, float32 sums) for
@@ -49,19 +62,61 @@ class BlockFormat:
 Q4_0 = BlockFormat("Q4_0", 2, 32, 18)
 Q4_1 = BlockFormat("Q4_1", 3, 32, 20)
 Q8_0 = BlockFormat("Q8_0", 8, 32, 34)
-FORMATS = {f.ggml_type: f for f in (Q4_0, Q4_1, Q8_0)}
+Q4_K = BlockFormat("Q4_K", 12, 256, 144)
+Q5_K = BlockFormat("Q5_K", 13, 256, 176)
+Q6_K = BlockFormat("Q6_K", 14, 256, 210)
+FORMATS = {f.ggml_type: f for f in (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)}
 NATIVE_MAX_ROWS = 16  # above: dequantize once per call and multiply with torch's GEMM
 
 
+def _fp16(b: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [..., 1] float32
+    return b.contiguous().view(torch.float16).float()
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 12 scale bytes ``[..., 12]`` -> 6-bit scales and mins ``[..., 8]`` (int64)."""
+    s = s.long()
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat((d & 63, (md & 15) | ((d >> 2) & 48)), dim=-1)
+    mn = torch.cat((m & 63, (md >> 4) | ((m >> 2) & 48)), dim=-1)
+    return sc, mn
+
+
+def _dequantize_k(b: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """K-quant super-blocks ``[N, K / 256, block_bytes]`` -> ``[N, K / 256, 256]`` float32 (gguf-py's
+    ``Q4_K`` / ``Q5_K`` / ``Q6_K.dequantize_blocks``: the same products in the same order)."""
+    shape = b.shape[:-1]
+    if fmt is Q6_K:
+        ql = b[..., 0:128].reshape(*shape, 2, 1, 64)
+        ql = torch.cat((ql & 15, ql >> 4), dim=-2).reshape(*shape, 8, 32)  # [.., 8, 32]: sub-block 4 g + s
+        qh = b[..., 128:192].reshape(*shape, 2, 1, 32)
+        qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=-2).reshape(*shape, 8, 32)
+        q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(*shape, 16, 16).float()
+        scale = _fp16(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()  # [.., 16]
+        return (scale[..., None] * q).reshape(*shape, 256)
+    sc, mn = _k_scale_min(b[..., 4:16])
+    d = (_fp16(b[..., 0:2]) * sc.float())[..., None]  # [.., 8, 1]
+    dm = (_fp16(b[..., 2:4]) * mn.float())[..., None]
+    qs = b[..., 48:176] if fmt is Q5_K else b[..., 16:144]
+    qs = qs.reshape(*shape, 4, 1, 32)
+    q = torch.cat((qs & 15, qs >> 4), dim=-2).reshape(*shape, 8, 32)  # sub-block 2 i + h
+    if fmt is Q5_K:
+        qh = b[..., 16:48].reshape(*shape, 1, 32)
+        q = q | torch.cat([((qh >> j) & 1) << 4 for j in range(8)], dim=-2)
+    return (d * q.float() - dm).reshape(*shape, 256)
+
+
 def dequantize(
-    blocks: torch.Tensor,  # [N, K / 32 * block_bytes] uint8, whole rows of blocks
+    blocks: torch.Tensor,  # [N, K / block_size * block_bytes] uint8, whole rows of blocks
     fmt: BlockFormat,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # [N, K] dtype
     """The weight of GGUF blocks, computed in float32 as ``gguf.quants.dequantize`` does (the
     same products and sums, so float32 results are equal), then cast to ``dtype``."""
     rows = blocks.shape[0]
-    b = blocks.view(rows, -1, fmt.block_bytes)  # [N, K / 32, block_bytes]
+    b = blocks.view(rows, -1, fmt.block_bytes)  # [N, K / block_size, block_bytes]
+    if fmt.block_size == 256:
+        return _dequantize_k(b, fmt).reshape(rows, -1).to(dtype)
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, K / 32, 1]
     if fmt is Q8_0:
         q = b[..., 2:].contiguous().view(torch.int8).float()  # [N, K / 32, 32]
@@ -91,7 +146,7 @@ class GGUFLinearMethod(LinearMethodBase):
         self.fmt, self.dtype, self.native = fmt, dtype, native
 
     def install(self, layer: nn.Module, blocks: torch.Tensor, input_size: int) -> None:
-        """Make ``blocks`` ``[N, K / 32 * block_bytes]`` uint8 ``layer``'s weight, served by this method.
+        """Make ``blocks`` ``[N, K / block_size * block_bytes]`` uint8 ``layer``'s weight, served by this method.
 
         Raises:
             ValueError: ``blocks`` is not whole rows of ``input_size`` elements in this format.
@@ -133,3 +188,36 @@ class GGUFLinearMethod(LinearMethodBase):
             return out if bias is None else out.add_(bias)
         compute = torch.float32 if out_dtype == torch.float32 else x.dtype
         return F.linear(x.to(compute), self.weight(layer, compute), None if bias is None else bias.to(compute))
+
+
+class GGUFShardedLinearMethod(LinearMethodBase):
+    """A merged linear layer (q | k | v, gate | up) whose shards are GGUF blocks of different
+    formats: shard ``i``'s rows ``[N_i, K / block_size_i * block_bytes_i]`` are held by the
+    sub-module ``layer.gguf_shards[i]`` and multiplied by its :class:`GGUFLinearMethod`; the
+    outputs are concatenated in shard order (``[T, sum N_i]``). The layer's own ``weight`` is
+    left empty."""
+
+    quantized = True
+
+    def __init__(self, fmts: list[BlockFormat], dtype: torch.dtype, native: bool = False) -> None:
+        self.parts = [GGUFLinearMethod(fmt, dtype, native) for fmt in fmts]
+
+    def install(self, layer: nn.Module, shards: list[torch.Tensor], input_size: int) -> None:
+        """Make each of ``shards`` (uint8 block rows, in this method's formats) one part of ``layer``.
+
+        Raises:
+            ValueError: a shard that is not whole rows of ``input_size`` elements in its format.
+        """
+        layer.gguf_shards = nn.ModuleList()
+        for method, blocks in zip(self.parts, shards, strict=True):
+            part = nn.Module()
+            method.install(part, blocks, input_size)
+            layer.gguf_shards.append(part)
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.gguf_input_size = input_size
+        layer.quant_method = self
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, K] -> [T, sum N_i] in x's dtype
+        out = torch.cat([m.apply(part, x) for m, part in zip(self.parts, layer.gguf_shards, strict=True)], dim=-1)
+        return out if bias is None else out.add_(bias)

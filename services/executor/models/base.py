@@ -22,6 +22,7 @@ import torch
 from services.executor.attention import AttentionBackend, get_attention_backend
 from services.executor.layers.attention import Attention
 from services.executor.layers.layernorm import RMSNorm
+from services.executor.layers.quantization import QuantizationConfig, get_quantization_config
 from services.executor.layers.selection import (
     KernelChoice,
     KernelSwitches,
@@ -32,6 +33,10 @@ from services.executor.layers.selection import (
 from services.executor.layers.utils import FastModule
 from services.executor.models import loader
 from services.executor.parallel.group import current_tp_group
+
+#: the architectures whose linear layers take a checkpoint's quantization (the error's list)
+QUANTIZED_ARCHITECTURES = ("the Llama family (Llama, Mistral, Qwen2, Qwen3), OPT, Gemma 1/2/3, Phi-3, and the "
+                           "attention of Mixtral / Qwen2-MoE / Qwen3-MoE (their experts unquantized)")
 
 
 class PagedCausalLM(KernelSwitches, FastModule):
@@ -44,6 +49,10 @@ class PagedCausalLM(KernelSwitches, FastModule):
             ``torch.device(device)``; :meth:`load_weights` fills them).
         attn_backend: an :class:`AttentionBackend` or a name for :func:`get_attention_backend`.
         native_cpu_kernels: allow the native bf16 GEMM for the matmuls (``layers/selection.py``).
+        quant_config: the checkpoint's quantization (``layers/quantization/``); default: read from
+            ``hf_config``'s ``quantization_config``. A subclass that sets ``takes_quantization``
+            gives its decoder's linear layers its methods (``linear_method_for``); the others
+            refuse a quantized checkpoint.
 
     A subclass sets ``self.lm_head`` (with ``compute_logits``), ``num_kv_heads_per_rank`` and
     ``head_dim``, and may set ``stacked_params_mapping`` (checkpoint shards loaded into merged
@@ -51,13 +60,23 @@ class PagedCausalLM(KernelSwitches, FastModule):
     names that this class names under ``model.``, e.g. GPT-2's ``transformer.``) and
     ``skip_checkpoint_tensor`` (tensors to ignore: rotary caches, attention masks, a tied
     head).
+
+    Raises:
+        ValueError: a quantized checkpoint for an architecture that does not take one, or a
+            quantization this engine does not implement (``get_quantization_config``).
     """
 
     stacked_params_mapping: list[tuple[str, str, str | int]] = []
+    takes_quantization = False  # the decoder's linear layers take quant_config's methods
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False) -> None:
+                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
+        self.quant_config = quant_config if quant_config is not None else get_quantization_config(hf_config)
+        if self.quant_config is not None and not self.takes_quantization:
+            raise ValueError(f"{self.quant_config.name} quantization is not supported for {type(self).__name__} "
+                             f"(quantized checkpoints: {QUANTIZED_ARCHITECTURES})")
         device = torch.device(device)
         if isinstance(attn_backend, str):
             attn_backend = get_attention_backend(attn_backend, device)

@@ -36,6 +36,7 @@ from services.executor.layers.attention import Attention
 from services.executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.executor.layers.layernorm import GemmaRMSNorm
 from services.executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from services.executor.layers.quantization import QuantizationConfig, linear_method_for
 from services.executor.layers.rotary_embedding import apply_rope, get_rope
 from services.executor.layers.utils import FastModule
 from services.executor.models.base import PagedCausalLM
@@ -92,12 +93,15 @@ class GemmaArgs:
 class GemmaMLP(FastModule):
     """GeGLU: ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))``, gate | up in one matmul."""
 
-    def __init__(self, args: GemmaArgs, dtype: torch.dtype) -> None:
+    def __init__(self, args: GemmaArgs, dtype: torch.dtype, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2,
-                                                       params_dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            args.hidden_size, [args.intermediate_size] * 2, params_dtype=dtype,
+            quant_method=linear_method_for(quant_config, f"{prefix}.gate_up_proj", ["gate_proj", "up_proj"]))
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, params_dtype=dtype,
-                                           input_range=self.gate_up_proj.row_ranges[0])
+                                           input_range=self.gate_up_proj.row_ranges[0],
+                                           quant_method=linear_method_for(quant_config, f"{prefix}.down_proj"))
         self.act_fn = gated_activation(args.hidden_activation)  # GeluAndMul("tanh") for Gemma's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -109,15 +113,18 @@ class GemmaAttention(FastModule):
     paged attention with the layer's sliding window and logit soft cap, o_proj."""
 
     def __init__(self, args: GemmaArgs, dtype: torch.dtype, backend: AttentionBackend,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(args.hidden_size, args.head_dim, args.num_heads, args.num_kv_heads,
-                                          bias=args.attention_bias, params_dtype=dtype)
+                                          bias=args.attention_bias, params_dtype=dtype,
+                                          quant_method=linear_method_for(quant_config, f"{prefix}.qkv_proj",
+                                                                         ["q_proj", "k_proj", "v_proj"]))
         # this rank's heads (all of them on a single rank)
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(args.num_heads * args.head_dim, args.hidden_size, bias=args.attention_bias,
-                                        params_dtype=dtype, input_range=self.qkv_proj.row_ranges[0])
+                                        params_dtype=dtype, input_range=self.qkv_proj.row_ranges[0],
+                                        quant_method=linear_method_for(quant_config, f"{prefix}.o_proj"))
         self.attn = Attention(self.num_heads, args.head_dim, args.scale, self.num_kv_heads, backend,
                               sliding_window=sliding_window, logits_soft_cap=args.attn_logit_softcapping)
         qk_norm = args.version == 3
@@ -149,10 +156,10 @@ class GemmaDecoderLayer(FastModule):
     h += post_feedforward_norm(mlp(pre_feedforward_norm(h)))``."""
 
     def __init__(self, args: GemmaArgs, dtype: torch.dtype, backend: AttentionBackend,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = GemmaAttention(args, dtype, backend, sliding_window)
-        self.mlp = GemmaMLP(args, dtype)
+        self.self_attn = GemmaAttention(args, dtype, backend, sliding_window, quant_config, f"{prefix}.self_attn")
+        self.mlp = GemmaMLP(args, dtype, quant_config, f"{prefix}.mlp")
         self.sandwich = args.version >= 2
         self.input_layernorm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         # Gemma 1's post_attention_layernorm is the MLP's input norm; Gemma 2/3's norms the attention output
@@ -183,13 +190,14 @@ class GemmaModel(FastModule):
     (one for Gemma 1/2; Gemma 3: one per layer type)."""
 
     def __init__(self, hf_config: Any, args: GemmaArgs, dtype: torch.dtype, device: torch.device,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
         # HF: a float32 scalar sqrt(hidden_size), cast to the weight's dtype before the product
         self.normalizer = torch.tensor(args.hidden_size**0.5).to(dtype=dtype, device=device)
         windows = layer_sliding_windows(hf_config) if args.version >= 2 else [None] * config_value(hf_config, "num_hidden_layers")
-        self.layers = nn.ModuleList(GemmaDecoderLayer(args, dtype, backend, window) for window in windows)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(args, dtype, backend, window, quant_config, f"model.layers.{i}")
+                                    for i, window in enumerate(windows))
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         if args.version == 3:  # per-layer-type RoPE: the sliding layers' local base, the full layers' global one
             self.layer_types = list(config_value(hf_config, "layer_types"))
@@ -230,17 +238,19 @@ class GemmaForCausalLM(PagedCausalLM):
         (".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
         (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1),
     ]
+    takes_quantization = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False) -> None:
-        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels)
+                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels, quant_config)
         args = GemmaArgs.from_hf_config(hf_config, self.version)
         self.head_dim = args.head_dim
         self.tie_word_embeddings = bool(config_value(hf_config, "tie_word_embeddings", True))
         cap = config_value(hf_config, "final_logit_softcapping") if self.version >= 2 else None
         self.final_logit_softcapping: float | None = cap
         with torch.device(self.device):  # uninitialised: load_weights fills every parameter
-            self.model = GemmaModel(hf_config, args, dtype, self.device, self.attn_backend)
+            self.model = GemmaModel(hf_config, args, dtype, self.device, self.attn_backend, self.quant_config)
             self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)

@@ -1,5 +1,5 @@
 """A Llama-architecture GGUF file -> a :class:`~services.executor.models.llama.LlamaForCausalLM`'s
-parameters, its Q4_0 / Q4_1 / Q8_0 matrices kept quantized (``layers/gguf.py``).
+parameters, its Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices kept quantized (``layers/gguf.py``).
 
 GGUF names (llama.cpp's ``gguf-py`` tensor map) -> ours, per decoder layer ``N``:
 
@@ -14,8 +14,10 @@ llama.cpp's converter permutes the rows of q and k for its RoPE (pairs of a head
 interleaved: HF row ``h * D + j * D/2 + i`` is stored at ``h * D + 2 i + j``); the rows are put
 back here as transformers' ``LlamaTensorProcessor`` does. Rows are whole runs of blocks, so the
 quantized blocks are moved without dequantizing. A merged layer whose shards are all of one
-kept format keeps its blocks; any other (F32, F16, BF16, other quantizations, mixed formats) is
-dequantized by ``gguf.quants`` into the model's dtype and loaded as usual.
+kept format keeps its blocks (``GGUFLinearMethod``), one whose shards are of several kept
+formats keeps each shard's (``GGUFShardedLinearMethod``: llama.cpp's Q4_K_M mixes Q4_K and
+Q6_K in q | k | v); any other (F32, F16, BF16, other quantizations) is dequantized by
+``gguf.quants`` into the model's dtype and loaded as usual.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 from kernels.cpu import ops
-from services.executor.layers.gguf import FORMATS, GGUFLinearMethod
+from services.executor.layers.gguf import FORMATS, GGUFLinearMethod, GGUFShardedLinearMethod
 
 # our module (under model.layers.N) -> its GGUF tensors (under blk.N), in merged row order
 LAYER_TENSORS = {
@@ -91,19 +93,20 @@ def load_gguf_weights(model: nn.Module, path: Path, native: bool) -> None:
             raise ValueError(f"{path}: tensors missing: {missing}")
         used.update(names)
         parts = [tensors[n] for n in names]
-        kinds = {int(t.tensor_type) for t in parts}
-        fmt = FORMATS.get(kinds.pop()) if len(kinds) == 1 and hasattr(module, "quant_method") else None
-        rows = [_raw(t) if fmt is not None else _dequantized(t) for t in parts]  # whole rows of each shard
+        fmts = [FORMATS.get(int(t.tensor_type)) for t in parts]
+        kept = None not in fmts and hasattr(module, "quant_method")
+        rows = [_raw(t) if kept else _dequantized(t) for t in parts]  # whole rows of each shard
         rows = [unpermute_rows(r, permute[n.split(".")[-2]]) if n.split(".")[-2] in permute else r
                 for r, n in zip(rows, names, strict=True)]
-        weight = torch.cat(rows)  # [rows, K / 32 * block_bytes] uint8, or [rows, K] float32
         expected = tuple(module.weight.shape)
-        if weight.shape[0] != expected[0] or (fmt is None and tuple(weight.shape) != expected):
-            raise ValueError(f"{names}: GGUF shape {tuple(weight.shape)} does not fit {expected}")
-        if fmt is not None:
-            GGUFLinearMethod(fmt, model.dtype, native).install(module, weight, expected[1])
-        else:
-            module.weight.data.copy_(weight)
+        if sum(r.shape[0] for r in rows) != expected[0] or (not kept and tuple(torch.cat(rows).shape) != expected):
+            raise ValueError(f"{names}: GGUF shapes {[tuple(r.shape) for r in rows]} do not fit {expected}")
+        if kept and len(set(fmts)) > 1:  # each shard's blocks apart
+            GGUFShardedLinearMethod(fmts, model.dtype, native).install(module, rows, expected[1])
+        elif kept:  # [rows, K / block_size * block_bytes] uint8
+            GGUFLinearMethod(fmts[0], model.dtype, native).install(module, torch.cat(rows), expected[1])
+        else:  # [rows, K] float32
+            module.weight.data.copy_(torch.cat(rows))
 
     for i, layer in enumerate(model.model.layers):
         for attr, parts in LAYER_TENSORS.items():

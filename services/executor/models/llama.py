@@ -351,7 +351,7 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
     def load_weights(self, model_dir: Path | str) -> None:
         """Load HF safetensors (one file, or shards listed in ``model.safetensors.index.json``)
         through :func:`services.executor.models.loader.load_weights`, or the GGUF file the
-        directory is served from (``gguf_loader``: its Q4_0 / Q4_1 / Q8_0 matrices kept
+        directory is served from (``gguf_loader``: its Q4_0 / Q4_1 / Q8_0 / K-quant matrices kept
         quantized), then derive the kernels' weight forms. ``lm_head.weight`` is ignored when
         embeddings are tied.
 

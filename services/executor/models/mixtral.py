@@ -25,6 +25,7 @@ from services.executor.layers.embedding import ParallelLMHead, VocabParallelEmbe
 from services.executor.layers.fused_moe import FusedMoE, topk_softmax
 from services.executor.layers.layernorm import RMSNorm
 from services.executor.layers.linear import ReplicatedLinear
+from services.executor.layers.quantization import QuantizationConfig
 from services.executor.layers.rotary_embedding import get_rope
 from services.executor.layers.utils import FastModule
 from services.executor.models.base import PagedCausalLM
@@ -72,9 +73,9 @@ class MoeDecoderLayer(FastModule):
     a dense MLP."""
 
     def __init__(self, args: LlamaArgs, dtype: torch.dtype, backend: AttentionBackend, sliding_window: int | None,
-                 mlp: nn.Module) -> None:
+                 mlp: nn.Module, quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(args, dtype, backend, sliding_window)
+        self.self_attn = LlamaAttention(args, dtype, backend, sliding_window, quant_config, f"{prefix}.self_attn")
         self.mlp = mlp
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
@@ -98,10 +99,12 @@ class MoeModel(FastModule):
     cos/sin computed once per step."""
 
     def __init__(self, hf_config: Any, args: LlamaArgs, dtype: torch.dtype, device: torch.device,
-                 backend: AttentionBackend, make_mlp: Callable[[int], nn.Module]) -> None:
+                 backend: AttentionBackend, make_mlp: Callable[[int], nn.Module],
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
-        self.layers = nn.ModuleList(MoeDecoderLayer(args, dtype, backend, window, make_mlp(i))
+        self.layers = nn.ModuleList(MoeDecoderLayer(args, dtype, backend, window, make_mlp(i), quant_config,
+                                                    f"model.layers.{i}")
                                     for i, window in enumerate(layer_sliding_windows(hf_config)))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.rotary_emb = get_rope(args.head_dim, rope_parameters(hf_config), dtype, device)
@@ -117,15 +120,33 @@ class MoeModel(FastModule):
 
 class MoeForCausalLM(PagedCausalLM):
     """A MoE decoder (:class:`MoeModel`) and its LM head; subclasses give the attention's
-    :class:`LlamaArgs`, each layer's MLP and the checkpoint's expert tensor names."""
+    :class:`LlamaArgs`, each layer's MLP and the checkpoint's expert tensor names.
+
+    A quantized checkpoint (``quant_config``) quantizes the attention (and dense / shared-expert
+    MLPs); its experts must be unquantized (listed in the quantization's ``ignore``), else
+    ``build`` raises ValueError naming the first expert."""
+
+    takes_quantization = True
+    expert_module = "mlp"  # the checkpoint's name of a layer's sparse MoE block
 
     def build(self, args: LlamaArgs, make_mlp: Callable[[int], nn.Module], num_experts: int,
               expert_names: tuple[str, str, str]) -> None:
-        """Build the layers (uninitialised) and the loader's mapping of the experts' tensors."""
+        """Build the layers (uninitialised) and the loader's mapping of the experts' tensors.
+
+        Raises:
+            ValueError: the checkpoint's quantization covers the experts (``FusedMoE`` holds
+                unquantized weights only)."""
         hf_config = self.hf_config
         self.tie_word_embeddings = bool(config_value(hf_config, "tie_word_embeddings", False))
         with torch.device(self.device):
-            self.model = MoeModel(hf_config, args, self.dtype, self.device, self.attn_backend, make_mlp)
+            self.model = MoeModel(hf_config, args, self.dtype, self.device, self.attn_backend, make_mlp,
+                                  self.quant_config)
+        for i, layer in enumerate(self.model.layers):
+            expert = f"model.layers.{i}.{self.expert_module}.experts.0.{expert_names[0]}"
+            if hasattr(layer.mlp, "experts") and self.quant_config is not None \
+                    and self.quant_config.linear_method(expert, []) is not None:
+                raise ValueError(f"{self.quant_config.name} quantization of MoE experts ({expert}) is not supported: "
+                                 "only the attention and dense MLPs of a MoE model may be quantized")
             self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, self.dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
@@ -151,9 +172,12 @@ class MixtralForCausalLM(MoeForCausalLM):
             be split over the ranks.
     """
 
+    expert_module = "block_sparse_moe"
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False) -> None:
-        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels)
+                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels, quant_config)
         check_supported(hf_config)
         args = attention_args(hf_config, config_value(hf_config, "intermediate_size"))
         self.build(args, lambda _: MixtralSparseMoeBlock(hf_config, dtype),

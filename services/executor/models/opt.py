@@ -40,6 +40,7 @@ from services.executor.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from services.executor.layers.quantization import QuantizationConfig, linear_method_for
 from services.executor.layers.utils import FastModule
 from services.executor.models.base import PagedCausalLM
 from services.executor.models.hf_config import config_value
@@ -60,15 +61,19 @@ class OPTAttention(FastModule):
     """Multi-head attention (no GQA, no RoPE): ``qkv_proj``, paged attention with scale
     ``head_dim ** -0.5``, ``out_proj``. Under tensor parallelism: this rank's heads."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         hidden, total_heads = hf_config.hidden_size, hf_config.num_attention_heads
         bias = config_value(hf_config, "enable_bias", True)
         self.head_dim = hidden // total_heads
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, bias=bias, params_dtype=dtype)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, bias=bias, params_dtype=dtype,
+                                          quant_method=linear_method_for(quant_config, f"{prefix}.qkv_proj",
+                                                                         ["q_proj", "k_proj", "v_proj"]))
         self.num_heads = self.qkv_proj.num_heads  # this rank's
         self.out_proj = RowParallelLinear(hidden, hidden, bias=bias, params_dtype=dtype,
-                                          input_range=self.qkv_proj.row_ranges[0])
+                                          input_range=self.qkv_proj.row_ranges[0],
+                                          quant_method=linear_method_for(quant_config, f"{prefix}.out_proj"))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads, backend)
 
     def forward(self, hidden_states: torch.Tensor, kv_cache: KVCache,
@@ -83,15 +88,18 @@ class OPTDecoderLayer(FastModule):
     """Pre-norm (``do_layer_norm_before``): ``h += attn(norm1(h)); h += fc2(relu(fc1(norm2(h))))``;
     post-norm: ``h = norm1(h + attn(h)); h = norm2(h + fc2(relu(fc1(h))))``."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         hidden, bias = hf_config.hidden_size, config_value(hf_config, "enable_bias", True)
         self.do_layer_norm_before = config_value(hf_config, "do_layer_norm_before", True)
-        self.self_attn = OPTAttention(hf_config, dtype, backend)
+        self.self_attn = OPTAttention(hf_config, dtype, backend, quant_config, f"{prefix}.self_attn")
         self.self_attn_layer_norm = opt_layer_norm(hf_config, dtype)
-        self.fc1 = ColumnParallelLinear(hidden, hf_config.ffn_dim, bias=bias, params_dtype=dtype)
+        self.fc1 = ColumnParallelLinear(hidden, hf_config.ffn_dim, bias=bias, params_dtype=dtype,
+                                        quant_method=linear_method_for(quant_config, f"{prefix}.fc1"))
         self.fc2 = RowParallelLinear(hf_config.ffn_dim, hidden, bias=bias, params_dtype=dtype,
-                                     input_range=self.fc1.row_ranges[0])
+                                     input_range=self.fc1.row_ranges[0],
+                                     quant_method=linear_method_for(quant_config, f"{prefix}.fc2"))
         self.activation_fn = Activation(config_value(hf_config, "activation_function", "relu"))
         self.final_layer_norm = opt_layer_norm(hf_config, dtype)
 
@@ -116,7 +124,8 @@ class OPTDecoder(FastModule):
     """``project_in(embed_tokens(ids)) + embed_positions(positions)``, the layers, the final
     LayerNorm (pre-norm models only), ``project_out``."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         hidden, proj_dim = hf_config.hidden_size, config_value(hf_config, "word_embed_proj_dim") or hf_config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, proj_dim, dtype)
@@ -125,7 +134,8 @@ class OPTDecoder(FastModule):
         # the decoder's width differs from the embeddings' (OPT-350m): projections, replicated (small)
         self.project_in = ReplicatedLinear(proj_dim, hidden, params_dtype=dtype) if proj_dim != hidden else None
         self.project_out = ReplicatedLinear(hidden, proj_dim, params_dtype=dtype) if proj_dim != hidden else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(hf_config, dtype, backend) for _ in range(hf_config.num_hidden_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(hf_config, dtype, backend, quant_config, f"model.decoder.layers.{i}")
+                                    for i in range(hf_config.num_hidden_layers))
         final_norm = (config_value(hf_config, "do_layer_norm_before", True)
                       and not config_value(hf_config, "_remove_final_layer_norm", False))
         self.final_layer_norm = opt_layer_norm(hf_config, dtype) if final_norm else None
@@ -148,9 +158,10 @@ class OPTDecoder(FastModule):
 class OPTModel(FastModule):
     """HF's ``OPTModel``: the decoder under ``model.decoder`` (the checkpoint's names)."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(hf_config, dtype, backend)
+        self.decoder = OPTDecoder(hf_config, dtype, backend, quant_config)
 
 
 class OPTForCausalLM(PagedCausalLM):
@@ -165,14 +176,16 @@ class OPTForCausalLM(PagedCausalLM):
     # checkpoint shards stacked into our merged parameter: (param_name, shard_name, shard_id)
     stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
                               (".qkv_proj", ".v_proj", "v")]
+    takes_quantization = True  # the decoder layers' linears (the projections in / out stay unquantized)
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False) -> None:
-        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels)
+                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels, quant_config)
         self.tie_word_embeddings = bool(config_value(hf_config, "tie_word_embeddings", True))
         proj_dim = config_value(hf_config, "word_embed_proj_dim") or hf_config.hidden_size
         with torch.device(self.device):  # uninitialised: load_weights fills every parameter
-            self.model = OPTModel(hf_config, dtype, self.attn_backend)
+            self.model = OPTModel(hf_config, dtype, self.attn_backend, self.quant_config)
             self.lm_head = ParallelLMHead(hf_config.vocab_size, proj_dim, dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.decoder.embed_tokens)

@@ -27,6 +27,7 @@ from torch import nn
 from services.executor.attention import AttentionBackend, AttentionMetadata
 from services.executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.executor.layers.layernorm import RMSNorm
+from services.executor.layers.quantization import QuantizationConfig
 from services.executor.layers.rotary_embedding import LongRopeRotaryEmbedding, get_rope
 from services.executor.layers.utils import FastModule
 from services.executor.models.base import PagedCausalLM
@@ -70,11 +71,12 @@ class Phi3Model(FastModule):
     sequence length for LongRoPE)."""
 
     def __init__(self, hf_config: Any, args: LlamaArgs, dtype: torch.dtype, device: torch.device,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
         self.sliding_windows = layer_sliding_windows(hf_config)  # one window on every layer, or None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype, backend, window) for window in self.sliding_windows)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype, backend, window, quant_config, f"model.layers.{i}")
+                                    for i, window in enumerate(self.sliding_windows))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.rotary_emb = get_rope(args.head_dim, rope_parameters(hf_config), dtype, device)
 
@@ -108,14 +110,17 @@ class Phi3ForCausalLM(PagedCausalLM):
             the ranks.
     """
 
+    takes_quantization = True  # the fused qkv_proj / gate_up_proj tensors hold every shard's rows
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False) -> None:
-        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels)
+                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels, quant_config)
         check_supported(hf_config)
         args = LlamaArgs.from_hf_config(hf_config)  # no biases: Phi3Config has no attention_bias
         self.tie_word_embeddings = bool(config_value(hf_config, "tie_word_embeddings", False))
         with torch.device(self.device):  # uninitialised: load_weights fills every parameter
-            self.model = Phi3Model(hf_config, args, dtype, self.device, self.attn_backend)
+            self.model = Phi3Model(hf_config, args, dtype, self.device, self.attn_backend, self.quant_config)
             self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)

@@ -28,6 +28,7 @@ from torch import nn
 from services.executor.attention import AttentionBackend
 from services.executor.layers.fused_moe import FusedMoE, topk_softmax
 from services.executor.layers.linear import ReplicatedLinear
+from services.executor.layers.quantization import QuantizationConfig
 from services.executor.layers.utils import FastModule
 from services.executor.models.hf_config import check_supported, config_value
 from services.executor.models.llama import LlamaArgs, LlamaMLP
@@ -39,7 +40,8 @@ class Qwen2MoeSparseMoeBlock(FastModule):
     """Routed experts (+ Qwen2-MoE's gated shared expert when ``shared_expert_intermediate_size``
     is set): ``experts(x, topk_softmax(gate(x))) + sigmoid(shared_expert_gate(x)) * shared_expert(x)``."""
 
-    def __init__(self, hf_config: Any, args: LlamaArgs, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: Any, args: LlamaArgs, dtype: torch.dtype,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         hidden, num_experts = args.hidden_size, config_value(hf_config, "num_experts")
         self.tp = current_tp_group()
@@ -51,7 +53,8 @@ class Qwen2MoeSparseMoeBlock(FastModule):
         shared_size = config_value(hf_config, "shared_expert_intermediate_size") or 0
         self.shared_expert = self.shared_expert_gate = None
         if shared_size:
-            self.shared_expert = LlamaMLP(dataclasses.replace(args, intermediate_size=shared_size), dtype)
+            self.shared_expert = LlamaMLP(dataclasses.replace(args, intermediate_size=shared_size), dtype,
+                                          quant_config, f"{prefix}.shared_expert")
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False, params_dtype=dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -77,8 +80,9 @@ class Qwen2MoeForCausalLM(MoeForCausalLM):
     qk_norm = False
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False) -> None:
-        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels)
+                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels, quant_config)
         check_supported(hf_config)
         qkv_bias = bool(config_value(hf_config, "qkv_bias", False) or config_value(hf_config, "attention_bias", False))
         args = attention_args(hf_config, config_value(hf_config, "intermediate_size"), qkv_bias, self.qk_norm)
@@ -88,8 +92,8 @@ class Qwen2MoeForCausalLM(MoeForCausalLM):
 
         def make_mlp(i: int) -> nn.Module:
             if i not in mlp_only and num_experts > 0 and (i + 1) % sparse_step == 0:
-                return Qwen2MoeSparseMoeBlock(hf_config, args, dtype)
-            return LlamaMLP(args, dtype)  # dense, of intermediate_size
+                return Qwen2MoeSparseMoeBlock(hf_config, args, dtype, self.quant_config, f"model.layers.{i}.mlp")
+            return LlamaMLP(args, dtype, self.quant_config, f"model.layers.{i}.mlp")  # dense, of intermediate_size
 
         self.build(args, make_mlp, num_experts, ("gate_proj", "up_proj", "down_proj"))
 
