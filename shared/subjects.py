@@ -48,6 +48,13 @@ class Subjects:
     def step(self, group_id: str) -> str:  # StepPlan
         return f"{self.base}.exec.{group_id}.step"
 
+    def compile(self, group_id: str) -> str:  # CompileGrammar
+        return f"{self.base}.exec.{group_id}.compile"
+
+    @property
+    def grammar_ready(self) -> str:  # GrammarReady
+        return f"{self.base}.grammar.ready"
+
     @property
     def result(self) -> str:  # StepResult
         return f"{self.base}.result"

@@ -36,6 +36,8 @@ from shared.bus import Bus, RemoteError
 from shared.config import Settings
 from shared.logging import get_logger
 from shared.messages import (
+    CompileGrammar,
+    GrammarReady,
     Heartbeat,
     HeartbeatAck,
     RegisterAck,
@@ -46,6 +48,7 @@ from shared.messages import (
 )
 from shared.model_source import ModelInfo
 from shared.service import BusService, Exclusive, FatalServiceError
+from shared.structured_output import StructuredOutputError
 
 log = get_logger(__name__)
 
@@ -95,6 +98,7 @@ class ExecutorService(BusService):
         self._last_step_id = 0  # the newest plan received (Heartbeat.last_step_id)
         self._held_step_id: int | None = None  # the plan _run_steps holds (waiting to run, or running)
         self._last_keepalive = 0.0  # monotonic time of rank 0's last keep-alive to the other ranks
+        self._compiling: dict[str, asyncio.Task] = {}  # grammar key -> its CompileGrammar being answered
 
     @property
     def connection_name(self) -> str:
@@ -150,6 +154,7 @@ class ExecutorService(BusService):
 
     async def serve(self) -> None:
         await self.subscribe(self.subjects.step(self.group_id), StepPlan, self._on_step)
+        await self.subscribe(self.subjects.compile(self.group_id), CompileGrammar, self._on_compile)
 
     async def start(self) -> None:
         """Load the model, connect (if needed), serve the group's step subject and start
@@ -297,6 +302,30 @@ class ExecutorService(BusService):
     async def _on_step(self, plan: StepPlan) -> None:
         self._last_step_id = max(self._last_step_id, plan.step_id)
         self._plans.put_nowait(plan)
+
+    async def _on_compile(self, msg: CompileGrammar) -> None:
+        """Compile a grammar on the structured-output worker thread, off the step loop, and
+        answer ``GrammarReady`` when done (a repeat while it compiles is ignored)."""
+        if msg.key not in self._compiling:
+            self._compiling[msg.key] = asyncio.ensure_future(self._compile_grammar(msg))
+
+    async def _compile_grammar(self, msg: CompileGrammar) -> None:
+        error = None
+        try:
+            await asyncio.wrap_future(self.runner.structured.prepare(msg.structured_outputs))
+        except StructuredOutputError as exc:
+            error = ServiceError(message=str(exc), param=exc.param)
+        except Exception as exc:  # the tokenizer's backend failed to load, ...
+            log.exception("grammar_compile_failed", key=msg.key)
+            error = ServiceError(message=f"compiling the structured output grammar failed: {exc}",
+                                 type="server_error", status=500)
+        finally:
+            self._compiling.pop(msg.key, None)
+        try:
+            await self.bus.publish(self.subjects.grammar_ready, GrammarReady(group_id=self.group_id, key=msg.key,
+                                                                             error=error))
+        except Exception as exc:  # NATS away: the scheduler asks again at a heartbeat
+            log.warning("grammar_ready_send_failed", key=msg.key, error=repr(exc))
 
     async def _run_steps(self) -> None:
         """Run the received plans one at a time, in order. While the group registers again

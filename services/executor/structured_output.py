@@ -7,10 +7,12 @@ sampled, so a step planned on an output placeholder (async scheduling) has its m
 request recomputed after preemption, or resubmitted, replays its output tokens; a sample of
 an ``n > 1`` request starts from its parent's tokens.
 
-A new request's grammar compiles on a worker thread from the moment its plan arrives
-(cached per process: ``shared/structured_output.py``), overlapping the step's forward pass;
-its first sample waits for it only if the compile is not done by then. The tokenizer service
-compiled it once already to check it, so a spec that reaches here compiles.
+The scheduler admits a constrained request only once the group has compiled its grammar
+(``prepare``, asked by ``CompileGrammar`` and answered by ``GrammarReady``: the executor
+service), so the compile runs off the step loop while other requests step. A new request's
+grammar is then taken from the process's cache (``shared/structured_output.py``) on the
+worker thread when its plan arrives; its first sample would wait for it only if it were not
+there (a grammar evicted meanwhile).
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ class StructuredOutputManager:
             self._backend = shared_backend(self.model_path, self.vocab_size, self.eos_token_ids,
                                            lambda: AutoTokenizer.from_pretrained(str(self.model_path)))
         return self._backend.compile(params)
+
+    def prepare(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        """Compile ``params`` on the worker thread ahead of any request (the scheduler's
+        ``CompileGrammar``); the requests' own compiles then hit the process's cache.
+
+        The future raises ``StructuredOutputError`` when no backend compiles it."""
+        return self._pool.submit(self._compile, params)
 
     def add(self, request_id: str, params: StructuredOutputsParams, output_token_ids: list[int]) -> None:
         """Start compiling a new request's constraint; ``output_token_ids``: the tokens it

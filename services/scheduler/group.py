@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 
 from services.scheduler.block_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
-from shared.messages import BeamFork, GroupStats, RegisterGroup, ServiceError, StepPlan
+from shared.messages import (
+    BeamFork,
+    GroupStats,
+    RegisterGroup,
+    ServiceError,
+    StepPlan,
+    StructuredOutputsParams,
+)
 
 DECODE_COST_TOKENS = 16  # routing: one running request's per-step work, in prefill tokens
 
@@ -41,6 +48,25 @@ class GroupState:
     to_forget: list[str] = field(default_factory=list)  # finished/preempted, not yet told
     in_flight: list[InFlightStep] = field(default_factory=list)  # oldest first
     beam_forks: list[BeamFork] = field(default_factory=list)  # new beams, not yet told
+    # structured outputs (vLLM V1's WAITING_FOR_FSM): the grammars (StructuredOutputsParams.digest)
+    # compiled on this group's rank 0, those asked and not yet answered, and those to ask
+    grammars_ready: set[str] = field(default_factory=set)
+    grammars_asked: dict[str, StructuredOutputsParams] = field(default_factory=dict)
+    to_compile: list[str] = field(default_factory=list)
+
+    def grammar_ready_for(self, req: Request) -> bool:
+        """Whether ``req`` may be admitted here as far as its grammar goes (unconstrained, or
+        its grammar compiled on this group)."""
+        return req.grammar_key is None or req.grammar_key in self.grammars_ready
+
+    def ask_grammar(self, req: Request) -> None:
+        """Queue a ``CompileGrammar`` for ``req``'s grammar unless this group has it or was
+        asked for it already."""
+        key = req.grammar_key
+        if key is not None and key not in self.grammars_ready and key not in self.grammars_asked:
+            assert req.sampling_params.structured_outputs is not None
+            self.grammars_asked[key] = req.sampling_params.structured_outputs
+            self.to_compile.append(key)
 
     @property
     def capacity_tokens(self) -> int:

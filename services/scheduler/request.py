@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from services.scheduler.beam import BeamSearch
 from shared.messages import FinishReason, SampleLogprobs, SamplingParams, SubmitRequest
@@ -204,6 +205,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @cached_property
+    def grammar_key(self) -> str | None:
+        """The name of its structured-output grammar (``StructuredOutputsParams.digest``), or
+        None when unconstrained: it is admitted on a group only once that group has it compiled."""
+        params = self.sampling_params.structured_outputs
+        return None if params is None else params.digest()
 
     @property
     def num_tokens(self) -> int:

@@ -171,7 +171,21 @@ class Scheduler:
             return None
         req.group_id = best.group_id
         best.enqueue(req, self.config.policy == "priority", front=req.status is RequestStatus.PREEMPTED)
+        best.ask_grammar(req)  # a constrained request is admitted once the group has its grammar
         return best
+
+    def grammar_ready(self, group_id: str, key: str, error: ServiceError | None = None) -> list[Request]:
+        """The group's rank 0 answered ``CompileGrammar(key)``: its requests waiting for that
+        grammar may be admitted now; with ``error`` (it does not compile) they cannot, and are
+        returned, still held, for the caller to fail. An answer nobody asked for (an unknown or
+        re-registered group's, or a repeat) changes nothing."""
+        group = self.groups.get(group_id)
+        if group is None or group.grammars_asked.pop(key, None) is None:
+            return []
+        if error is None:
+            group.grammars_ready.add(key)
+            return []
+        return [r for r in group.waiting if r.grammar_key == key]
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> list[Request]:
         """Finish these requests now and free their blocks. Unknown ids are ignored."""
@@ -235,7 +249,8 @@ class Scheduler:
 
         group.running.sort(key=Request.sort_key)
         suspect, waiting_suspect = find_suspect(group, self.suspects)
-        if waiting_suspect is not None and len(group.running) < self.config.max_num_seqs:
+        if (waiting_suspect is not None and len(group.running) < self.config.max_num_seqs
+                and group.grammar_ready_for(waiting_suspect)):
             if self._admit_one(group, waiting_suspect, budget, scheduled, new_blocks):
                 return self._make_plan(group, scheduled, new_blocks, copies)
         gone: set[str] = set()  # preempted by this step
@@ -276,13 +291,21 @@ class Scheduler:
 
     def _admit(self, group: GroupState, budget: int, scheduled: dict[str, int], new_blocks: dict) -> None:
         """Start waiting requests in queue order while budget, sequences, blocks and the plan's
-        bytes (``max_plan_bytes``: each new request carries its whole prompt) last."""
+        bytes (``max_plan_bytes``: each new request carries its whole prompt) last.
+
+        A constrained request whose grammar this group has not compiled yet is skipped, and the
+        requests behind it are admitted (as vLLM V1 does with ``WAITING_FOR_FSM``): a compile
+        never holds up the others; it keeps its place in the queue, so once ready it goes
+        first again. A request whose blocks do not fit stops admission (queue order)."""
         limit = self.config.max_plan_bytes
         plan_bytes = 0
         if limit is not None and group.waiting:  # what the running requests scheduled take
             plan_bytes = scheduled_bytes(group, scheduled, new_blocks)
-        while group.waiting and budget > 0 and len(group.running) < self.config.max_num_seqs:
-            req = group.waiting[0]
+        for req in list(group.waiting):
+            if budget <= 0 or len(group.running) >= self.config.max_num_seqs:
+                break
+            if not group.grammar_ready_for(req):
+                continue  # waits for its grammar (CompileGrammar); the requests behind it go first
             if limit is not None:
                 plan_bytes += req.new_request_bytes()
                 if plan_bytes > limit and scheduled:

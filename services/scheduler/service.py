@@ -1,8 +1,9 @@
 """The scheduler service: the step loop of every executor group, over NATS.
 
-recv (submit / abort / fail / register / heartbeat / step result) -> ``Scheduler`` (no I/O)
--> send (``StepPlan``s to every group with room in flight, one ``DetokStep`` per detokenizer
-shard, errors to gateways: ``Outputs``). Each group steps independently, while the other
+recv (submit / abort / fail / register / heartbeat / grammar ready / step result) ->
+``Scheduler`` (no I/O) -> send (``CompileGrammar`` for the grammars a group was asked for,
+``StepPlan``s to every group with room in flight, one ``DetokStep`` per detokenizer shard,
+errors to gateways: ``Outputs``). Each group steps independently, while the other
 groups compute: with async scheduling it gets its next plan as soon as it has been sent the
 previous one (two in flight), else when its last result arrives. The liveness policy (lost
 steps, heartbeats, peers gone) is ``Liveness``: this module carries out its verdicts.
@@ -29,8 +30,10 @@ from shared.config import Settings
 from shared.logging import get_logger
 from shared.messages import (
     AbortRequests,
+    CompileGrammar,
     FailRequests,
     FinishReason,
+    GrammarReady,
     Heartbeat,
     HeartbeatAck,
     Ping,
@@ -96,6 +99,7 @@ class SchedulerService(BusService):
         await self.subscribe(s.register, RegisterGroup, self._on_register)
         await self.subscribe(s.heartbeat, Heartbeat, self._on_heartbeat)
         await self.subscribe(s.result, StepResult, self._on_result)
+        await self.subscribe(s.grammar_ready, GrammarReady, self._on_grammar_ready)
         await self.subscribe(s.stats_get, StatsQuery, self._on_stats_query)
         await self.subscribe(s.requests_get, RequestsQuery, self._on_requests_query)
         for loop in (self._watchdog(), self._publish_stats(), self._watch_peers()):
@@ -182,6 +186,8 @@ class SchedulerService(BusService):
         verdict = self.liveness.heartbeat(msg.group_id, time.monotonic(), idle=msg.idle,
                                           last_step_id=msg.last_step_id, stopping=msg.stopping, oldest_step_id=oldest)
         if verdict is None:
+            # a CompileGrammar or its answer lost (a NATS reconnect) only delays its requests
+            await self._ask_grammars(msg.group_id, list(group.grammars_asked))
             return HeartbeatAck(group_id=msg.group_id, known=True)
         lost = {} if verdict is Verdict.GROUP_STOPPED else {"step_id": oldest, "lost": verdict.value}
         await self._drop_group(msg.group_id, verdict, **lost)
@@ -203,6 +209,16 @@ class SchedulerService(BusService):
             log.info("request_finished", request_id=req.request_id, finish_reason=req.finish_reason,
                      output_tokens=len(req.output_token_ids), preemptions=req.num_preemptions)
 
+    async def _on_grammar_ready(self, msg: GrammarReady) -> None:
+        """A group compiled a grammar: its requests waiting for it may start; or it does not
+        compile: they fail with its error."""
+        failed = self.scheduler.grammar_ready(msg.group_id, msg.key, msg.error)
+        if msg.error is not None:
+            log.warning("grammar_failed", group_id=msg.group_id, key=msg.key, requests=len(failed),
+                        reason=msg.error.message)
+            await self._fail_requests([r.request_id for r in failed], msg.error)
+        await self._kick()
+
     async def _on_requests_query(self, msg: RequestsQuery) -> RequestsKnown:
         held = self.scheduler.requests
         parents = {r.parent_request_id for r in held.values() if r.parent_request_id}
@@ -214,11 +230,15 @@ class SchedulerService(BusService):
     # ------------------------------------------------------------------ actions
 
     async def _kick(self) -> None:
-        """Send every group that has work and room in flight its next plans (one at a time, or
+        """Ask each group for the grammars its new requests wait for (``CompileGrammar``), then
+        send every group that has work and room in flight its next plans (one at a time, or
         with async scheduling up to two: the executor finds step N + 1 queued when it finishes
         step N). Nothing once stopping."""
         if self.stopping:
             return
+        for group_id, group in list(self.scheduler.groups.items()):
+            keys, group.to_compile = group.to_compile, []
+            await self._ask_grammars(group_id, keys)
         for group_id in list(self.scheduler.groups):
             while self.scheduler.can_schedule(group_id):
                 plan = self.scheduler.schedule(group_id)
@@ -236,6 +256,19 @@ class SchedulerService(BusService):
                     # its requests may now be queued on a group this loop has already passed
                     asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._kick()))
                     break
+
+    async def _ask_grammars(self, group_id: str, keys: list[str]) -> None:
+        """Publish a ``CompileGrammar`` per key still asked of the group (a lost one is asked
+        again at the group's next heartbeat)."""
+        group = self.scheduler.groups.get(group_id)
+        for key in keys:
+            if group is None or (params := group.grammars_asked.get(key)) is None:
+                continue
+            try:
+                await self.bus.publish(self.subjects.compile(group_id),
+                                       CompileGrammar(group_id=group_id, key=key, structured_outputs=params))
+            except Exception as exc:  # NATS away: asked again at the next heartbeat
+                log.warning("compile_ask_failed", group_id=group_id, key=key, error=repr(exc))
 
     async def _send(self, messages: dict[str, AnyMessage]) -> None:
         for subject, message in messages.items():

@@ -2,6 +2,7 @@
 
 Flow of one request:
   gateway/LLM --TokenizeRequest--> tokenizer --SubmitRequest--> scheduler
+  scheduler --CompileGrammar--> executor group --GrammarReady--> scheduler (structured outputs)
   scheduler --StepPlan--> executor group --StepResult--> scheduler
   scheduler --DetokStep--> detokenizer shard --GatewayStep--> gateway/LLM
   gateway/detokenizer --AbortRequests--> scheduler
@@ -26,7 +27,9 @@ from shared.messages.common import (
 )
 from shared.messages.control import (
     AbortRequests,
+    CompileGrammar,
     FailRequests,
+    GrammarReady,
     GroupStats,
     Heartbeat,
     HeartbeatAck,
@@ -65,8 +68,8 @@ from shared.messages.structured_outputs import GuidedDecodingParams, StructuredO
 
 __all__ = [
     "GREEDY_TEMPERATURE", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_N", "AbortRequests", "BeamFork",
-    "CachedRequestData", "DecodedLogprobs", "DetokNewRequest", "DetokStep", "FailRequests", "FinishReason",
-    "GatewayStep", "GuidedDecodingParams", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
+    "CachedRequestData", "CompileGrammar", "DecodedLogprobs", "DetokNewRequest", "DetokStep", "FailRequests", "FinishReason",
+    "GatewayStep", "GrammarReady", "GuidedDecodingParams", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
     "PromptLogprobs", "RegisterAck", "RegisterGroup", "RequestDelta", "RequestsKnown", "RequestsQuery",
     "SampleLogprobs", "SamplingParams", "SchedulerStarted", "SchedulerStats", "ServiceError", "StatsQuery", "StepMessage",
     "StepPlan", "StructuredOutputsParams", "StepResult", "SubmitRequest", "TokenLogprob", "TokenUpdate", "TokenizeReply",

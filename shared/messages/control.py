@@ -9,6 +9,7 @@ from pydantic import Field
 
 from shared.messages.common import FinishReason, Message, ServiceError
 from shared.messages.sampling import SamplingParams
+from shared.messages.structured_outputs import StructuredOutputsParams
 
 # ---------------------------------------------------------------- gateway -> tokenizer
 
@@ -132,6 +133,26 @@ class HeartbeatAck(Message):
 
     group_id: str
     known: bool
+
+
+class CompileGrammar(Message):
+    """Compile this structured-output constraint now (scheduler -> the group's rank 0, on
+    ``Subjects.compile(group_id)``): a request routed to the group waits for it before it is
+    admitted (vLLM V1's ``WAITING_FOR_FSM``). Answered by ``GrammarReady`` once compiled; asked
+    again (each heartbeat) while unanswered, so a lost message only delays."""
+
+    group_id: str
+    key: str  # StructuredOutputsParams.digest()
+    structured_outputs: StructuredOutputsParams
+
+
+class GrammarReady(Message):
+    """The group's rank 0 has compiled the grammar ``key`` (``error``: it does not compile; the
+    requests waiting for it fail with that error)."""
+
+    group_id: str
+    key: str
+    error: ServiceError | None = None
 
 
 # ---------------------------------------------------------------- statistics

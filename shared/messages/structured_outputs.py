@@ -6,6 +6,7 @@ A pydantic dataclass, not a ``Message``: its field ``json`` (vLLM's name) would 
 
 from __future__ import annotations
 
+import hashlib
 import json as jsonlib
 from typing import Any
 
@@ -85,6 +86,11 @@ class StructuredOutputsParams:
     def cache_key(self) -> tuple[str, str, bool]:
         """``(kind, spec, disable_any_whitespace)``: equal keys compile to the same grammar."""
         return self.kind, self.spec(), self.disable_any_whitespace
+
+    def digest(self) -> str:
+        """A short stable name of ``cache_key()`` (hex, 16 characters): how the scheduler and an
+        executor group name a grammar (``CompileGrammar``, ``GrammarReady``)."""
+        return hashlib.sha256(jsonlib.dumps(self.cache_key()).encode()).hexdigest()[:16]
 
 
 #: vLLM's name before 0.11 (``SamplingParams(guided_decoding=GuidedDecodingParams(...))``)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import uuid
 
 import jsonschema
@@ -17,6 +18,8 @@ import pytest_asyncio
 
 from gateway.service import GatewayService
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from services.executor.structured_output import StructuredOutputManager
+from services.scheduler.scheduler import Scheduler
 from shared.config import Settings
 from shared.model_source import load_model_info
 
@@ -103,6 +106,40 @@ def test_regex_choice_grammars_json_object(engine):
     assert all(re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", t) for t in texts[2]), texts[2]
     assert all(re.fullmatch(r"ok|not [a-z]{1,6}", t) for t in texts[3]), texts[3]
     assert all(isinstance(json.loads(t), dict) for t in texts[4]), texts[4]
+
+
+def test_a_slow_grammar_compile_does_not_hold_up_other_requests(engine, monkeypatch):
+    """Issue 21 (vLLM V1's WAITING_FOR_FSM): the executor compiles a new grammar off the step
+    loop and the scheduler admits its request only once it is compiled; an unconstrained
+    request sent with it runs meanwhile. Here the executor's compile is held until that request
+    has finished: were the compile on the step loop, it never would (the hold gives up after
+    30 s and the test fails)."""
+    llm, _ = engine
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(["Once upon a time"], free, use_tqdm=False)[0].outputs[0]
+    free_done, events = threading.Event(), []
+    finish, compile_ = Scheduler._finish, StructuredOutputManager._compile
+
+    def finishing(self, req):
+        finish(self, req)
+        if req.sampling_params.structured_outputs is None:
+            events.append("free finished")
+            free_done.set()
+
+    def slow_compile(self, params):
+        events.append(("compiled", free_done.wait(30)))
+        return compile_(self, params)
+
+    monkeypatch.setattr(Scheduler, "_finish", finishing)
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    regex = r"[0-9]{4}-[a-f]{3}"  # a spec no other test uses
+    outs = llm.generate(["Serial number:", "Once upon a time"],
+                        [SamplingParams(temperature=1.0, seed=3, max_tokens=20,
+                                        structured_outputs=StructuredOutputsParams(regex=regex)), free],
+                        use_tqdm=False)
+    assert re.fullmatch(regex, outs[0].outputs[0].text), outs[0].outputs[0].text
+    assert outs[1].outputs[0].token_ids == alone.token_ids and len(alone.token_ids) == 8
+    assert events[0] == "free finished" and events[1] == ("compiled", True), events
 
 
 def test_logprobs_stay_raw(engine):

@@ -13,7 +13,15 @@ from services.scheduler import blame
 from services.scheduler import scheduler as scheduler_module
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from shared.messages import PromptLogprobs, SampleLogprobs, SamplingParams, StepPlan, StepResult
+from shared.messages import (
+    PromptLogprobs,
+    SampleLogprobs,
+    SamplingParams,
+    ServiceError,
+    StepPlan,
+    StepResult,
+    StructuredOutputsParams,
+)
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
@@ -810,3 +818,80 @@ def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_a_preemption_mid_pr
     firsts = [first for rid, first, _ in ex.prompt_logprob_chunks if rid == "scored"]
     assert firsts == [1, 17, *([33] if async_scheduling else []), 1, 17, 33]  # recomputed from the start
     assert group.kv.num_free_blocks == 32
+
+
+# ---------------------------------------------------------------- structured outputs: waiting for the grammar
+
+
+def constrained(rid: str, seed: int, regex: str = "[a-z]+") -> Request:
+    req = make_request(rid, prompt_len=12, max_tokens=4, seed=seed)
+    req.sampling_params = req.sampling_params.model_copy(
+        update={"structured_outputs": StructuredOutputsParams(regex=regex)})
+    return req
+
+
+def test_a_constrained_request_waits_for_its_grammar_while_others_run():
+    """vLLM V1's WAITING_FOR_FSM: the group is asked once per grammar; admission skips the
+    constrained requests until the group reports it compiled, the others behind them start
+    at once; once ready they start, first in the queue, with the outputs they would have had."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    sched.add_group("g0", num_blocks=64, block_size=16)
+    group = sched.groups["g0"]
+    reqs = [constrained("c1", 1), make_request("free", 12, 4, seed=2), constrained("c2", 3)]
+    for r in reqs:
+        assert sched.add_request(r) is None
+    key = reqs[0].grammar_key
+    assert key is not None and reqs[1].grammar_key is None and reqs[2].grammar_key == key
+    assert group.to_compile == [key] and list(group.grammars_asked) == [key]  # one ask for both
+    plan = sched.schedule("g0")
+    assert [n.request_id for n in plan.new_requests] == ["free"]
+    ex = FakeExecutor(64, 16)
+    ex.queue.append(plan)
+    outputs, plans = run(sched, ex)  # the compile is pending all along
+    assert outputs == {"free": expected(reqs[1])}
+    assert not any(p.new_requests for p in plans)
+    assert [r.request_id for r in group.waiting] == ["c1", "c2"]
+    assert sched.grammar_ready("g0", "unasked") == [] and sched.grammar_ready("other", key) == []
+    assert not group.grammars_ready
+    assert sched.grammar_ready("g0", key) == []
+    assert group.grammars_ready == {key} and not group.grammars_asked
+    outputs, plans = run(sched, ex)
+    assert [n.request_id for n in plans[0].new_requests] == ["c1", "c2"]
+    assert outputs == {r.request_id: expected(r) for r in (reqs[0], reqs[2])}
+    assert group.kv.num_free_blocks == 64
+
+
+def test_a_grammar_that_does_not_compile_returns_the_requests_waiting_for_it():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    sched.add_group("g0", num_blocks=64, block_size=16)
+    bad, other = constrained("bad", 1, regex="(x"), constrained("ok", 2)
+    for r in (bad, other):
+        sched.add_request(r)
+    error = ServiceError(message="invalid regex", param="structured_outputs.regex")
+    assert sched.grammar_ready("g0", bad.grammar_key, error) == [bad]  # still held: the caller fails it
+    assert bad.grammar_key not in sched.groups["g0"].grammars_ready
+    assert sched.grammar_ready("g0", bad.grammar_key, error) == []  # answered already
+
+
+def test_a_constrained_request_rerouted_asks_its_new_group():
+    """A group lost: its requests go to another group, which is asked for their grammar and
+    admits them only once it has it; a group that registers again knows no grammar."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    sched.add_group("a", num_blocks=32, block_size=16)
+    req = constrained("c", 1)
+    sched.add_request(req)
+    key = req.grammar_key
+    sched.grammar_ready("a", key)
+    plan = sched.schedule("a")
+    assert [n.request_id for n in plan.new_requests] == ["c"]
+    sched.add_group("b", num_blocks=32, block_size=16)
+    assert sched.groups["b"].to_compile == []
+    sched.remove_group("a")
+    group_b = sched.groups["b"]
+    assert req.group_id == "b" and group_b.to_compile == [key] and key in group_b.grammars_asked
+    assert sched.schedule("b") is None  # waits for b's compile
+    sched.add_group("a", num_blocks=32, block_size=16)  # registers again: an empty ready set
+    assert not sched.groups["a"].grammars_ready and not sched.groups["a"].grammars_asked
+    sched.grammar_ready("b", key)
+    out, _ = run(sched, FakeExecutor(32, 16), group="b")
+    assert out == {"c": expected(req)}

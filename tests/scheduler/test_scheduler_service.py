@@ -23,9 +23,11 @@ from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
     AbortRequests,
+    CompileGrammar,
     DetokStep,
     FailRequests,
     GatewayStep,
+    GrammarReady,
     Heartbeat,
     Ping,
     Pong,
@@ -34,6 +36,7 @@ from shared.messages import (
     SamplingParams,
     ServiceError,
     StepPlan,
+    StructuredOutputsParams,
     SubmitRequest,
 )
 from shared.model_source import ModelInfo
@@ -414,3 +417,37 @@ async def test_a_stopping_scheduler_handles_what_is_pending_but_plans_nothing(en
     assert env.plans == []
     [late] = env.errors
     assert (late.request_id, late.error.code, late.error.status) == ("late", "request_lost", 503)
+
+
+async def test_a_constrained_request_waits_for_grammar_ready_and_fails_with_its_error(env, nats_url):
+    """The scheduler asks the group to compile (CompileGrammar on its compile subject, again at
+    a heartbeat while unanswered); the request is planned once the group answers GrammarReady;
+    a compile error fails the requests waiting for it."""
+    svc = env.svc
+    asks: list[CompileGrammar] = []
+    bus = await Bus.connect(nats_url)
+
+    async def on_ask(msg: CompileGrammar) -> None:
+        asks.append(msg)
+
+    await bus.subscribe(subjects.Subjects(svc.model_info.name).compile("g"), CompileGrammar, on_ask)
+    await bus.flush()
+    try:
+        await register(svc)
+        for rid, regex in (("ok", "[a-z]+"), ("bad", "(x")):
+            await svc._on_submit(SubmitRequest(
+                request_id=rid, gateway_id="gw", prompt_token_ids=[7] * 20,
+                sampling_params=SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=regex))))
+        await until(lambda: len(asks) == 2)
+        assert not env.plans  # both wait for their grammar
+        assert await svc._on_heartbeat(heartbeat()) is not None
+        await until(lambda: len(asks) == 4)  # asked again while unanswered
+        by_regex = {a.structured_outputs.regex: a.key for a in asks}
+        await svc._on_grammar_ready(GrammarReady(group_id="g", key=by_regex["[a-z]+"]))
+        assert [n.request_id for n in env.plans[0].new_requests] == ["ok"]
+        error = ServiceError(message="structured_outputs.regex: invalid", param="structured_outputs.regex")
+        await svc._on_grammar_ready(GrammarReady(group_id="g", key=by_regex["(x"], error=error))
+        await until(lambda: [e.request_id for e in env.errors] == ["bad"])
+        assert env.errors[0].error == error and "bad" not in svc.scheduler.requests
+    finally:
+        await bus.close()

@@ -42,6 +42,7 @@ import msgspec
 from services.executor.device import resolve_device
 from services.executor.model_runner import ModelRunner
 from services.executor.parallel.group import TensorParallelGroup
+from services.executor.structured_output import StructuredOutputManager
 from shared.bus import decode, encode
 from shared.config import Settings
 from shared.logging import get_logger
@@ -131,6 +132,11 @@ class TensorParallelDriver:
         self._sampled: dict[str, int] = {}  # by the last step: sent with the next message
         self.num_blocks, self.block_size = runner.num_blocks, runner.block_size
         self.broken = False  # a call failed: the ranks may be anywhere in it, send nothing more
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """Rank 0's grammar matchers (the other ranks hold none)."""
+        return self.runner.structured
 
     def _send(self, message: RankMessage) -> None:
         """Broadcast ``message``; a failed broadcast breaks the group for good.
