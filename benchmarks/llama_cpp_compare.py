@@ -77,7 +77,7 @@ async def measure(url: str, proc: subprocess.Popen, output_len: int, streams: in
     """Single-stream decode tokens/s, output tokens/s at ``streams`` concurrent streams, TTFT p50 there."""
     async with httpx.AsyncClient(base_url=url, timeout=900) as client:
         await wait_ready(client, proc)
-        model = "default"
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
         await stream_one(client, model, 8)  # warm-up
         tpots = []
         for _ in range(repeats):
