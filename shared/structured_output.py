@@ -78,11 +78,23 @@ def apply_token_bitmask(
     rows: list[int],  # [R]: the logits row of each bitmask row
 ) -> None:
     """Set to -inf the logits of the tokens each row's bitmask forbids, in the listed rows
-    only (the others are left as they are). A torch equivalent of xgrammar's
-    ``apply_token_bitmask_inplace(logits, bitmask, indices=rows)``, on any device."""
+    only (the others are left as they are): xgrammar's CPU kernel
+    (``apply_token_bitmask_inplace``) on CPU float32 logits the mask covers, else the same in
+    torch, on any device (a mask narrower than the logits forbids the tokens past it)."""
     if not rows:
         return
     vocab = logits.shape[1]
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and bitmask.shape[1] * 32 >= vocab:
+        import xgrammar
+
+        if rows == list(range(logits.shape[0])):
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+        else:
+            index = torch.tensor(rows)
+            picked = logits[index]  # [R, V]: the kernel's indices address the mask's rows too
+            xgrammar.apply_token_bitmask_inplace(picked, bitmask)
+            logits[index] = picked
+        return
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
     bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
     allowed = bits.view(bitmask.shape[0], -1)[:, :vocab].bool()  # [R, V]

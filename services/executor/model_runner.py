@@ -358,6 +358,9 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, group_id=plan.group_id)
         states = [self.requests[rid] for rid, _ in order]
         input_ids, positions, meta, logits_rows, sample_states = self._prepare_inputs(states, [n for _, n in order])
+        # the constrained rows' bitmask is filled while the model runs (a fork adds rows after it)
+        early_mask = (self.structured.bitmask_async([s.request_id for s in sample_states])
+                      if sample_states and not plan.forks and self.tp.is_first_rank else None)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         result = StepResult(step_id=plan.step_id, group_id=plan.group_id)
         if any(s.wants_prompt_logprobs for s in states):
@@ -375,7 +378,8 @@ class ModelRunner:
             return result
         params = [s.sampling_params for s in sample_states]
         sample_ids = [s.request_id for s in sample_states]
-        bitmask = self.structured.bitmask(sample_ids)  # [R, ceil(V / 32)] of the constrained rows
+        # [R, ceil(V / 32)] of the constrained rows
+        bitmask = early_mask.result() if early_mask is not None else self.structured.bitmask(sample_ids)
         tokens = self.sampler.sample(logits, params, [s.generator for s in sample_states],
                                      [s.token_ids for s in sample_states], [s.num_prompt_tokens for s in sample_states],
                                      bitmask=bitmask)

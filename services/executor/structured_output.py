@@ -62,6 +62,7 @@ class StructuredOutputManager:
         self.eos_token_ids = eos_token_ids
         self._backend: StructuredOutputBackend | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         self._entries: dict[str, _Entry] = {}
 
     def __contains__(self, request_id: str) -> bool:
@@ -130,6 +131,14 @@ class StructuredOutputManager:
         if len(kept) != len(rows):
             bitmask, rows = bitmask[kept], [rows[j] for j in kept]
         return (bitmask, rows) if rows else None
+
+    def bitmask_async(self, request_ids: list[str]) -> Future[tuple[torch.Tensor, list[int]] | None] | None:
+        """:meth:`bitmask` on a worker thread, so that it overlaps the step's forward pass (the
+        matchers' states only change in :meth:`accept`, after sampling); None when no row of
+        ``request_ids`` has a constraint."""
+        if not any(rid in self._entries for rid in request_ids):
+            return None
+        return self._mask_pool.submit(self.bitmask, list(request_ids))
 
     def accept(self, request_ids: list[str], tokens: list[int]) -> None:
         """Advance the constrained requests' matchers by the tokens just sampled."""
