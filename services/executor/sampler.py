@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu import sampling_ops
 from shared.messages import SampleLogprobs, SamplingParams
 from shared.structured_output import apply_token_bitmask
 
@@ -267,7 +268,8 @@ class Sampler:
         if bitmask is not None:
             if processed is logits:  # the raw logits stay for the log probabilities
                 processed = logits.clone()
-            apply_token_bitmask(processed, *bitmask)
+            if not sampling_ops.apply_token_bitmask(processed, *bitmask):  # the C kernel, else torch's
+                apply_token_bitmask(processed, *bitmask)
         logits = processed
         greedy = greedy_argmax(logits)  # [N]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -10,7 +10,7 @@
 #define PAGEDLLM_ABI_H
 #include <stdint.h>
 
-#define PAGEDLLM_ABI_VERSION 3
+#define PAGEDLLM_ABI_VERSION 4
 
 #define MAX_GROUP 16     /* query heads per KV head (cpu_paged_attention.c) */
 #define MAX_HEAD_DIM 256 /* head_dim of paged attention (cpu_paged_attention.c) */
@@ -85,6 +85,8 @@ int pagedllm_gemm_bf16w(int a_dtype, const void* a, int64_t lda, const uint16_t*
 int pagedllm_llama_layers_bf16(const pagedllm_llama_args* a);
 int pagedllm_gemm_w4(int dtype, const void* x, int64_t ldx, const uint8_t* qw, const float* scales,
                      const float* szeros, void* out, int64_t M, int64_t N, int64_t K, int64_t G, int num_threads);
+int pagedllm_apply_token_bitmask(float* logits, int64_t ld, const int32_t* mask, int64_t words,
+                                 const int64_t* rows, int64_t R, int64_t vocab, int num_threads);
 int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, int64_t lda, int out_dtype,
                        void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads);
 
