@@ -37,9 +37,9 @@ log = get_logger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / n for n in ("abi.c", "cpu_paged_attention.c", "cpu_rms_norm.c", "cpu_gemm_bf16.c",
-                              "cpu_llama_layers.c", "cpu_gemm_w4.c", "cpu_gguf_gemm.c",
+                              "cpu_llama_layers.c", "cpu_gemm_w4.c", "cpu_gguf_gemm.c", "cpu_gguf_q8.c",
                               "cpu_token_bitmask.c")]
-HEADERS = [CSRC / "cpu_bf16.h", CSRC / "pagedllm_abi.h"]
+HEADERS = [CSRC / "cpu_bf16.h", CSRC / "cpu_gguf_q8.h", CSRC / "pagedllm_abi.h"]
 # -ffast-math only when compiling (vectorised expf): linking with it would add gcc's
 # crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c"]

@@ -1,5 +1,6 @@
 """The native GGUF-block GEMM (kernels/cpu/csrc/cpu_gguf_gemm.c) against the torch path
-(services/executor/layers/gguf.py: dequantize, then a float32 matmul)."""
+(services/executor/layers/gguf.py: dequantize, then a float32 matmul), and its int8-activation
+path for bf16 activations (cpu_gguf_q8.c) against a torch reference quantizing the same way."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from services.executor.layers import gguf as G
 
 
 def _portable_kernel(tmp_path) -> ctypes.CDLL:
-    """``cpu_gguf_gemm.c`` alone, compiled without AVX-512 (the portable C loop): a second
-    build of the whole library would cost ~20 s; this file alone, about one."""
+    """``cpu_gguf_gemm.c`` and ``cpu_gguf_q8.c`` alone, compiled without AVX-512 (the portable C
+    loops): a second build of the whole library would cost ~20 s; these files alone, about one."""
     so = tmp_path / "gguf_portable.so"
-    cmd = [native.find_compiler(), "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-fPIC", "-shared",
-           str(native.CSRC / "cpu_gguf_gemm.c"), "-o", str(so)]
+    cmd = [native.find_compiler(), "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-ffast-math", "-fPIC",
+           "-shared", str(native.CSRC / "cpu_gguf_gemm.c"), str(native.CSRC / "cpu_gguf_q8.c"), "-o", str(so)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     lib = ctypes.CDLL(str(so))
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -49,18 +50,86 @@ def _blocks(fmt: G.BlockFormat, n: int, k: int, seed: int) -> torch.Tensor:  # [
 
 @pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0], ids=lambda f: f.name)
 @pytest.mark.parametrize("m", [1, 3, 11])  # one row, a partial tile, a full tile and a partial one
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gemm_gguf_matches_the_torch_path(lib, fmt, m, dtype):
+def test_gemm_gguf_matches_the_torch_path(lib, fmt, m):
+    """float32 activations: the float32 path (bf16 ones take the int8 path, tested below)."""
     n, k = 37, 96
     blocks = _blocks(fmt, n, k, seed=m)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    reference = x.float() @ G.dequantize(blocks, fmt).t()  # [m, n] float32
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    reference = x @ G.dequantize(blocks, fmt).t()  # [m, n] float32
+    torch.testing.assert_close(quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=lib), reference,
+                               rtol=1e-5, atol=1e-4)
+
+
+def _quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16 -> (qa [M, K / 32, 32] float64 integers in [-127, 127], d_a [M, K / 32] float64),
+    as cpu_gguf_q8.c: float32 amax, d_a = amax * fl(1/127), qa = round-half-even(x * fl(127 / amax))."""
+    xf = x.float().view(x.shape[0], -1, 32)
+    amax = xf.abs().amax(-1)  # [M, K / 32]
+    one, f127 = torch.tensor(1.0), torch.tensor(127.0)
+    inv = torch.where(amax > 0, f127 / amax, torch.zeros(()))
+    qa = torch.round(xf * inv[..., None])
+    return qa.double(), (amax * (one / f127)).double()
+
+
+def _integer_blocks(blocks: torch.Tensor, fmt: G.BlockFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF rows [N, K / 32 * bytes] -> (qw [N, K / 32, 32] as multiplied, d_w, m_w [N, K / 32]), float64:
+    qw = the nibbles 0..15 (Q4_0, Q4_1) or the int8 (Q8_0); m_w = Q4_1's m, else 0."""
+    b = blocks.view(blocks.shape[0], -1, fmt.block_bytes)
+    half = lambda lo: b[..., lo:lo + 2].contiguous().view(torch.float16)[..., 0].double()  # noqa: E731
+    if fmt.ggml_type == G.Q8_0.ggml_type:
+        return b[..., 2:].contiguous().view(torch.int8).double(), half(0), torch.zeros_like(half(0))
+    q = b[..., 4:] if fmt.ggml_type == G.Q4_1.ggml_type else b[..., 2:]
+    qw = torch.cat([q & 15, q >> 4], dim=-1).double()
+    return qw, half(0), half(2) if fmt.ggml_type == G.Q4_1.ggml_type else torch.zeros_like(half(0))
+
+
+def _int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: G.BlockFormat) -> torch.Tensor:  # [M, N] float64
+    """The exact result of the int8 path's operands: sum over blocks of d_w d_a (qw - 8 for Q4_0) . qa
+    (+ m_w d_a sum(qa) for Q4_1), float64 (the integer dots exact)."""
+    qa, da = _quantize_activations(x)
+    qw, dw, mw = _integer_blocks(blocks, fmt)
+    dot = torch.einsum("mbe,nbe->mnb", qa, qw)  # [M, N, blocks]
+    sa = qa.sum(-1)[:, None, :]  # [M, 1, blocks]
+    if fmt.ggml_type == G.Q4_0.ggml_type:
+        dot = dot - 8 * sa
+    return (dw[None] * da[:, None] * dot + mw[None] * da[:, None] * sa).sum(-1)
+
+
+@pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0], ids=lambda f: f.name)
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17])  # tiles of 16 rows: partial, full, one more
+@pytest.mark.parametrize("k", [96, 576])  # an odd and an even number of blocks per row
+def test_gemm_gguf_bf16_takes_int8_activations(lib, fmt, m, k):
+    """bf16 activations: the int8 path equals the exact sum of its quantized operands up to float32
+    rounding, and the float32 matmul of the dequantized weight within the quantization's bound."""
+    n = 37
+    blocks = _blocks(fmt, n, k, seed=m + k)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
+    x[0, :32] = 0  # a block of zeros: d_a = 0
+    exact = _int8_reference(x, blocks, fmt)
     out32 = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=lib)
-    torch.testing.assert_close(out32, reference, rtol=1e-5, atol=1e-4)
-    out = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, dtype, lib=lib)
-    assert out.dtype == dtype
-    torch.testing.assert_close(out, reference.to(dtype), **({} if dtype == torch.float32 else
-                                                            {"rtol": 1.6e-2, "atol": 1e-2}))
+    torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    out = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.bfloat16, lib=lib)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, out32.bfloat16(), rtol=0, atol=0)  # one rounding of the same sums
+    # |x - d_a qa| <= d_a / 2 per element: against the unquantized activations
+    weight = G.dequantize(blocks, fmt).double()  # [n, k]
+    _, da = _quantize_activations(x)
+    bound = 0.5 * torch.einsum("mb,nb->mn", da, weight.abs().view(n, -1, 32).sum(-1))
+    assert ((out32.double() - x.double() @ weight.t()).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+
+
+@pytest.mark.skipif(not X86, reason="-mno-avx512f is x86")
+@pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0], ids=lambda f: f.name)
+def test_gemm_gguf_int8_portable_equals_native(kernel_library, tmp_path_factory, fmt):
+    """The portable C loop and the SIMD (AVX512-VNNI) path: the same integer sums, so outputs equal
+    up to the float32 order of scaling and summing them."""
+    portable = _portable_kernel(tmp_path_factory.mktemp("gguf_int8"))
+    m, n, k = 17, 29, 1536
+    blocks = _blocks(fmt, n, k, seed=3)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    a = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=kernel_library)
+    b = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=portable)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
 
 
 @pytest.mark.parametrize("fmt", [G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda f: f.name)

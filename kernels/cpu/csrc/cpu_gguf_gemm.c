@@ -19,12 +19,15 @@
  *        i = 128 g + 32 s + e (e < 32): low 4 bits ql[64 g + 32 (s % 2) + e] >> 4 (s / 2), high
  *        2 bits qh[32 g + e] >> 2 s;              w = d scales[i / 16] * (q - 32)
  *
- * Each OpenMP thread owns a contiguous range of output rows n. For each row, the activation rows
+ * bf16 activations with Q4_0, Q4_1 or Q8_0 weights take the int8-activation path of cpu_gguf_q8.c
+ * (as llama.cpp: the activations quantized to int8 per 32-element block, integer dot products,
+ * AVX512-VNNI where compiled for it; its header states the numerics). Otherwise, the float32
+ * path below: each OpenMP thread owns a contiguous range of output rows n. For each row, the activation rows
  * are taken in tiles of up to MT: every 32 elements of the weight row are dequantized once per tile into
  * two vectors of 16 floats (AVX-512) and multiplied into MT float32 accumulators, so a block's
  * dequantization is shared by the tile's rows; the weights are read at their quantized size
- * (20 bytes per 32 weights for Q4_1 against 64 in bf16). A bf16 A is first widened to float32
- * (once per call). Without AVX-512 a portable C loop of the same order serves. Float32 sums;
+ * (20 bytes per 32 weights for Q4_1 against 64 in bf16). A bf16 A (the K-quants) is first widened
+ * to float32 (once per call). Without AVX-512 a portable C loop of the same order serves. Float32 sums;
  * the summation order (and the dequantization's fused multiply-adds) differ from torch's
  * dequantize-then-matmul by float32 rounding.
  * Built and loaded by kernels/cpu/native.py, called through kernels/cpu/ops.py: gemm_gguf.
@@ -34,6 +37,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "cpu_gguf_q8.h"
 #include "pagedllm_abi.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -267,6 +271,8 @@ int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, 
                        void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads) {
   const int bpb = block_bytes(qtype);
   if (bpb == 0 || K % block_elems(qtype) != 0 || M < 0 || N < 0) return 1;
+  if (a_dtype == 1 && gguf_q8a_supports(qtype)) /* bf16 A: int8 activations (cpu_gguf_q8.c) */
+    return gguf_gemm_q8a(qtype, w, (const uint16_t*)a, lda, out_dtype, out, ldo, M, N, K, num_threads);
   const int64_t nb = K / block_elems(qtype);
   const float* af = (const float*)a;
   float* widened = NULL;

@@ -1,0 +1,76 @@
+"""The native GGUF-block GEMM (``kernels/cpu/csrc/cpu_gguf_gemm.c``) on SmolLM2-135M-like shapes.
+
+    .venv/bin/python benchmarks/gguf_gemm.py [--types q4_0,q4_1,q8_0] [--rows 1,16] [--threads 1,2]
+
+For each weight type, shape (N x K: down 576x1536, gate_up-like 1536x576, lm_head 49152x576),
+row count M and thread count, prints the milliseconds per call of ``quant_ops.gemm_gguf`` with
+bf16 activations (the serving path: int8 activations on the Q4_0 / Q4_1 / Q8_0 types) and with
+float32 activations (the float32 path), random weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from gguf import GGMLQuantizationType, quants  # noqa: E402
+
+from kernels.cpu import native, quant_ops  # noqa: E402
+
+SHAPES = {"down": (576, 1536), "up": (1536, 576), "lm_head": (49152, 576)}
+TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+
+
+def ms(fn, budget_s: float = 0.3) -> float:
+    """The fastest of repeated calls' milliseconds, running about ``budget_s`` in all (the fastest:
+    other processes on a shared machine only ever add time)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-6)
+    times = []
+    for _ in range(max(3, min(200, int(budget_s / once)))):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--types", default="q4_0,q4_1,q8_0")
+    p.add_argument("--rows", default="1,16")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--library", default=None, help="another build of the kernels (a .so) to time")
+    args = p.parse_args()
+    lib = native.bind(args.library) if args.library else native.load()
+    if lib is None:
+        sys.exit("the native CPU kernels did not build (see the log)")
+    rng = np.random.default_rng(0)
+    for tname in args.types.split(","):
+        qtype = TYPES[tname]
+        for sname in args.shapes.split(","):
+            n, k = SHAPES[sname]
+            blocks = torch.from_numpy(quants.quantize(rng.standard_normal((n, k)).astype(np.float32),
+                                                      GGMLQuantizationType(qtype)))
+            for m in [int(r) for r in args.rows.split(",")]:
+                x = torch.randn(m, k)
+                cells = []
+                for threads in [int(t) for t in args.threads.split(",")]:
+                    torch.set_num_threads(threads)
+                    for dtype in (torch.bfloat16, torch.float32):
+                        xd = x.to(dtype)
+                        t = ms(lambda xd=xd: quant_ops.gemm_gguf(xd, blocks, qtype, k, dtype, lib=lib, validate=False))
+                        cells.append(f"{threads}t {str(dtype)[6:]:>8} {t:7.3f} ms")
+                print(f"{tname} {sname:>7} {n}x{k} M={m:<3} " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()

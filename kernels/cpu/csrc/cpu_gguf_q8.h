@@ -1,0 +1,15 @@
+/* The int8-activation path of pagedllm_gemm_gguf (cpu_gguf_q8.c), which cpu_gguf_gemm.c takes
+ * for bf16 activations and Q4_0 / Q4_1 / Q8_0 weights. */
+#ifndef PAGEDLLM_CPU_GGUF_Q8_H
+#define PAGEDLLM_CPU_GGUF_Q8_H
+#include <stdint.h>
+
+/* Whether gguf_gemm_q8a takes GGML type qtype (Q4_0, Q4_1, Q8_0). */
+int gguf_q8a_supports(int qtype);
+
+/* out [M, N] (row stride ldo; float32 for out_dtype 0, else bf16) = A . W^T with A [M, K] bf16
+ * (row stride lda) quantized to int8 per 32-element block and W [N, K] in qtype's blocks.
+ * Returns 0, 1 for a bad type or size, 3 when out of memory. */
+int gguf_gemm_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, int out_dtype, void* out, int64_t ldo,
+                  int64_t M, int64_t N, int64_t K, int num_threads);
+#endif
