@@ -10,17 +10,17 @@
  * d_a = amax * fl(1/127), qa = round-half-even(x * fl(127 / amax)) in [-127, 127] (0 where
  * amax = 0), s_a = sum(qa); all float32 operations, one rounding each, so a torch reference
  * doing the same (tests/kernels/test_gguf_gemm.py) gets the same int8 blocks bit for bit. The
- * integer dot products are exact: qw are the weight's nibbles 0..15 (Q4_0's -8 is the exact
- * correction -8 s_a) or its int8 (Q8_0). Each block's integer sum is then scaled in float32
+ * integer dot products are exact: qw are the weight's nibbles 0..15 (Q4_0's -8 subtracted
+ * exactly: from the nibbles with SIMD, as -8 s_a in the portable loop) or its int8 (Q8_0). Each block's integer sum is then scaled in float32
  * (d_w * d_a rounded once, then a fused multiply-add into float32 accumulators), so the result
  * differs from the exact sum of the quantized operands by float32 rounding only, and from the
  * float32 path by the activations' int8 quantization (|error| <= d_a / 2 per element).
  *
  * AVX-512 VNNI (vpdpbusd, unsigned bytes times signed bytes summed in fours into int32 lanes):
- * a 512-bit vector holds two blocks, 8 int32 lanes each. Q4_0 / Q4_1 multiply the weight's
- * nibbles (unsigned) by qa (signed), Q4_0's lanes starting from the row's -8 s_a; Q8_0 multiplies
- * qa + 128 (unsigned: stored as qa XOR 0x80) by the weight's int8 and starts from -128 sum(qw),
- * computed once per weight block. A weight block pair is unpacked once per tile of up to MTQ
+ * a 512-bit vector holds two blocks, 8 int32 lanes each. Q4_1 multiplies the weight's nibbles
+ * (unsigned) by qa (signed); Q8_0 and Q4_0 multiply qa + 128 (unsigned: stored as qa XOR 0x80)
+ * by the weight's int8 or nibble - 8 (signed), starting from -128 sum(qw), computed once per
+ * weight block pair. A weight block pair is unpacked once per tile of up to MTQ
  * activation rows. Without VNNI a portable C loop computes the same integer sums per block.
  */
 #include <math.h>
@@ -37,6 +37,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #include <immintrin.h>
 #define Q8A_VNNI 1
+#define Q8A_SIMD 1
+#else
+#define Q8A_SIMD 0
 #endif
 
 #define QK 32   /* elements per block */
@@ -47,9 +50,9 @@
  * zeros with d = 0, so it adds nothing). */
 typedef struct {
   int64_t nbp;
-  int8_t* q;      /* [M, nbp * 32] qa (Q8_0 on VNNI: qa XOR 0x80, i.e. qa + 128 as uint8) */
+  int8_t* q;      /* [M, nbp * 32] qa (Q4_0 / Q8_0 on VNNI: qa XOR 0x80, i.e. qa + 128 as uint8) */
   float* d;       /* [M, nbp * LANES] d_a of each block, repeated in its 8 lanes */
-  int32_t* corr;  /* Q4_0: [M, nbp * LANES] -8 s_a in a block's first lane, 0 in the others */
+  int32_t* corr;  /* Q4_0, portable: [M, nbp * LANES] -8 s_a in a block's first lane, 0 in the others */
   float* s;       /* Q4_1: [M, nbp * LANES] d_a * s_a in a block's first lane, 0 in the others */
 } act_q8;
 
@@ -91,7 +94,7 @@ static void quantize_block(int qtype, const uint16_t* x, act_q8* A, int64_t m, i
   const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
   sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
   __m128i q0 = _mm512_cvtepi32_epi8(i0), q1 = _mm512_cvtepi32_epi8(i1);
-  if (qtype == GGUF_Q8_0) {
+  if (qtype != GGUF_Q4_1) {
     q0 = _mm_xor_si128(q0, _mm_set1_epi8((char)0x80));
     q1 = _mm_xor_si128(q1, _mm_set1_epi8((char)0x80));
   }
@@ -112,7 +115,7 @@ static void quantize_block(int qtype, const uint16_t* x, act_q8* A, int64_t m, i
 #endif
   const float d = amax * (1.0f / 127.0f);
   for (int j = 0; j < LANES; ++j) A->d[l + j] = d;
-  if (A->corr) A->corr[l] = -8 * sum;
+  if (A->corr) A->corr[l] = -8 * sum; /* the portable loop's Q4_0 */
   if (A->s) A->s[l] = d * (float)sum;
 }
 
@@ -143,25 +146,25 @@ static inline __attribute__((always_inline)) void tile_vnni(const int qt, const 
     if (qt == GGUF_Q8_0) {
       wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + off))),
                               two ? _mm256_loadu_si256((const __m256i*)(b1 + off)) : _mm256_setzero_si256(), 1);
-      /* -128 sum(qw) per block, spread over its lanes: qa + 128 times qw, less this, is qa . qw */
-      init = _mm512_sub_epi32(init, _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), wv));
     } else {
       wv = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles(b0 + off)), two ? nibbles(b1 + off) : _mm256_setzero_si256(), 1);
+      if (qt == GGUF_Q4_0) /* signed q - 8; the padding half of an odd pair stays 0 */
+        wv = _mm512_mask_sub_epi8(wv, two ? ~0ull : 0xFFFFFFFFull, wv, _mm512_set1_epi8(8));
       if (qt == GGUF_Q4_1)
         mw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half(b0 + 2)), _mm512_set1_ps(two ? half(b1 + 2) : 0.f));
     }
+    if (qt != GGUF_Q4_1) /* -128 sum(qw) per block over its lanes: (qa + 128) . qw less this is qa . qw */
+      init = _mm512_sub_epi32(init, _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), wv));
 #pragma GCC unroll 16
     for (int i = 0; i < MTQ; ++i) {
       if (i >= mt) break;
       const int64_t m = m0 + i;
       const __m512i av = _mm512_loadu_si512((const void*)(A->q + m * ka + b * QK)); /* [64] int8 */
       __m512i dot;
-      if (qt == GGUF_Q8_0)
-        dot = _mm512_dpbusd_epi32(init, av, wv);
-      else if (qt == GGUF_Q4_0)
-        dot = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void*)(A->corr + m * kl + b * LANES)), wv, av);
-      else
+      if (qt == GGUF_Q4_1)
         dot = _mm512_dpbusd_epi32(init, wv, av);
+      else
+        dot = _mm512_dpbusd_epi32(init, av, wv);
       const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(A->d + m * kl + b * LANES)); /* d_w d_a per lane */
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
       if (qt == GGUF_Q4_1) acc[i] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(A->s + m * kl + b * LANES), acc[i]);
@@ -224,15 +227,17 @@ int gguf_gemm_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, i
   const size_t rows = (size_t)(M > 0 ? M : 1), lanes = rows * (size_t)(A.nbp * LANES);
   A.q = (int8_t*)calloc(rows * (size_t)(A.nbp * QK), 1);
   A.d = (float*)calloc(lanes, sizeof(float));
+#ifndef Q8A_VNNI
   if (qtype == GGUF_Q4_0) A.corr = (int32_t*)calloc(lanes, sizeof(int32_t));
+#endif
   if (qtype == GGUF_Q4_1) A.s = (float*)calloc(lanes, sizeof(float));
   int status = 0;
-  if (!A.q || !A.d || (qtype == GGUF_Q4_0 && !A.corr) || (qtype == GGUF_Q4_1 && !A.s)) {
+  if (!A.q || !A.d || (qtype == GGUF_Q4_0 && !A.corr && !Q8A_SIMD) || (qtype == GGUF_Q4_1 && !A.s)) {
     status = 3;
     goto done;
   }
 #ifdef Q8A_VNNI
-  if (qtype == GGUF_Q8_0 && nb % 2) /* the padding block: qa = 0 is stored as 0x80 */
+  if (qtype != GGUF_Q4_1 && nb % 2) /* the padding block: qa = 0 is stored as 0x80 */
     for (int64_t m = 0; m < M; ++m) memset(A.q + m * A.nbp * QK + nb * QK, 0x80, QK);
 #endif
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && (N > 1 || M > 1))
