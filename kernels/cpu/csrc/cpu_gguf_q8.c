@@ -53,7 +53,7 @@ typedef struct {
   int8_t* q;      /* [M, nbp * 32] qa (Q4_0 / Q8_0 on VNNI: qa XOR 0x80, i.e. qa + 128 as uint8) */
   float* d;       /* [M, nbp * LANES] d_a of each block, repeated in its 8 lanes */
   int32_t* corr;  /* Q4_0, portable: [M, nbp * LANES] -8 s_a in a block's first lane, 0 in the others */
-  float* s;       /* Q4_1: [M, nbp * LANES] d_a * s_a in a block's first lane, 0 in the others */
+  float* s;       /* Q4_1: [M, nbp] d_a * s_a of each block */
 } act_q8;
 
 int gguf_q8a_supports(int qtype) { return qtype == GGUF_Q4_0 || qtype == GGUF_Q4_1 || qtype == GGUF_Q8_0; }
@@ -116,7 +116,7 @@ static void quantize_block(int qtype, const uint16_t* x, act_q8* A, int64_t m, i
   const float d = amax * (1.0f / 127.0f);
   for (int j = 0; j < LANES; ++j) A->d[l + j] = d;
   if (A->corr) A->corr[l] = -8 * sum; /* the portable loop's Q4_0 */
-  if (A->s) A->s[l] = d * (float)sum;
+  if (A->s) A->s[m * A->nbp + b] = d * (float)sum;
 }
 
 #ifdef Q8A_VNNI
@@ -126,10 +126,11 @@ static inline __m256i nibbles(const uint8_t* p) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
 }
 
-/* sums[i] = dot(W row wr, A row m0 + i) for i < mt; QT and (for mt == 1) MT1 constant after inlining. */
+/* sums[i] = dot(W row wr, A row m0 + i) for i < mt; qt and (for mt == 1) mt1 constant after inlining.
+ * mws [nb]: scratch for Q4_1's m_w of the row's blocks. */
 static inline __attribute__((always_inline)) void tile_vnni(const int qt, const int mt1, const uint8_t* wr, int bpb,
                                                             int64_t nb, const act_q8* A, int64_t m0, int mt,
-                                                            float* sums) {
+                                                            float* mws, float* sums) {
   if (mt1) mt = 1;
   const int64_t ka = A->nbp * QK, kl = A->nbp * LANES;
   const int off = qt == GGUF_Q4_1 ? 4 : 2; /* quants after d (and m) */
@@ -142,7 +143,6 @@ static inline __attribute__((always_inline)) void tile_vnni(const int qt, const 
     const int two = b + 1 < nb; /* an odd last block: the pair's second half is zeros */
     const __m512 dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half(b0)), _mm512_set1_ps(two ? half(b1) : 0.f));
     __m512i wv, init = _mm512_setzero_si512();
-    __m512 mw = _mm512_setzero_ps();
     if (qt == GGUF_Q8_0) {
       wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + off))),
                               two ? _mm256_loadu_si256((const __m256i*)(b1 + off)) : _mm256_setzero_si256(), 1);
@@ -150,8 +150,10 @@ static inline __attribute__((always_inline)) void tile_vnni(const int qt, const 
       wv = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles(b0 + off)), two ? nibbles(b1 + off) : _mm256_setzero_si256(), 1);
       if (qt == GGUF_Q4_0) /* signed q - 8; the padding half of an odd pair stays 0 */
         wv = _mm512_mask_sub_epi8(wv, two ? ~0ull : 0xFFFFFFFFull, wv, _mm512_set1_epi8(8));
-      if (qt == GGUF_Q4_1)
-        mw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half(b0 + 2)), _mm512_set1_ps(two ? half(b1 + 2) : 0.f));
+      if (qt == GGUF_Q4_1) {
+        mws[b] = half(b0 + 2);
+        if (two) mws[b + 1] = half(b1 + 2);
+      }
     }
     if (qt != GGUF_Q4_1) /* -128 sum(qw) per block over its lanes: (qa + 128) . qw less this is qa . qw */
       init = _mm512_sub_epi32(init, _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), wv));
@@ -167,9 +169,18 @@ static inline __attribute__((always_inline)) void tile_vnni(const int qt, const 
         dot = _mm512_dpbusd_epi32(init, av, wv);
       const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(A->d + m * kl + b * LANES)); /* d_w d_a per lane */
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
-      if (qt == GGUF_Q4_1) acc[i] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(A->s + m * kl + b * LANES), acc[i]);
     }
   }
+  if (qt == GGUF_Q4_1) /* + sum over blocks of m_w (d_a s_a): 16 blocks per vector */
+    for (int64_t b = 0; b < nb; b += 16) {
+      const __mmask16 k = nb - b >= 16 ? 0xFFFF : (__mmask16)((1u << (nb - b)) - 1u);
+      const __m512 mv = _mm512_maskz_loadu_ps(k, mws + b);
+#pragma GCC unroll 16
+      for (int i = 0; i < MTQ; ++i) {
+        if (i >= mt) break;
+        acc[i] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, A->s + (m0 + i) * A->nbp + b), acc[i]);
+      }
+    }
 #pragma GCC unroll 16
   for (int i = 0; i < MTQ; ++i) {
     if (i >= mt) break;
@@ -178,19 +189,20 @@ static inline __attribute__((always_inline)) void tile_vnni(const int qt, const 
 }
 #endif
 
-/* sums[i] = dot(W row wr, A row m0 + i) for i < mt. */
+/* sums[i] = dot(W row wr, A row m0 + i) for i < mt; mws [nb] scratch. */
 static void row_tile(int qtype, int bpb, const uint8_t* wr, int64_t nb, const act_q8* A, int64_t m0, int mt,
-                     float* sums) {
+                     float* mws, float* sums) {
 #ifdef Q8A_VNNI
   switch (qtype * 2 + (mt == 1)) {
-    case GGUF_Q4_0 * 2: tile_vnni(GGUF_Q4_0, 0, wr, bpb, nb, A, m0, mt, sums); return;
-    case GGUF_Q4_0 * 2 + 1: tile_vnni(GGUF_Q4_0, 1, wr, bpb, nb, A, m0, mt, sums); return;
-    case GGUF_Q4_1 * 2: tile_vnni(GGUF_Q4_1, 0, wr, bpb, nb, A, m0, mt, sums); return;
-    case GGUF_Q4_1 * 2 + 1: tile_vnni(GGUF_Q4_1, 1, wr, bpb, nb, A, m0, mt, sums); return;
-    case GGUF_Q8_0 * 2: tile_vnni(GGUF_Q8_0, 0, wr, bpb, nb, A, m0, mt, sums); return;
-    default: tile_vnni(GGUF_Q8_0, 1, wr, bpb, nb, A, m0, mt, sums); return;
+    case GGUF_Q4_0 * 2: tile_vnni(GGUF_Q4_0, 0, wr, bpb, nb, A, m0, mt, mws, sums); return;
+    case GGUF_Q4_0 * 2 + 1: tile_vnni(GGUF_Q4_0, 1, wr, bpb, nb, A, m0, mt, mws, sums); return;
+    case GGUF_Q4_1 * 2: tile_vnni(GGUF_Q4_1, 0, wr, bpb, nb, A, m0, mt, mws, sums); return;
+    case GGUF_Q4_1 * 2 + 1: tile_vnni(GGUF_Q4_1, 1, wr, bpb, nb, A, m0, mt, mws, sums); return;
+    case GGUF_Q8_0 * 2: tile_vnni(GGUF_Q8_0, 0, wr, bpb, nb, A, m0, mt, mws, sums); return;
+    default: tile_vnni(GGUF_Q8_0, 1, wr, bpb, nb, A, m0, mt, mws, sums); return;
   }
 #else
+  (void)mws;
   const int64_t ka = A->nbp * QK, kl = A->nbp * LANES;
   for (int i = 0; i < mt; ++i) sums[i] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
@@ -212,7 +224,7 @@ static void row_tile(int qtype, int bpb, const uint8_t* wr, int64_t nb, const ac
       int32_t dot = qtype == GGUF_Q4_0 ? A->corr[m * kl + b * LANES] : 0;
       for (int e = 0; e < QK; ++e) dot += qw[e] * qa[e];
       sums[i] += dw * A->d[m * kl + b * LANES] * (float)dot;
-      if (qtype == GGUF_Q4_1) sums[i] += mw * A->s[m * kl + b * LANES];
+      if (qtype == GGUF_Q4_1) sums[i] += mw * A->s[m * A->nbp + b];
     }
   }
 #endif
@@ -230,7 +242,7 @@ int gguf_gemm_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, i
 #ifndef Q8A_VNNI
   if (qtype == GGUF_Q4_0) A.corr = (int32_t*)calloc(lanes, sizeof(int32_t));
 #endif
-  if (qtype == GGUF_Q4_1) A.s = (float*)calloc(lanes, sizeof(float));
+  if (qtype == GGUF_Q4_1) A.s = (float*)calloc(rows * (size_t)A.nbp, sizeof(float));
   int status = 0;
   if (!A.q || !A.d || (qtype == GGUF_Q4_0 && !A.corr && !Q8A_SIMD) || (qtype == GGUF_Q4_1 && !A.s)) {
     status = 3;
@@ -242,6 +254,7 @@ int gguf_gemm_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, i
 #endif
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && (N > 1 || M > 1))
   {
+    float mws[qtype == GGUF_Q4_1 ? A.nbp : 1]; /* per thread: K / 32 floats on the stack */
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < nb; ++b) quantize_block(qtype, a + m * lda + b * QK, &A, m, b);
@@ -252,7 +265,7 @@ int gguf_gemm_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, i
       float sums[MTQ];
       for (int64_t m0 = 0; m0 < M; m0 += MTQ) {
         const int mt = (int)(M - m0 < MTQ ? M - m0 : MTQ);
-        row_tile(qtype, bpb, wr, nb, &A, m0, mt, sums);
+        row_tile(qtype, bpb, wr, nb, &A, m0, mt, mws, sums);
         for (int i = 0; i < mt; ++i) {
           if (out_dtype == 0)
             ((float*)out)[(m0 + i) * ldo + n] = sums[i];
