@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,8 +67,8 @@ def main() -> None:
                 for threads in [int(t) for t in args.threads.split(",")]:
                     torch.set_num_threads(threads)
                     for dtype in (torch.bfloat16, torch.float32):
-                        xd = x.to(dtype)
-                        t = ms(lambda xd=xd: quant_ops.gemm_gguf(xd, blocks, qtype, k, dtype, lib=lib, validate=False))
+                        t = ms(partial(quant_ops.gemm_gguf, x.to(dtype), blocks, qtype, k, dtype, lib=lib,
+                                       validate=False))
                         cells.append(f"{threads}t {str(dtype)[6:]:>8} {t:7.3f} ms")
                 print(f"{tname} {sname:>7} {n}x{k} M={m:<3} " + " | ".join(cells), flush=True)
 

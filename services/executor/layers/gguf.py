@@ -32,7 +32,12 @@ The layer's ``weight`` is a uint8 parameter ``[N, K / block_size * block_bytes]`
 merged layers (q | k | v, gate | up) concatenate their shards' rows and rows can be permuted
 without dequantizing. :meth:`GGUFLinearMethod.apply` runs the native kernel
 (``kernels/cpu/csrc/cpu_gguf_gemm.c``: each block dequantized in registers, float32 sums) for
-up to ``NATIVE_MAX_ROWS`` rows on CPU where the native kernels are allowed, the Triton kernel
+up to ``NATIVE_MAX_ROWS`` rows on CPU where the native kernels are allowed (numerics: float32
+activations are multiplied as they are; bf16 activations with Q4_0 / Q4_1 / Q8_0 weights are
+quantized to int8 per 32-element block, ``d_a = max|x| / 127``, ``q = round-half-even(x * (127 / max|x|))``,
+as llama.cpp's Q8_0 / Q8_1, and each block's integer dot product is exact, scaled in float32:
+``cpu_gguf_q8.c``; the error against the unquantized activations is at most ``d_a / 2`` per
+element times ``|w|``; the K-quants keep float32 sums), the Triton kernel
 (``kernels/triton/gemm_gguf.py``, the same contract) on CUDA, else dequantizes the whole weight
 into the activation dtype and calls ``F.linear``.
 """

@@ -64,7 +64,7 @@ class NativeLayers:
         gguf = [_gguf(p) for projs in projections for p in projs.values()]
         self._wtype = torch.tensor([0 if m is None else m.fmt.ggml_type for m in gguf], dtype=torch.int32)
         a.wtype = self._wtype.data_ptr()
-        # GGUF blocks: the C kernel dequantizes once per 8 rows; over NATIVE_MAX_ROWS the per-layer
+        # GGUF blocks: the C kernel unpacks a block once per 8 rows (16 on its int8 path); over NATIVE_MAX_ROWS the per-layer
         # path (a dequantized weight in torch's GEMM) is quicker
         self.max_rows = NATIVE_MAX_ROWS if any(m is not None for m in gguf) else None
         a.k_cache = pointers([k for k, _ in kv_caches])
