@@ -70,6 +70,7 @@ def kernel_library():
     return lib
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test by its folder (``MARKER_OF_DIR``). Under pytest-xdist (``make test``:
     ``-n 2 --dist loadgroup``) every ``e2e`` test runs on one worker, one after another (they
