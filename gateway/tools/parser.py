@@ -6,7 +6,9 @@ says how its format splits the text so far into content and call drafts (``parse
 base turns successive parses into OpenAI's stream deltas: content as it becomes certain,
 then per call a first delta with its ``id``, ``type`` and ``name`` (``arguments`` ""), then
 the arguments' text as it comes. ``extract`` on a whole text is the same parser fed once, so
-a streamed response adds up to exactly the non-streamed one.
+a streamed response adds up to exactly the non-streamed one, but for a call whose JSON turns
+malformed after its first delta was sent: the stream cannot take that delta back, while
+``extract`` returns the whole text as content.
 
 The ``arguments`` string is the model's own text of the arguments' JSON value (spacing
 included), as OpenAI's is; a JSON string holding the arguments is given as its content.

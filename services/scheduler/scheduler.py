@@ -280,9 +280,10 @@ class Scheduler:
             scheduled[req.request_id] = num_new
             budget -= num_new
 
-        for rid in gone:  # a preempted beam search's beams may have been scheduled before
-            scheduled.pop(rid, None)
+        for rid in gone:  # a preempted beam search's beams may have been scheduled before (no
+            scheduled.pop(rid, None)  # admission follows a preemption: the budget is not reused)
             copies.pop(rid, None)
+            new_blocks.pop(rid, None)
         if not preempted and suspect is None and waiting_suspect is None:
             self._admit(group, budget, scheduled, new_blocks)
         if not scheduled:

@@ -21,15 +21,17 @@ log = get_logger(__name__)
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """The text of a chat template given as a file path or as the template itself (it has
-    ``{``); None stays None.
+    """The text of a chat template given as a file path or as the template itself (not a file
+    and it has ``{``); None stays None.
 
     Raises:
         ValueError: a path that is not a readable file (the message names it).
     """
-    if value is None or "{" in value:
-        return value
+    if value is None:
+        return None
     path = Path(value).expanduser()
+    if "{" in value and not (len(value) < 4096 and "\n" not in value and path.is_file()):
+        return value
     try:
         return path.read_text()
     except OSError as exc:

@@ -44,6 +44,7 @@ def server(smollm2_path):
     reader = threading.Thread(target=lambda: logs.extend(iter(proc.stderr.readline, "")), daemon=True)
     reader.start()
     yield port, logs, proc.pid
+    proc.send_signal(signal.SIGCONT)  # a drill that died while serve was stopped
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(60)

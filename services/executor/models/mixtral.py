@@ -141,13 +141,13 @@ class MoeForCausalLM(PagedCausalLM):
         with torch.device(self.device):
             self.model = MoeModel(hf_config, args, self.dtype, self.device, self.attn_backend, make_mlp,
                                   self.quant_config)
+            self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, self.dtype)
         for i, layer in enumerate(self.model.layers):
             expert = f"model.layers.{i}.{self.expert_module}.experts.0.{expert_names[0]}"
             if hasattr(layer.mlp, "experts") and self.quant_config is not None \
                     and self.quant_config.linear_method(expert, []) is not None:
                 raise ValueError(f"{self.quant_config.name} quantization of MoE experts ({expert}) is not supported: "
                                  "only the attention and dense MLPs of a MoE model may be quantized")
-            self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, self.dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.num_kv_heads_per_rank = self.model.layers[0].self_attn.num_kv_heads  # this rank's KV heads
