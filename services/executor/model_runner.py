@@ -84,7 +84,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(settings.dtype, model_info.path)
         self.block_size = settings.block_size
         self.hf_config = AutoConfig.from_pretrained(model_info.path)
-        if settings.native_cpu_kernels and self.device.type == "cpu":  # prepare-model built it, else now
+        native_cpu = settings.native_cpu_kernels and self.device.type == "cpu"
+        if native_cpu:  # prepare-model built it, else now
             native.load(kernel_cache_dir(settings.cache_dir))
         model_cls = get_model_class(self.hf_config)
         quant = get_quantization_config(self.hf_config, settings.quantization)  # ValueError naming what is refused
@@ -105,7 +106,7 @@ class ModelRunner:
         self.model.eval()
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self.sampler = Sampler(settings.seed, self.device, model_info.eos_token_ids)
+        self.sampler = Sampler(settings.seed, self.device, model_info.eos_token_ids, native_kernels=native_cpu)
         self.requests: dict[str, CachedRequestState] = {}
         # the grammar matchers of structured outputs: rank 0's, which samples
         self.structured = StructuredOutputManager(model_info.path, model_info.vocab_size, model_info.eos_token_ids)

@@ -58,7 +58,14 @@ def test_bitmask_applied_only_to_listed_rows():
     assert torch.isinf(wide[0, 32:]).all() and not torch.isinf(wide[0, :32]).any()
 
 
-def test_sampler_masks_rows_and_keeps_raw_logits():
+def test_sampler_masks_rows_and_keeps_raw_logits(monkeypatch):
+    """The same tokens by torch's path (native kernels off: the C library is never asked for)
+    and by the C kernel's (on, where the library loads)."""
+    from kernels.cpu import sampling_ops
+
+    def no_library(*args, **kwargs):
+        raise AssertionError("the C kernel was asked for with native kernels off")
+
     vocab = 64
     logits = torch.arange(vocab, dtype=torch.float32).repeat(3, 1)  # argmax 63 everywhere
     raw = logits.clone()
@@ -66,9 +73,13 @@ def test_sampler_masks_rows_and_keeps_raw_logits():
     bitmask[0, 0] = 1 << 5  # row 0: only token 5
     bitmask[1, 1] = 1 << 3  # row 2: only token 35
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1)]
-    tokens = Sampler(0, torch.device("cpu")).sample(logits, params, [None] * 3, bitmask=(bitmask, [0, 2]))
+    with monkeypatch.context() as m:
+        m.setattr(sampling_ops, "apply_token_bitmask", no_library)
+        tokens = Sampler(0, torch.device("cpu")).sample(logits, params, [None] * 3, bitmask=(bitmask, [0, 2]))
     assert tokens[:2] == [5, 63] and tokens[2] == 35
     assert torch.equal(logits, raw)  # the log probabilities are of the raw logits
+    native = Sampler(0, torch.device("cpu"), native_kernels=True)
+    assert native.sample(logits, params, [None] * 3, bitmask=(bitmask, [0, 2])) == tokens
 
 
 def test_compile_errors_name_the_field_and_lark_falls_back(backend):
