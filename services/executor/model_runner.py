@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -362,6 +363,19 @@ class ModelRunner:
         # the constrained rows' bitmask is filled while the model runs (a fork adds rows after it)
         early_mask = (self.structured.bitmask_async([s.request_id for s in sample_states])
                       if sample_states and not plan.forks and self.tp.is_first_rank else None)
+        try:
+            return self._run(plan, order, states, input_ids, positions, meta, logits_rows, sample_states, early_mask)
+        except BaseException:
+            if early_mask is not None:  # not left filling masks under the recovery's clear()
+                early_mask.cancel()
+                futures.wait([early_mask])
+            raise
+
+    def _run(self, plan: StepPlan, order: list[tuple[str, int]], states: list[CachedRequestState],
+             input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: list[int],
+             sample_states: list[CachedRequestState],
+             early_mask: futures.Future[tuple[torch.Tensor, list[int]] | None] | None) -> StepResult:
+        """:meth:`execute` from the forward pass on: the model, the logits, the sample."""
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         result = StepResult(step_id=plan.step_id, group_id=plan.group_id)
         if any(s.wants_prompt_logprobs for s in states):

@@ -4,6 +4,8 @@ field, the xgrammar -> llguidance fallback, replay after preemption and forks of
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import xgrammar as xgr
@@ -127,3 +129,48 @@ def test_manager_replays_forks_and_masks_only_its_rows(smollm2_path, tokenizer):
     assert allowed(mask, 0, 49152) == allowed(mask, 1, 49152) == tokenizer.encode("e")
     manager.remove("resumed#1")
     assert manager.bitmask(["resumed#1", "free"]) is None
+
+
+def test_slow_prepare_does_not_hold_up_a_request_and_close_cancels(smollm2_path):
+    """A scheduler's compile (``prepare``) still running, a new request's grammar is compiled
+    anyway (its own thread); ``close`` cancels what is queued and refuses new work."""
+    manager = StructuredOutputManager(smollm2_path, 49152, EOS)
+    release = threading.Event()
+    slow, fast = StructuredOutputsParams(regex="slow"), StructuredOutputsParams(regex="fast")
+
+    def compile_(params):
+        if params == slow:
+            assert release.wait(30)
+        return params
+
+    manager._compile = compile_
+    running = manager.prepare(slow)
+    queued = manager.prepare(StructuredOutputsParams(regex="queued"))
+    manager.add("r", fast, [])
+    assert manager._entries["r"].grammar.result(timeout=30) == fast
+    assert not running.done()
+    manager.close()
+    assert queued.cancelled()
+    release.set()
+    assert running.result(timeout=30) == slow  # the running compile ends on its own
+    with pytest.raises(RuntimeError):
+        manager.prepare(fast)
+
+
+def test_bitmask_skips_a_request_removed_meanwhile(smollm2_path):
+    manager = StructuredOutputManager(smollm2_path, 49152, EOS)
+    manager.add("r", StructuredOutputsParams(regex="ab"), [])
+    manager.add("gone", StructuredOutputsParams(regex="ab"), [])
+    entries = manager._entries
+
+    class Vanishing(dict):  # "gone" is removed (the runner's recovery) after the rows are chosen
+        def get(self, key, default=None):
+            value = super().get(key, default)
+            if key == "gone" and value is not None:
+                self.pop("gone")
+            return value
+
+    manager._entries = Vanishing(entries)
+    mask, rows = manager.bitmask(["gone", "r"])
+    assert rows == [1] and mask.shape == (1, 1536)
+    manager.close()
