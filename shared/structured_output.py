@@ -28,10 +28,10 @@ from typing import Any, Protocol
 import torch
 
 from shared.logging import get_logger
-from shared.messages.structured_outputs import StructuredOutputsParams
+from shared.messages.structured_outputs import GRAMMAR_CACHE_SIZE, StructuredOutputsParams
 
 log = get_logger("structured_output")
-CACHE_SIZE = 256  # compiled grammars kept per process (LRU)
+CACHE_SIZE = GRAMMAR_CACHE_SIZE  # compiled grammars kept per process (LRU)
 #: the whitespace a JSON value may hold between two tokens when ``disable_any_whitespace`` is
 #: off: unbounded whitespace lets a small model at temperature 1 wander off for ever
 MAX_JSON_WHITESPACE = 8
