@@ -293,4 +293,7 @@ class _GuidanceMatcher:
             llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
 
     def is_terminated(self) -> bool:
-        return self._done or bool(self._m.is_stopped() and self._m.is_error())
+        # the protocol's meaning (xgrammar's): a stop token accepted. Not llguidance's
+        # is_stopped(), which is true in its error state too: a refused token would read as
+        # the end of the grammar, and the request would never be marked broken
+        return self._done

@@ -108,10 +108,14 @@ def test_matcher_allows_only_eos_when_complete(backend, tokenizer, spec):
     assert all(matcher.accept_token(t) for t in tokenizer.encode("yes"))
     matcher.fill_bitmask(bitmask, 0)
     assert allowed(bitmask, 0, 49152) == [2]
+    assert not matcher.is_terminated()  # complete, but no stop token yet
     assert matcher.accept_token(2) and matcher.is_terminated()
     matcher.fill_bitmask(bitmask, 0)  # a token computed after EOS (async scheduling) is dropped anyway
     assert allowed(bitmask, 0, 49152) == [2]
     assert not matcher.accept_token(5)
+    refused = backend.matcher(backend.compile(spec))
+    assert not refused.accept_token(tokenizer.encode("maybe")[0])
+    assert not refused.is_terminated()  # a refused token is no end of the grammar (llguidance's error state)
 
 
 def test_manager_replays_forks_and_masks_only_its_rows(smollm2_path, tokenizer):
