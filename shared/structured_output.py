@@ -28,10 +28,10 @@ from typing import Any, Protocol
 import torch
 
 from shared.logging import get_logger
-from shared.messages.structured_outputs import StructuredOutputsParams
+from shared.messages.structured_outputs import GRAMMAR_CACHE_SIZE, StructuredOutputsParams
 
 log = get_logger("structured_output")
-CACHE_SIZE = 256  # compiled grammars kept per process (LRU)
+CACHE_SIZE = GRAMMAR_CACHE_SIZE  # compiled grammars kept per process (LRU)
 #: the whitespace a JSON value may hold between two tokens when ``disable_any_whitespace`` is
 #: off: unbounded whitespace lets a small model at temperature 1 wander off for ever
 MAX_JSON_WHITESPACE = 8
@@ -293,4 +293,7 @@ class _GuidanceMatcher:
             llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
 
     def is_terminated(self) -> bool:
-        return self._done or bool(self._m.is_stopped() and self._m.is_error())
+        # the protocol's meaning (xgrammar's): a stop token accepted. Not llguidance's
+        # is_stopped(), which is true in its error state too: a refused token would read as
+        # the end of the grammar, and the request would never be marked broken
+        return self._done

@@ -19,15 +19,19 @@ def apply_token_bitmask(
     """Set to -inf the logits of the tokens each row's mask forbids (``cpu_token_bitmask.c``,
     on ``torch.get_num_threads()`` threads). Returns False, changing nothing, where the kernel
     does not apply (no library, another device or dtype, a mask narrower than the logits): the
-    caller's torch path serves then.
+    caller's torch path serves then. The shapes are checked before the library is loaded, so a
+    call that does not apply never builds it; the sampler calls this only with native CPU kernels
+    on (``Sampler(native_kernels=True)``), where the runner loaded the library at start.
 
     Raises:
         ValueError: ``rows`` and the mask's rows differ in number, or a row is out of range.
     """
-    lib = lib or load()
-    if (lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
             or logits.stride(1) != 1 or bitmask.dtype != torch.int32 or bitmask.dim() != 2
             or bitmask.shape[1] * 32 < logits.shape[1]):
+        return False  # checked first: another device never loads (nor builds) the library
+    lib = lib or load()
+    if lib is None:
         return False
     if len(rows) != bitmask.shape[0] or any(not 0 <= r < logits.shape[0] for r in rows):
         raise ValueError(f"rows must name {bitmask.shape[0]} rows of the {logits.shape[0]} logits rows")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,7 +85,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(settings.dtype, model_info.path)
         self.block_size = settings.block_size
         self.hf_config = AutoConfig.from_pretrained(model_info.path)
-        if settings.native_cpu_kernels and self.device.type == "cpu":  # prepare-model built it, else now
+        native_cpu = settings.native_cpu_kernels and self.device.type == "cpu"
+        if native_cpu:  # prepare-model built it, else now
             native.load(kernel_cache_dir(settings.cache_dir))
         model_cls = get_model_class(self.hf_config)
         quant = get_quantization_config(self.hf_config, settings.quantization)  # ValueError naming what is refused
@@ -105,7 +107,7 @@ class ModelRunner:
         self.model.eval()
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self.sampler = Sampler(settings.seed, self.device, model_info.eos_token_ids)
+        self.sampler = Sampler(settings.seed, self.device, model_info.eos_token_ids, native_kernels=native_cpu)
         self.requests: dict[str, CachedRequestState] = {}
         # the grammar matchers of structured outputs: rank 0's, which samples
         self.structured = StructuredOutputManager(model_info.path, model_info.vocab_size, model_info.eos_token_ids)
@@ -361,6 +363,19 @@ class ModelRunner:
         # the constrained rows' bitmask is filled while the model runs (a fork adds rows after it)
         early_mask = (self.structured.bitmask_async([s.request_id for s in sample_states])
                       if sample_states and not plan.forks and self.tp.is_first_rank else None)
+        try:
+            return self._run(plan, order, states, input_ids, positions, meta, logits_rows, sample_states, early_mask)
+        except BaseException:
+            if early_mask is not None:  # not left filling masks under the recovery's clear()
+                early_mask.cancel()
+                futures.wait([early_mask])
+            raise
+
+    def _run(self, plan: StepPlan, order: list[tuple[str, int]], states: list[CachedRequestState],
+             input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: list[int],
+             sample_states: list[CachedRequestState],
+             early_mask: futures.Future[tuple[torch.Tensor, list[int]] | None] | None) -> StepResult:
+        """:meth:`execute` from the forward pass on: the model, the logits, the sample."""
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         result = StepResult(step_id=plan.step_id, group_id=plan.group_id)
         if any(s.wants_prompt_logprobs for s in states):

@@ -165,10 +165,15 @@ class Sampler:
 
     Args:
         seed: seeds the generator of requests without their own ``seed``.
+        native_kernels: apply a structured output's bitmask with the C kernel
+            (``kernels/cpu/sampling_ops.py``) where it applies; the runner sets it when native CPU
+            kernels are on and it runs on the CPU (it loaded the library at start). Off: torch's path.
     """
 
-    def __init__(self, seed: int, device: torch.device, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, seed: int, device: torch.device, eos_token_ids: tuple[int, ...] = (),
+                 native_kernels: bool = False) -> None:
         self.device = device
+        self.native_kernels = native_kernels
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = eos_token_ids  # forbidden before min_tokens (unless ignore_eos)
         self._bias_cache: dict[int, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
@@ -268,8 +273,8 @@ class Sampler:
         if bitmask is not None:
             if processed is logits:  # the raw logits stay for the log probabilities
                 processed = logits.clone()
-            if not sampling_ops.apply_token_bitmask(processed, *bitmask):  # the C kernel, else torch's
-                apply_token_bitmask(processed, *bitmask)
+            if not (self.native_kernels and sampling_ops.apply_token_bitmask(processed, *bitmask)):
+                apply_token_bitmask(processed, *bitmask)  # torch's (xgrammar's) path
         logits = processed
         greedy = greedy_argmax(logits)  # [N]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]

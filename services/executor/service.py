@@ -180,6 +180,11 @@ class ExecutorService(BusService):
             except Exception:  # no scheduler, or NATS gone: its watchdog notices the silence
                 pass
         await super().stop()
+        for task in list(self._compiling.values()):  # their GrammarReady would go nowhere
+            task.cancel()
+        self._compiling.clear()
+        if self.runner is not None:  # the grammar threads: queued compiles and masks cancelled
+            self.runner.structured.close()
         if isinstance(self.runner, TensorParallelDriver):  # the other ranks exit
             loop = asyncio.get_running_loop()
             try:

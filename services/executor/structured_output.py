@@ -9,10 +9,11 @@ an ``n > 1`` request starts from its parent's tokens.
 
 The scheduler admits a constrained request only once the group has compiled its grammar
 (``prepare``, asked by ``CompileGrammar`` and answered by ``GrammarReady``: the executor
-service), so the compile runs off the step loop while other requests step. A new request's
-grammar is then taken from the process's cache (``shared/structured_output.py``) on the
-worker thread when its plan arrives; its first sample would wait for it only if it were not
-there (a grammar evicted meanwhile).
+service), so the compile runs off the step loop while other requests step. Those compiles
+have a thread of their own, so a slow one never holds up a new request's grammar: that one
+is taken from the process's cache (``shared/structured_output.py``) on the request thread
+when its plan arrives; its first sample would wait for a compile only if the grammar were not
+there (evicted from the cache between ``GrammarReady`` and the plan).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._backend: StructuredOutputBackend | None = None
+        # the scheduler's compiles (prepare) and the requests' (add, cache hits as a rule) apart,
+        # so that a new request's grammar never queues behind another grammar's slow compile
+        self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-prepare")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         self._entries: dict[str, _Entry] = {}
@@ -81,7 +85,7 @@ class StructuredOutputManager:
         ``CompileGrammar``); the requests' own compiles then hit the process's cache.
 
         The future raises ``StructuredOutputError`` when no backend compiles it."""
-        return self._pool.submit(self._compile, params)
+        return self._prepare_pool.submit(self._compile, params)
 
     def add(self, request_id: str, params: StructuredOutputsParams, output_token_ids: list[int]) -> None:
         """Start compiling a new request's constraint; ``output_token_ids``: the tokens it
@@ -99,6 +103,12 @@ class StructuredOutputManager:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def close(self) -> None:
+        """Stop the worker threads: the queued compiles and masks are cancelled, a running one
+        is left to finish on its own (its result unread)."""
+        for pool in (self._prepare_pool, self._pool, self._mask_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _matcher(self, entry: _Entry) -> Matcher | None:
         """The entry's matcher, made (waiting for its grammar) and caught up on first use."""
@@ -124,7 +134,8 @@ class StructuredOutputManager:
         bitmask = torch.full((len(rows), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
         kept = []
         for j, i in enumerate(rows):
-            matcher = self._matcher(self._entries[request_ids[i]])
+            entry = self._entries.get(request_ids[i])  # on the mask thread: removed meanwhile, skipped
+            matcher = self._matcher(entry) if entry is not None else None
             if matcher is not None:
                 matcher.fill_bitmask(bitmask, j)
                 kept.append(j)

@@ -10,6 +10,7 @@ that group's prefix cache (the scheduler owns every group's cache index, so this
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from shared.messages import (
     StepPlan,
     StructuredOutputsParams,
 )
+from shared.messages.structured_outputs import GRAMMAR_CACHE_SIZE
 
 DECODE_COST_TOKENS = 16  # routing: one running request's per-step work, in prefill tokens
 
@@ -49,15 +51,33 @@ class GroupState:
     in_flight: list[InFlightStep] = field(default_factory=list)  # oldest first
     beam_forks: list[BeamFork] = field(default_factory=list)  # new beams, not yet told
     # structured outputs (vLLM V1's WAITING_FOR_FSM): the grammars (StructuredOutputsParams.digest)
-    # compiled on this group's rank 0, those asked and not yet answered, and those to ask
-    grammars_ready: set[str] = field(default_factory=set)
+    # compiled on this group's rank 0 (an LRU as long as its cache, least recently used first),
+    # those asked and not yet answered, and those to ask
+    grammars_ready: OrderedDict[str, None] = field(default_factory=OrderedDict)
     grammars_asked: dict[str, StructuredOutputsParams] = field(default_factory=dict)
     to_compile: list[str] = field(default_factory=list)
 
+    def mark_grammar_ready(self, key: str) -> None:
+        """The group compiled grammar ``key``: remembered as its most recently used, the least
+        recently used forgotten past ``GRAMMAR_CACHE_SIZE`` (the executor's cache evicts it too:
+        a request that needs it again asks again)."""
+        self.grammars_ready[key] = None
+        self.grammars_ready.move_to_end(key)
+        while len(self.grammars_ready) > GRAMMAR_CACHE_SIZE:
+            self.grammars_ready.popitem(last=False)
+
     def grammar_ready_for(self, req: Request) -> bool:
         """Whether ``req`` may be admitted here as far as its grammar goes (unconstrained, or
-        its grammar compiled on this group)."""
-        return req.grammar_key is None or req.grammar_key in self.grammars_ready
+        its grammar compiled on this group: then marked used). A grammar forgotten (evicted)
+        since it was asked for is asked for again (:meth:`ask_grammar`)."""
+        key = req.grammar_key
+        if key is None:
+            return True
+        if key in self.grammars_ready:
+            self.grammars_ready.move_to_end(key)
+            return True
+        self.ask_grammar(req)
+        return False
 
     def ask_grammar(self, req: Request) -> None:
         """Queue a ``CompileGrammar`` for ``req``'s grammar unless this group has it or was

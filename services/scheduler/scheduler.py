@@ -183,7 +183,7 @@ class Scheduler:
         if group is None or group.grammars_asked.pop(key, None) is None:
             return []
         if error is None:
-            group.grammars_ready.add(key)
+            group.mark_grammar_ready(key)
             return []
         return [r for r in group.waiting if r.grammar_key == key]
 

@@ -11,6 +11,7 @@ the reply never races the scheduler's first output for that request.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,7 +23,14 @@ from services.tokenizer.errors import TokenizeError
 from shared.bus import Bus
 from shared.config import Settings
 from shared.logging import get_logger
-from shared.messages import SamplingParams, ServiceError, SubmitRequest, TokenizeReply, TokenizeRequest
+from shared.messages import (
+    SamplingParams,
+    ServiceError,
+    StructuredOutputsParams,
+    SubmitRequest,
+    TokenizeReply,
+    TokenizeRequest,
+)
 from shared.model_source import ModelInfo, load_tokenizer
 from shared.service import BusService
 from shared.structured_output import StructuredOutputBackend, StructuredOutputError, shared_backend
@@ -48,8 +56,10 @@ class TokenizerService(BusService):
         tokenizer: an already loaded tokenizer (tests); None = ``AutoTokenizer.from_pretrained``.
 
     Tokenization runs on one worker thread (HF tokenizers must not be called from two
-    threads at once), so a long prompt never blocks the event loop. Replicas share the
-    requests (queue group ``TOKENIZER_QUEUE``).
+    threads at once), so a long prompt never blocks the event loop. A structured output's
+    validation compile runs on a thread of its own, awaited by its request only, so a slow
+    schema holds up no other request's tokenization. Replicas share the requests (queue
+    group ``TOKENIZER_QUEUE``).
     """
 
     name = "tokenizer"
@@ -61,6 +71,7 @@ class TokenizerService(BusService):
         self.tokenizer = tokenizer
         self._chat: ChatRenderer | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-grammar")
         self._structured: StructuredOutputBackend | None = None  # made at the first constraint
 
     async def load(self) -> None:
@@ -96,6 +107,7 @@ class TokenizerService(BusService):
         """Drain the subscription, close an owned connection, stop the worker thread."""
         await super().stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
     async def handle(self, request: TokenizeRequest) -> TokenizeReply:
         """Answer one ``TokenizeRequest``; on success publish its ``SubmitRequest`` first."""
@@ -104,6 +116,8 @@ class TokenizerService(BusService):
         try:
             loop = asyncio.get_running_loop()
             ids, prompt_text = await loop.run_in_executor(self._executor, self.tokenize, request)
+            if request.sampling_params.structured_outputs is not None:
+                await self.check_structured_outputs(request.sampling_params.structured_outputs)
         except TokenizeError as e:
             log.info("tokenize_rejected", request_id=request.request_id, kind=kind,
                      param=e.error.param, reason=e.error.message)
@@ -156,8 +170,7 @@ class TokenizerService(BusService):
         Raises:
             TokenizeError: empty or malformed input, token ids (of the prompt or of
                 ``logit_bias``) outside ``[0, vocab_size)``,
-                no chat template, a structured output constraint that does not compile
-                (``structured_outputs.<kind>``), or too long for ``max_model_len`` (the error
+                no chat template, or too long for ``max_model_len`` (the error
                 names the parameter: ``prompt``, ``messages`` or ``max_tokens``; with
                 ``cap_at_max_model_len`` only a prompt that leaves no room for one token).
         """
@@ -186,20 +199,27 @@ class TokenizerService(BusService):
         max_tokens = None if request.cap_at_max_model_len else request.sampling_params.max_tokens
         self._check_length(len(ids), max_tokens, param)
         self._check_prompt_logprobs_size(len(ids), request.sampling_params.prompt_logprobs)
-        self._check_structured_outputs(request.sampling_params)
         return ids, prompt_text
 
-    def _check_structured_outputs(self, params: SamplingParams) -> None:
-        """Compile the request's structured output constraint (cached), so that a schema, regex
-        or grammar that no backend takes is refused now, naming the field, rather than fail in
-        the executor; the executor's compile of the same spec then succeeds."""
-        if params.structured_outputs is None:
-            return
+    async def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+        """Compile a request's structured output constraint (cached) on the compile thread, so
+        that a schema, regex or grammar that no backend takes is refused now, naming the field,
+        rather than fail in the executor; the executor's compile of the same spec then succeeds.
+
+        The backend is made once, on the tokenizer thread, with a copy of the tokenizer: the
+        compile thread reads that copy while the tokenizer thread tokenizes with the original.
+
+        Raises:
+            TokenizeError: no backend compiles ``spec`` (``param``: ``structured_outputs.<kind>``).
+        """
+        loop = asyncio.get_running_loop()
         if self._structured is None:
             info = self.model_info
-            self._structured = shared_backend(info.path, info.vocab_size, info.eos_token_ids, lambda: self.tokenizer)
+            self._structured = await loop.run_in_executor(
+                self._executor, shared_backend, info.path, info.vocab_size, info.eos_token_ids,
+                lambda: copy.deepcopy(self.tokenizer))
         try:
-            self._structured.compile(params.structured_outputs)
+            await loop.run_in_executor(self._compile_pool, self._structured.compile, spec)
         except StructuredOutputError as e:
             raise TokenizeError(str(e), param=e.param) from None
 

@@ -15,6 +15,9 @@ from pydantic.dataclasses import dataclass
 
 #: the constraint kinds, one of which a ``StructuredOutputsParams`` sets
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# compiled grammars an executor keeps (shared/structured_output.py's LRU); the scheduler
+# remembers as many per group as compiled there, so one evicted there is asked for again
+GRAMMAR_CACHE_SIZE = 256
 
 
 @dataclass(config=ConfigDict(extra="forbid"))

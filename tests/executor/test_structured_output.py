@@ -4,6 +4,8 @@ field, the xgrammar -> llguidance fallback, replay after preemption and forks of
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import xgrammar as xgr
@@ -58,7 +60,14 @@ def test_bitmask_applied_only_to_listed_rows():
     assert torch.isinf(wide[0, 32:]).all() and not torch.isinf(wide[0, :32]).any()
 
 
-def test_sampler_masks_rows_and_keeps_raw_logits():
+def test_sampler_masks_rows_and_keeps_raw_logits(monkeypatch):
+    """The same tokens by torch's path (native kernels off: the C library is never asked for)
+    and by the C kernel's (on, where the library loads)."""
+    from kernels.cpu import sampling_ops
+
+    def no_library(*args, **kwargs):
+        raise AssertionError("the C kernel was asked for with native kernels off")
+
     vocab = 64
     logits = torch.arange(vocab, dtype=torch.float32).repeat(3, 1)  # argmax 63 everywhere
     raw = logits.clone()
@@ -66,9 +75,13 @@ def test_sampler_masks_rows_and_keeps_raw_logits():
     bitmask[0, 0] = 1 << 5  # row 0: only token 5
     bitmask[1, 1] = 1 << 3  # row 2: only token 35
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1)]
-    tokens = Sampler(0, torch.device("cpu")).sample(logits, params, [None] * 3, bitmask=(bitmask, [0, 2]))
+    with monkeypatch.context() as m:
+        m.setattr(sampling_ops, "apply_token_bitmask", no_library)
+        tokens = Sampler(0, torch.device("cpu")).sample(logits, params, [None] * 3, bitmask=(bitmask, [0, 2]))
     assert tokens[:2] == [5, 63] and tokens[2] == 35
     assert torch.equal(logits, raw)  # the log probabilities are of the raw logits
+    native = Sampler(0, torch.device("cpu"), native_kernels=True)
+    assert native.sample(logits, params, [None] * 3, bitmask=(bitmask, [0, 2])) == tokens
 
 
 def test_compile_errors_name_the_field_and_lark_falls_back(backend):
@@ -95,10 +108,14 @@ def test_matcher_allows_only_eos_when_complete(backend, tokenizer, spec):
     assert all(matcher.accept_token(t) for t in tokenizer.encode("yes"))
     matcher.fill_bitmask(bitmask, 0)
     assert allowed(bitmask, 0, 49152) == [2]
+    assert not matcher.is_terminated()  # complete, but no stop token yet
     assert matcher.accept_token(2) and matcher.is_terminated()
     matcher.fill_bitmask(bitmask, 0)  # a token computed after EOS (async scheduling) is dropped anyway
     assert allowed(bitmask, 0, 49152) == [2]
     assert not matcher.accept_token(5)
+    refused = backend.matcher(backend.compile(spec))
+    assert not refused.accept_token(tokenizer.encode("maybe")[0])
+    assert not refused.is_terminated()  # a refused token is no end of the grammar (llguidance's error state)
 
 
 def test_manager_replays_forks_and_masks_only_its_rows(smollm2_path, tokenizer):
@@ -116,3 +133,48 @@ def test_manager_replays_forks_and_masks_only_its_rows(smollm2_path, tokenizer):
     assert allowed(mask, 0, 49152) == allowed(mask, 1, 49152) == tokenizer.encode("e")
     manager.remove("resumed#1")
     assert manager.bitmask(["resumed#1", "free"]) is None
+
+
+def test_slow_prepare_does_not_hold_up_a_request_and_close_cancels(smollm2_path):
+    """A scheduler's compile (``prepare``) still running, a new request's grammar is compiled
+    anyway (its own thread); ``close`` cancels what is queued and refuses new work."""
+    manager = StructuredOutputManager(smollm2_path, 49152, EOS)
+    release = threading.Event()
+    slow, fast = StructuredOutputsParams(regex="slow"), StructuredOutputsParams(regex="fast")
+
+    def compile_(params):
+        if params == slow:
+            assert release.wait(30)
+        return params
+
+    manager._compile = compile_
+    running = manager.prepare(slow)
+    queued = manager.prepare(StructuredOutputsParams(regex="queued"))
+    manager.add("r", fast, [])
+    assert manager._entries["r"].grammar.result(timeout=30) == fast
+    assert not running.done()
+    manager.close()
+    assert queued.cancelled()
+    release.set()
+    assert running.result(timeout=30) == slow  # the running compile ends on its own
+    with pytest.raises(RuntimeError):
+        manager.prepare(fast)
+
+
+def test_bitmask_skips_a_request_removed_meanwhile(smollm2_path):
+    manager = StructuredOutputManager(smollm2_path, 49152, EOS)
+    manager.add("r", StructuredOutputsParams(regex="ab"), [])
+    manager.add("gone", StructuredOutputsParams(regex="ab"), [])
+    entries = manager._entries
+
+    class Vanishing(dict):  # "gone" is removed (the runner's recovery) after the rows are chosen
+        def get(self, key, default=None):
+            value = super().get(key, default)
+            if key == "gone" and value is not None:
+                self.pop("gone")
+            return value
+
+    manager._entries = Vanishing(entries)
+    mask, rows = manager.bitmask(["gone", "r"])
+    assert rows == [1] and mask.shape == (1, 1536)
+    manager.close()

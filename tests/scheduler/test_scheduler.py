@@ -22,6 +22,7 @@ from shared.messages import (
     StepResult,
     StructuredOutputsParams,
 )
+from shared.messages.structured_outputs import GRAMMAR_CACHE_SIZE
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
@@ -854,11 +855,40 @@ def test_a_constrained_request_waits_for_its_grammar_while_others_run():
     assert sched.grammar_ready("g0", "unasked") == [] and sched.grammar_ready("other", key) == []
     assert not group.grammars_ready
     assert sched.grammar_ready("g0", key) == []
-    assert group.grammars_ready == {key} and not group.grammars_asked
+    assert list(group.grammars_ready) == [key] and not group.grammars_asked
     outputs, plans = run(sched, ex)
     assert [n.request_id for n in plans[0].new_requests] == ["c1", "c2"]
     assert outputs == {r.request_id: expected(r) for r in (reqs[0], reqs[2])}
     assert group.kv.num_free_blocks == 64
+
+
+def test_ready_grammars_are_an_lru_as_long_as_the_executor_cache():
+    """The group remembers GRAMMAR_CACHE_SIZE compiled grammars, the least recently used
+    forgotten first (as the executor's cache evicts it); a request whose grammar was forgotten
+    asks for it again and waits for the answer."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    sched.add_group("g0", num_blocks=64, block_size=16)
+    group = sched.groups["g0"]
+    req = constrained("c", 1)
+    sched.add_request(req)
+    key = req.grammar_key
+    group.to_compile.clear()
+    assert sched.grammar_ready("g0", key) == []
+    for i in range(GRAMMAR_CACHE_SIZE - 1):
+        group.mark_grammar_ready(f"other{i}")
+    assert len(group.grammars_ready) == GRAMMAR_CACHE_SIZE
+    assert group.grammar_ready_for(req)  # used: now the most recent
+    group.mark_grammar_ready("newest")
+    assert "other0" not in group.grammars_ready and key in group.grammars_ready
+    for i in range(GRAMMAR_CACHE_SIZE):
+        group.mark_grammar_ready(f"more{i}")
+    assert key not in group.grammars_ready and len(group.grammars_ready) == GRAMMAR_CACHE_SIZE
+    assert sched.schedule("g0") is None  # waits: the grammar is asked for again, once
+    assert group.to_compile == [key] and key in group.grammars_asked
+    assert sched.schedule("g0") is None and group.to_compile == [key]
+    sched.grammar_ready("g0", key)
+    out, _ = run(sched, FakeExecutor(64, 16))
+    assert out == {"c": expected(req)}
 
 
 def test_a_grammar_that_does_not_compile_returns_the_requests_waiting_for_it():

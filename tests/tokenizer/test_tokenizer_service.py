@@ -8,6 +8,8 @@ test sees (NATS keeps one publisher's order within a subscription).
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -17,8 +19,15 @@ import pytest_asyncio
 from services.tokenizer import TokenizerService
 from shared import subjects as subj
 from shared.bus import Bus, decode, encode
-from shared.messages import SamplingParams, SubmitRequest, TokenizeReply, TokenizeRequest
+from shared.messages import (
+    SamplingParams,
+    StructuredOutputsParams,
+    SubmitRequest,
+    TokenizeReply,
+    TokenizeRequest,
+)
 from shared.model_source import ModelInfo
+from shared.structured_output import StructuredOutputError
 
 MAX_MODEL_LEN = 64
 
@@ -188,6 +197,9 @@ BAD_REQUESTS = [
     ("messages fill context", {"messages": [{"role": "user", "content": "word " * 80}]}, "messages"),
     ("prompt + max_tokens", {"prompt": [7] * 60, "sampling_params": params(max_tokens=5)}, "max_tokens"),
     ("logit_bias id too large", {"prompt": [7], "sampling_params": params(logit_bias={49152: 1.0})}, "logit_bias"),
+    ("schema that does not compile",
+     {"prompt": [7], "sampling_params": params(structured_outputs=StructuredOutputsParams(json={"type": "strin"}))},
+     "structured_outputs.json"),
 ]
 
 
@@ -207,3 +219,26 @@ async def test_context_length_message(env):
         "(60 in the prompt, 5 in the completion)."
     )
     assert reply.error.code == "context_length_exceeded"
+
+
+async def test_a_slow_structured_output_compile_holds_up_no_other_request(env, monkeypatch):
+    """A constraint still compiling (its own thread) while another request is tokenized and
+    submitted; then the constrained request gets its answer."""
+    release = threading.Event()
+
+    class SlowBackend:
+        def compile(self, spec):
+            assert release.wait(30)
+            raise StructuredOutputError("structured_outputs.regex: refused by the test", "structured_outputs.regex")
+
+    monkeypatch.setattr(env.tokenizer_service, "_structured", SlowBackend())
+    constrained = TokenizeRequest(request_id="slow", gateway_id="gw", prompt=[7],
+                                  sampling_params=params(structured_outputs=StructuredOutputsParams(regex="a+")))
+    slow = asyncio.ensure_future(env.tokenizer_service.handle(constrained))
+    try:
+        seen, submit, reply = await tokenize(env, prompt="The capital of France is")
+        assert reply.error is None and submit is not None and not slow.done()
+    finally:
+        release.set()
+    reply = await slow
+    assert reply.error is not None and reply.error.param == "structured_outputs.regex"

@@ -4,8 +4,8 @@
  *   logits[rows[r], t] = -inf   where bit (t % 32) of mask[r, t / 32] is 0, for t < vocab
  *
  * Layouts: logits [N, ld] float32 (rows[r] < N, unchecked here: the wrapper checks), mask [R,
- * words] int32, words * 32 >= vocab (a token past the mask is not touched: the wrapper pads the
- * mask). The bit order is xgrammar's (token t is bit t % 32 of word t / 32, low bit first).
+ * words] int32, words * 32 >= vocab (refused otherwise: the wrapper sends a narrower mask to the
+ * torch path, which forbids the tokens past it; mask bits past vocab are ignored). The bit order is xgrammar's (token t is bit t % 32 of word t / 32, low bit first).
  * A word of all ones (everything allowed, most words of an open string) is skipped. Rows are
  * split over num_threads OpenMP threads (num_threads <= 1: the calling thread).
  */
