@@ -28,10 +28,8 @@ model: setup
 run: model
 	$(BIN)/pagedllm serve $(MODEL) --host $(HOST) --port $(PORT)
 
-# two pytest-xdist workers: the end-to-end tests one after another on one (conftest.py groups
-# them), the rest on the other and in the first one's idle time
 test: model
-	$(BIN)/python -m pytest -q -x -n 2 --dist loadgroup --durations=40 tests
+	$(BIN)/python -m pytest -q -x --durations=40 tests
 
 # the pure layer: no end-to-end or kernel tests (under a minute)
 test-fast: model

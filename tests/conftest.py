@@ -70,16 +70,10 @@ def kernel_library():
     return lib
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test by its folder (``MARKER_OF_DIR``). Under pytest-xdist (``make test``:
-    ``-n 2 --dist loadgroup``) every ``e2e`` test runs on one worker, one after another (they
-    start process stacks and time their recoveries), while the other tests share the other
-    worker and the first one's idle time."""
+    """Mark each test by its folder (``MARKER_OF_DIR``)."""
     for item in items:
         parts = Path(item.fspath).resolve().relative_to(TESTS_DIR).parts
         marker = MARKER_OF_DIR.get(parts[0]) if len(parts) > 1 else None
         if marker is not None:
             item.add_marker(marker)
-        if item.get_closest_marker("e2e") is not None:
-            item.add_marker(pytest.mark.xdist_group("engine"))

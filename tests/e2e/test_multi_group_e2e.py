@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 from processes import start_service, stop_all
@@ -108,6 +109,7 @@ class _StubRunner:
 
     def __init__(self, settings, model_info) -> None:
         self.requests: dict = {}
+        self.structured = SimpleNamespace(close=lambda: None)  # the grammar threads, closed at stop
 
     def reset(self) -> None:
         self.requests.clear()

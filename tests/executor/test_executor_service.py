@@ -46,6 +46,8 @@ class StubRunner:
         self.failing: set[int] = set()
         self.started: list[int] = []
         self.calls: list[str] = []
+        self.structured_closed = threading.Event()  # the grammar threads' close() at stop
+        self.structured = SimpleNamespace(close=self.structured_closed.set)
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.started.append(plan.step_id)
@@ -278,6 +280,7 @@ async def test_stop_sends_a_last_heartbeat_saying_stopping(serving):
     assert env.executor.state is ExecutorState.STOPPING
     assert env.sched.heartbeats[-1] == Heartbeat(group_id=GROUP, stopping=True)
     assert [h for h in env.sched.heartbeats if h.stopping] == [env.sched.heartbeats[-1]]
+    assert env.runner.structured_closed.is_set()
 
 
 async def test_stop_while_rejoining_ends_cleanly(serving):

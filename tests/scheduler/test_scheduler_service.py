@@ -369,6 +369,7 @@ async def test_a_group_of_another_model_or_context_length_is_refused(env, nats_u
 
     class StubRunner:
         num_blocks, block_size = 64, 16
+        structured = SimpleNamespace(close=lambda: None)
 
     executor = executor_service.ExecutorService(Settings(nats_url=nats_url, group_id="g-short"),
                                                 dataclasses.replace(svc.model_info, max_model_len=2048))
