@@ -5,7 +5,8 @@ Per step it builds (vLLM V1 flat layout, decodes first):
     block_tables[B, max_blocks] int32, seq_lens[B] int32, query_start_loc[B+1] int32
 and samples one token for each request whose computed tokens reach its known tokens.
 The runner keeps each request's tokens and block table between steps, so a plan carries
-only what changed.
+only what changed (``request_states.py``: that state, the plan's diffs applied to it, the
+n > 1 forks).
 
 Under tensor parallelism every rank runs a runner over its part of the model and of the KV
 cache (``parallel/``): all of them run every step's forward together (the layers' collectives),
@@ -19,7 +20,6 @@ import inspect
 import json
 import time
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,29 +34,16 @@ from services.executor.layers.quantization import get_quantization_config
 from services.executor.models import get_model_class, kv_cache_bytes_per_block, kv_cache_shape
 from services.executor.models.base import QUANTIZED_ARCHITECTURES
 from services.executor.parallel.group import SINGLE_RANK, TensorParallelGroup, use_tp_group
+from services.executor.request_states import CachedRequestState, fork_states, update_states
 from services.executor.sampler import Sampler, compute_logprobs
 from services.executor.structured_output import StructuredOutputManager
 from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings, kernel_cache_dir
 from shared.logging import get_logger
-from shared.messages import PromptLogprobs, SampleLogprobs, SamplingParams, StepPlan, StepResult
+from shared.messages import PromptLogprobs, SampleLogprobs, StepPlan, StepResult
 from shared.model_source import ModelInfo
 
 log = get_logger("executor")
 PROMPT_LOGITS_ROWS = 256  # prompt rows whose logits are computed at once (prompt_logprobs)
-
-
-@dataclass
-class CachedRequestState:
-    """What the executor remembers of a running request."""
-
-    request_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    num_prompt_tokens: int = 0  # of token_ids, the prompt's (the rest are outputs)
-    wants_prompt_logprobs: bool = False  # its prompt's log probabilities are computed as it is prefilled
 
 
 def resolve_dtype(setting: str, model_path: Path) -> torch.dtype:
@@ -193,75 +180,7 @@ class ModelRunner:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
 
-    def _fork(
-        self, forks: dict[str, list[str]], sample_states: list[CachedRequestState], logits_rows: list[int]
-    ) -> None:
-        """n > 1: each child starts as a copy of its parent (tokens, shared blocks) and samples
-        its first token from the parent's logits row with its own params (``for_child``)."""
-        vocab = self.model_info.vocab_size
-        for state, row in list(zip(sample_states, logits_rows, strict=True)):
-            for child_id in forks.get(state.request_id, ()):
-                index = int(child_id.rsplit("#", 1)[1])
-                params = state.sampling_params.for_child(index)
-                child = CachedRequestState(
-                    request_id=child_id,
-                    token_ids=list(state.token_ids),
-                    block_ids=list(state.block_ids),
-                    num_computed_tokens=state.num_computed_tokens,
-                    sampling_params=params,
-                    generator=self.sampler.new_request_generator(params.seed, 0, vocab),
-                    num_prompt_tokens=state.num_prompt_tokens,
-                )
-                self.requests[child_id] = child
-                if self.tp.is_first_rank and state.request_id in self.structured:
-                    self.structured.fork(state.request_id, child_id)
-                sample_states.append(child)
-                logits_rows.append(row)
-
     # ------------------------------------------------------------------ step
-
-    def _update_states(self, plan: StepPlan) -> None:
-        for fork in plan.beam_forks:  # before finished_request_ids, which may drop the parents
-            parent = self.requests[fork.parent_id]
-            computed = parent.num_computed_tokens  # the parent's tokens as planned, not its own sample
-            self.requests[fork.request_id] = CachedRequestState(
-                request_id=fork.request_id,
-                token_ids=parent.token_ids[:computed] + [fork.token_id],
-                block_ids=list(parent.block_ids),
-                num_computed_tokens=computed,
-                sampling_params=parent.sampling_params,
-                generator=None,
-                num_prompt_tokens=parent.num_prompt_tokens,
-            )
-        for rid in plan.finished_request_ids:
-            self.requests.pop(rid, None)
-            self.structured.remove(rid)
-        vocab = self.model_info.vocab_size
-        for new in plan.new_requests:
-            self.structured.remove(new.request_id)  # recomputed: its matcher starts again
-            if new.sampling_params.structured_outputs is not None and self.tp.is_first_rank:
-                outputs = new.prompt_token_ids[len(new.prompt_token_ids) - new.num_output_tokens:]
-                self.structured.add(new.request_id, new.sampling_params.structured_outputs, outputs)
-            self.requests[new.request_id] = CachedRequestState(
-                request_id=new.request_id,
-                token_ids=list(new.prompt_token_ids),
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                sampling_params=new.sampling_params,
-                generator=self.sampler.new_request_generator(
-                    new.sampling_params.seed, new.num_output_tokens, vocab
-                ),
-                num_prompt_tokens=len(new.prompt_token_ids) - new.num_output_tokens,
-                # a resumed request (outputs already) sent them the first time
-                wants_prompt_logprobs=new.sampling_params.prompt_logprobs is not None and not new.num_output_tokens,
-            )
-        for cached in plan.cached_requests:
-            state = self.requests[cached.request_id]
-            if cached.replaced_block is not None:  # a copy-on-write gave it its own block
-                position, block_id = cached.replaced_block
-                state.block_ids[position] = block_id
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(
         self, states: list[CachedRequestState], query_lens: list[int]
@@ -351,7 +270,8 @@ class ModelRunner:
         """
         if self.cpu_threads is not None:
             self.cpu_threads.before_step()
-        self._update_states(plan)
+        update_states(self.requests, plan, self.sampler, self.structured, self.model_info.vocab_size,
+                      self.tp.is_first_rank)
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
         # decodes first, then prefills (the order attention backends expect)
@@ -385,7 +305,8 @@ class ModelRunner:
         if not sample_states:
             return result
         if plan.forks:
-            self._fork(plan.forks, sample_states, logits_rows)
+            fork_states(self.requests, plan.forks, sample_states, logits_rows, self.sampler, self.structured,
+                        self.model_info.vocab_size, self.tp.is_first_rank)
         if logits_rows != list(range(hidden.shape[0])):  # else every row samples (pure decode)
             hidden = hidden[torch.tensor(logits_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)  # [N, V] f32

@@ -21,21 +21,26 @@ when a step is planned (as in vLLM V1).
 
 The parts: ``request.py`` (a request's state), ``block_manager.py`` (its blocks),
 ``group.py`` (one group's queues and the routing), ``blame.py`` (who fails with a failed
-step), ``step_plan.py`` (the plan sent for a step).
+step), ``admission.py`` (waiting requests admitted into a step), ``step_plan.py`` (the plan
+sent for a step), ``results.py`` (a step's result applied to its requests).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.scheduler import beam_group
+from services.scheduler.admission import admit_one, admit_waiting
 from services.scheduler.blame import blame, find_suspect
 from services.scheduler.block_manager import KVCacheManager
 from services.scheduler.group import GroupState, fit_pools, pick_group
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.step_plan import build_step_plan, plan_size_error, scheduled_bytes
+from services.scheduler.results import StepOutcome, apply_result
+from services.scheduler.step_plan import build_step_plan, plan_size_error
 from shared.messages import SchedulerStats, ServiceError, StepPlan, StepResult
+
+__all__ = ["Scheduler", "SchedulerConfig", "StepOutcome"]
 
 
 @dataclass(frozen=True)
@@ -52,15 +57,6 @@ class SchedulerConfig:
     @property
     def max_steps_in_flight(self) -> int:
         return 2 if self.async_scheduling else 1
-
-
-@dataclass
-class StepOutcome:
-    """What one ``StepResult`` changed: requests with new tokens (``pending_output_ids``) and
-    the ones that finished."""
-
-    updated: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -251,7 +247,7 @@ class Scheduler:
         suspect, waiting_suspect = find_suspect(group, self.suspects)
         if (waiting_suspect is not None and len(group.running) < self.config.max_num_seqs
                 and group.grammar_ready_for(waiting_suspect)):
-            if self._admit_one(group, waiting_suspect, budget, scheduled, new_blocks):
+            if admit_one(group, waiting_suspect, budget, scheduled, new_blocks):
                 return self._make_plan(group, scheduled, new_blocks, copies)
         gone: set[str] = set()  # preempted by this step
         for req in [suspect] if suspect is not None else list(group.running):
@@ -285,43 +281,11 @@ class Scheduler:
             copies.pop(rid, None)
             new_blocks.pop(rid, None)
         if not preempted and suspect is None and waiting_suspect is None:
-            self._admit(group, budget, scheduled, new_blocks)
+            admit_waiting(group, budget, scheduled, new_blocks, self.config.max_num_seqs,
+                          self.config.max_plan_bytes)
         if not scheduled:
             return None
         return self._make_plan(group, scheduled, new_blocks, copies)
-
-    def _admit(self, group: GroupState, budget: int, scheduled: dict[str, int], new_blocks: dict) -> None:
-        """Start waiting requests in queue order while budget, sequences, blocks and the plan's
-        bytes (``max_plan_bytes``: each new request carries its whole prompt) last.
-
-        A constrained request whose grammar this group has not compiled yet is skipped, and the
-        requests behind it are admitted (as vLLM V1 does with ``WAITING_FOR_FSM``): a compile
-        never holds up the others; it keeps its place in the queue, so once ready it goes
-        first again. A request whose blocks do not fit stops admission (queue order)."""
-        limit = self.config.max_plan_bytes
-        plan_bytes = 0
-        if limit is not None and group.waiting:  # what the running requests scheduled take
-            plan_bytes = scheduled_bytes(group, scheduled, new_blocks)
-        for req in list(group.waiting):
-            if budget <= 0 or len(group.running) >= self.config.max_num_seqs:
-                break
-            if not group.grammar_ready_for(req):
-                continue  # waits for its grammar (CompileGrammar); the requests behind it go first
-            if limit is not None:
-                plan_bytes += req.new_request_bytes()
-                if plan_bytes > limit and scheduled:
-                    break  # the next step takes it
-            if not self._admit_one(group, req, budget, scheduled, new_blocks):
-                break  # wait for blocks; keep the queue order
-            budget -= scheduled[req.request_id]
-
-    def _admit_one(self, group: GroupState, req: Request, budget: int, scheduled: dict[str, int],
-                   new_blocks: dict) -> bool:
-        """Start the waiting ``req`` with up to ``budget`` tokens; False if its blocks do not fit."""
-        admitted = group.admit(req, budget)
-        if admitted is not None:
-            scheduled[req.request_id], new_blocks[req.request_id] = admitted
-        return admitted is not None
 
     def _make_plan(self, group: GroupState, scheduled: dict[str, int], new_blocks: dict,
                    copies: dict[str, tuple[int, int]]) -> StepPlan:
@@ -330,64 +294,11 @@ class Scheduler:
 
     def update_from_output(self, result: StepResult) -> StepOutcome:
         """Apply a group's ``StepResult`` to the oldest step it has in flight (anything else is
-        stale and ignored): append the sampled tokens, check stops, finish."""
-        outcome = StepOutcome()
+        stale and ignored): append the sampled tokens, check stops, finish (``apply_result``)."""
         if not self.is_in_flight(result.group_id, result.step_id):
-            return outcome
+            return StepOutcome()
         group = self.groups[result.group_id]
-        step = group.in_flight.pop(0)
-        plan = step.plan
-        searches: dict[str, Request] = {}  # beam searches whose every live beam reported
-        for rid in plan.num_scheduled_tokens:
-            req = self.requests.get(rid)
-            if (req is None or req.epoch != step.epochs[rid] or req.status is not RequestStatus.RUNNING
-                    or req.group_id != group.group_id):
-                continue  # finished, aborted or preempted meanwhile
-            if rid in step.samplers:
-                req.num_output_placeholders -= 1
-            if (chunk := result.prompt_logprobs.get(rid)) is not None and req.needs_prompt_logprobs:
-                have = 1 + len(req.prompt_logprobs)  # the next prompt position it needs (a recompute repeats some)
-                if chunk.start <= have < chunk.start + len(chunk.logprobs):
-                    req.prompt_logprobs.extend(chunk.logprobs[have - chunk.start:])
-            token = result.sampled_token_ids.get(rid)
-            if token is None:
-                continue
-            self.suspects.discard(rid)  # a step that sampled for it succeeded (fail_step)
-            if req.is_beam:
-                root = req.beam_root or req
-                assert root.beam is not None
-                if root.beam.report(rid, result.logprobs[rid]):
-                    searches[root.request_id] = root
-                continue
-            samples = [(req, token)]
-            if req.fork_pending:
-                req.fork_pending = False
-                samples += [(self._fork(group, req, cid), result.sampled_token_ids[cid]) for cid in plan.forks[rid]]
-            for sample, tok in samples:
-                sample.output_token_ids.append(tok)
-                sample.pending_output_ids.append(tok)
-                if (lp := result.logprobs.get(sample.request_id)) is not None:
-                    sample.pending_logprobs.append(lp)
-                outcome.updated.append(sample)
-                if sample.check_stop():
-                    self._finish(sample)
-                    outcome.finished.append(sample)
-        for root in searches.values():
-            if (samples := beam_group.advance(group, root, self.requests)) is not None:
-                self._finish(root)
-                outcome.updated += samples
-                outcome.finished += samples
-        return outcome
-
-    def _fork(self, group: GroupState, parent: Request, child_id: str) -> Request:
-        """Sample ``index`` of an n > 1 request: the parent's tokens and blocks (shared)."""
-        child = parent.fork_child(int(child_id.rsplit("#", 1)[1]))
-        group.kv.fork(parent, child)
-        group.running.append(child)
-        group.known.add(child_id)
-        parent.child_ids.append(child_id)
-        self.requests[child_id] = child
-        return child
+        return apply_result(group, group.in_flight.pop(0), result, self.requests, self.suspects, self._finish)
 
     # ------------------------------------------------------------------ internals
 

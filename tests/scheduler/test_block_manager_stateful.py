@@ -265,7 +265,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.waiting)
     @rule(data=st.data(), chunk=st.integers(1, 8))
     def admit(self, data, chunk):
-        """``Scheduler._admit``: hit the cache, then allocate the hit blocks and the chunk."""
+        """``admission.admit_one`` (``GroupState.admit``): hit the cache, then allocate the hit blocks and the chunk."""
         req = self.waiting[self._draw_index(data, self.waiting)]
         kv = self.kv
         computed, hit = kv.get_computed_blocks(req)
@@ -366,7 +366,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     self._finish(sample)
 
     def _fork(self, parent: Request, index: int) -> Request:
-        """``Scheduler._fork``: ``Request.fork_child`` (the child keeps the parent's
+        """``results.fork_sample``: ``Request.fork_child`` (the child keeps the parent's
         ``cache_extra_keys``: its copied hashes were made with them), then ``KVCacheManager.fork``."""
         pool = self.kv.pool
         child = parent.fork_child(index)

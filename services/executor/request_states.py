@@ -1,0 +1,116 @@
+"""The executor's per-request state between steps (no model, no KV cache tensors).
+
+The runner keeps each running request's tokens and block table, so that a ``StepPlan`` carries
+only what changed (vLLM V1's cached request states). ``update_states`` applies a plan's diffs
+before the step runs: the beams a beam search forked, the finished ids to forget, the new
+requests sent in full and the running ones' appended blocks; ``fork_states`` starts the
+n > 1 samples of a prompt on its first sampled token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.executor.sampler import Sampler
+from services.executor.structured_output import StructuredOutputManager
+from shared.messages import SamplingParams, StepPlan
+
+
+@dataclass
+class CachedRequestState:
+    """What the executor remembers of a running request."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    num_prompt_tokens: int = 0  # of token_ids, the prompt's (the rest are outputs)
+    wants_prompt_logprobs: bool = False  # its prompt's log probabilities are computed as it is prefilled
+
+
+def update_states(
+    requests: dict[str, CachedRequestState], plan: StepPlan, sampler: Sampler,
+    structured: StructuredOutputManager, vocab_size: int, is_first_rank: bool,
+) -> None:
+    """Apply ``plan``'s diffs to ``requests`` (request id -> state) before its step runs.
+
+    ``sampler`` makes a new request's seeded generator (advanced past the outputs it already
+    has, ``vocab_size`` draws each); ``structured`` gets the grammar matchers of new constrained
+    requests (only on the first rank, ``is_first_rank``, which samples) and forgets those of
+    finished or recomputed ones.
+
+    Raises:
+        KeyError: a beam fork or a cached request names a request never received.
+    """
+    for fork in plan.beam_forks:  # before finished_request_ids, which may drop the parents
+        parent = requests[fork.parent_id]
+        computed = parent.num_computed_tokens  # the parent's tokens as planned, not its own sample
+        requests[fork.request_id] = CachedRequestState(
+            request_id=fork.request_id,
+            token_ids=parent.token_ids[:computed] + [fork.token_id],
+            block_ids=list(parent.block_ids),
+            num_computed_tokens=computed,
+            sampling_params=parent.sampling_params,
+            generator=None,
+            num_prompt_tokens=parent.num_prompt_tokens,
+        )
+    for rid in plan.finished_request_ids:
+        requests.pop(rid, None)
+        structured.remove(rid)
+    for new in plan.new_requests:
+        structured.remove(new.request_id)  # recomputed: its matcher starts again
+        if new.sampling_params.structured_outputs is not None and is_first_rank:
+            outputs = new.prompt_token_ids[len(new.prompt_token_ids) - new.num_output_tokens:]
+            structured.add(new.request_id, new.sampling_params.structured_outputs, outputs)
+        requests[new.request_id] = CachedRequestState(
+            request_id=new.request_id,
+            token_ids=list(new.prompt_token_ids),
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            sampling_params=new.sampling_params,
+            generator=sampler.new_request_generator(new.sampling_params.seed, new.num_output_tokens, vocab_size),
+            num_prompt_tokens=len(new.prompt_token_ids) - new.num_output_tokens,
+            # a resumed request (outputs already) sent them the first time
+            wants_prompt_logprobs=new.sampling_params.prompt_logprobs is not None and not new.num_output_tokens,
+        )
+    for cached in plan.cached_requests:
+        state = requests[cached.request_id]
+        if cached.replaced_block is not None:  # a copy-on-write gave it its own block
+            position, block_id = cached.replaced_block
+            state.block_ids[position] = block_id
+        state.block_ids.extend(cached.new_block_ids)
+        state.num_computed_tokens = cached.num_computed_tokens
+
+
+def fork_states(
+    requests: dict[str, CachedRequestState], forks: dict[str, list[str]],
+    sample_states: list[CachedRequestState], logits_rows: list[int], sampler: Sampler,
+    structured: StructuredOutputManager, vocab_size: int, is_first_rank: bool,
+) -> None:
+    """n > 1: each child of ``forks`` (parent id -> child ids ``"<parent>#<index>"``) starts as
+    a copy of its parent (tokens, shared blocks) and samples its first token from the parent's
+    logits row with its own params (``SamplingParams.for_child``): it is added to ``requests``
+    and appended to ``sample_states``, with its parent's row appended to ``logits_rows``. A
+    constrained parent's grammar matcher is forked on the first rank (``is_first_rank``)."""
+    for state, row in list(zip(sample_states, logits_rows, strict=True)):
+        for child_id in forks.get(state.request_id, ()):
+            index = int(child_id.rsplit("#", 1)[1])
+            params = state.sampling_params.for_child(index)
+            child = CachedRequestState(
+                request_id=child_id,
+                token_ids=list(state.token_ids),
+                block_ids=list(state.block_ids),
+                num_computed_tokens=state.num_computed_tokens,
+                sampling_params=params,
+                generator=sampler.new_request_generator(params.seed, 0, vocab_size),
+                num_prompt_tokens=state.num_prompt_tokens,
+            )
+            requests[child_id] = child
+            if is_first_rank and state.request_id in structured:
+                structured.fork(state.request_id, child_id)
+            sample_states.append(child)
+            logits_rows.append(row)
