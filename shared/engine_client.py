@@ -56,7 +56,7 @@ def new_request_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex}"
 
 
-class EngineClient(RequestTable):
+class EngineClient:
     """Talks to the tokenizer (requests), the detokenizer (outputs) and the scheduler (aborts).
 
     Args:
@@ -69,7 +69,7 @@ class EngineClient(RequestTable):
     No request hangs or is lost when a service dies. A request the engine says it lost (a
     ``request_lost`` error: its detokenizer or scheduler stopped), one whose deltas skip
     tokens, and one the scheduler does not hold (asked when a scheduler starts, and for a
-    request with no output for ``liveness_idle_s`` seconds every ``liveness_check_s``, twice
+    request with no output for ``RequestTable.liveness_idle_s`` seconds every ``liveness_check_s``, twice
     in a row) is resubmitted with its client's tokens so far (``InFlight.resubmission``);
     after ``MAX_RESUBMITS`` attempts, or for an n > 1 request with output already, it ends
     with a 503 ``request_lost`` error.
@@ -78,8 +78,11 @@ class EngineClient(RequestTable):
     def __init__(
         self, bus: Bus, model: str, *, gateway_id: str | None = None, tokenize_timeout_s: float = 30.0
     ) -> None:
-        super().__init__(bus, Subjects(model), tokenize_timeout_s)
+        self.bus = bus
         self.model = model
+        self.subjects = Subjects(model)
+        self.tokenize_timeout_s = tokenize_timeout_s
+        self.requests = RequestTable(bus, self.subjects, tokenize_timeout_s)
         self.gateway_id = gateway_id or uuid.uuid4().hex
         self._subs: list[Subscription] = []
 
@@ -90,16 +93,16 @@ class EngineClient(RequestTable):
             # the scheduler's check that this gateway still wants its requests (it aborts them when
             # nobody answers here: the gateway died without aborting them)
             await self.bus.subscribe(subjects.gateway_ping(self.gateway_id), Ping, self._on_ping),
-            await self.bus.subscribe(self.subjects.scheduler_started, SchedulerStarted, self._on_scheduler_started),
+            await self.bus.subscribe(self.subjects.scheduler_started, SchedulerStarted, self.requests.on_scheduler_started),
         ]
         await self.bus.flush()
-        self._spawn(self._watch_liveness())
+        self.requests.spawn(self.requests.watch_liveness())
 
     async def stop(self) -> None:
         """Abort every request still in flight (their streams end) and unsubscribe."""
-        for task in list(self._tasks):
+        for task in list(self.requests.tasks):
             task.cancel()
-        pending = list(self._pending)
+        pending = list(self.requests.pending)
         if pending:
             try:
                 await self.abort(pending)
@@ -121,25 +124,30 @@ class EngineClient(RequestTable):
         return self.bus.nc.is_connected
 
     @property
+    def num_resubmitted(self) -> int:
+        """Resubmissions over the client's life."""
+        return self.requests.num_resubmitted
+
+    @property
     def num_in_flight(self) -> int:
         """Requests submitted whose stream has not ended."""
-        return len(self._pending)
+        return len(self.requests.pending)
 
     async def _on_step(self, step: GatewayStep) -> None:
         now = time.monotonic()
         for engine_id in step.accepted:
-            if (pending := self._current(engine_id)) is not None:
+            if (pending := self.requests.current(engine_id)) is not None:
                 pending.last_output = now
-                self._settle(pending, None)
+                self.requests.settle(pending, None)
         for delta in step.outputs:
-            if (pending := self._current(delta.request_id)) is None:
+            if (pending := self.requests.current(delta.request_id)) is None:
                 continue  # finished, aborted, an earlier attempt's or someone else's
             delta.request_id = pending.request_id
             pending.last_output = now
             if pending.receive(delta) is Received.LOST:
-                self._lost(pending, why=delta.error.message if delta.error else "it skipped output tokens")
+                self.requests.lost(pending, why=delta.error.message if delta.error else "it skipped output tokens")
                 continue
-            self._settle(pending, delta.error)
+            self.requests.settle(pending, delta.error)
             pending.queue.put_nowait(delta)
 
     async def submit(
@@ -183,7 +191,7 @@ class EngineClient(RequestTable):
                 submitted it: abort it).
             ValueError: ``request_id`` is already in flight.
         """
-        if request_id in self._pending:
+        if request_id in self.requests.pending:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         message = TokenizeRequest(
             request_id=request_id,
@@ -202,10 +210,10 @@ class EngineClient(RequestTable):
             notify_accepted=notify_accepted,
             background=background,
         )
-        pending = self._pending[request_id] = InFlight(
+        pending = self.requests.pending[request_id] = InFlight(
             request_id=request_id, message=message, queue=asyncio.Queue(), last_output=time.monotonic(),
             verdict=asyncio.get_running_loop().create_future() if notify_accepted else None)
-        self._engine_ids[request_id] = request_id
+        self.requests.engine_ids[request_id] = request_id
         deadline = time.monotonic() + self.tokenize_timeout_s
         try:
             while True:
@@ -218,10 +226,10 @@ class EngineClient(RequestTable):
                         raise
                     await asyncio.sleep(0.25)
         except BaseException:
-            self._drop(request_id, pending)
+            self.requests.drop(request_id, pending)
             raise
         if reply.error is not None:
-            self._drop(request_id, pending)
+            self.requests.drop(request_id, pending)
         else:
             pending.submitted = True
             pending.last_output = time.monotonic()
@@ -231,7 +239,7 @@ class EngineClient(RequestTable):
         """Wait for the scheduler's verdict on a request submitted with ``notify_accepted``:
         None once it is queued (or has output), else the error it was refused with (its
         queue is then dropped). Returns None at once for a request submitted without it."""
-        pending = self._pending.get(request_id)
+        pending = self.requests.pending.get(request_id)
         if pending is None or pending.verdict is None:
             return None
         try:
@@ -239,7 +247,7 @@ class EngineClient(RequestTable):
         finally:
             pending.verdict = None
         if error is not None:
-            self._forget(request_id)
+            self.requests.forget(request_id)
         return error
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
@@ -253,7 +261,7 @@ class EngineClient(RequestTable):
         Raises:
             KeyError: ``request_id`` was not submitted, or has already ended.
         """
-        pending = self._pending.get(request_id)
+        pending = self.requests.pending.get(request_id)
         if pending is None:
             raise KeyError(f"request {request_id!r} is not in flight")
         remaining = pending.num_samples
@@ -266,14 +274,14 @@ class EngineClient(RequestTable):
                     if remaining <= 0 or delta.error is not None:
                         return
         finally:
-            self._drop(request_id, pending)
+            self.requests.drop(request_id, pending)
 
     async def abort(self, request_ids: list[str], reason: FinishReason = "abort") -> None:
         """Tell the scheduler to stop these requests; their streams end with an abort delta."""
         engine_ids = []
         for request_id in request_ids:
-            pending = self._pending.get(request_id)
-            self._forget(request_id)
+            pending = self.requests.pending.get(request_id)
+            self.requests.forget(request_id)
             engine_ids.append(pending.engine_id if pending is not None else request_id)
             if pending is not None:
                 for index in range(pending.num_samples):
@@ -286,24 +294,8 @@ class EngineClient(RequestTable):
     async def fail_all(self, error: ServiceError) -> None:
         """End every request in flight with ``error`` (each stream yields it and ends) and
         abort them at the scheduler: a gateway shutting down answers its clients."""
-        pending = list(self._pending.values())
+        pending = list(self.requests.pending.values())
         for request in pending:
-            self._end(request, error)
+            self.requests.end(request, error)
         if pending:
             await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=[p.engine_id for p in pending]))
-
-    def _drop(self, request_id: str, pending: InFlight) -> None:
-        """Forget ``request_id`` if ``pending`` is still its state (not a later request's)."""
-        if self._pending.get(request_id) is pending:
-            self._forget(request_id)
-
-    def _forget(self, request_id: str) -> None:
-        """Drop the client's state about ``request_id`` (a ``wait_accepted`` still waiting
-        gets an error)."""
-        pending = self._pending.pop(request_id, None)
-        if pending is None:
-            return
-        self._engine_ids.pop(pending.engine_id, None)
-        self._misses.hit(pending.engine_id)  # its row of misses ends with it
-        self._settle(pending, ServiceError(message="the request was aborted before the scheduler accepted it",
-                                           type="server_error", code="request_aborted", status=503))

@@ -24,13 +24,14 @@ from shared.messages import (
 )
 from shared.subjects import Subjects
 
-log = get_logger("shared.engine_client")
+log = get_logger(__name__)
 
 
 class RequestTable:
-    """The client's requests in flight by request id and by the id the engine knows them by,
-    and the recovery of the ones the engine loses (see ``EngineClient``'s docstring for when a
-    request counts as lost).
+    """The client's requests in flight by request id (``pending``) and by the id the engine
+    knows them by (``engine_ids``), and the recovery of the ones the engine loses (see
+    ``EngineClient``'s docstring for when a request counts as lost). ``EngineClient`` holds
+    one as ``requests``.
 
     Args:
         bus: a connected bus.
@@ -45,33 +46,34 @@ class RequestTable:
         self.bus = bus
         self.subjects = subjects
         self.tokenize_timeout_s = tokenize_timeout_s
-        self._pending: dict[str, InFlight] = {}  # the client's request id -> its state
-        self._engine_ids: dict[str, str] = {}  # the id the engine knows -> the client's request id
-        self._misses: MissCounter[str] = MissCounter(limit=2)  # liveness checks it was missing in a row
-        self._tasks: set[asyncio.Task] = set()
+        self.pending: dict[str, InFlight] = {}  # the client's request id -> its state
+        self.engine_ids: dict[str, str] = {}  # the id the engine knows -> the client's request id
+        self.misses: MissCounter[str] = MissCounter(limit=2)  # liveness checks it was missing in a row
+        self.tasks: set[asyncio.Task] = set()  # resubmissions, liveness checks
         self.num_resubmitted = 0  # resubmissions over the client's life
 
-    def _spawn(self, coro) -> None:
+    def spawn(self, coro) -> None:
+        """Run ``coro`` as a task the table keeps (``tasks``) until it ends."""
         task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
-    def _current(self, engine_id: str) -> InFlight | None:
+    def current(self, engine_id: str) -> InFlight | None:
         """The request the engine knows as ``engine_id``, if that is its current attempt."""
-        request_id = self._engine_ids.get(engine_id)
-        return self._pending.get(request_id) if request_id is not None else None
+        request_id = self.engine_ids.get(engine_id)
+        return self.pending.get(request_id) if request_id is not None else None
 
     @staticmethod
-    def _settle(pending: InFlight, error: ServiceError | None) -> None:
+    def settle(pending: InFlight, error: ServiceError | None) -> None:
         """The scheduler's verdict for ``wait_accepted``: the first acceptance, output or error."""
         if pending.verdict is not None and not pending.verdict.done():
             pending.verdict.set_result(error)
 
-    def _lost(self, pending: InFlight, why: str) -> None:
+    def lost(self, pending: InFlight, why: str) -> None:
         """The engine lost the request: resubmit it (in a task), or end it with a 503."""
         if not pending.recoverable:
             log.warning("request_lost", request_id=pending.request_id, attempts=pending.attempts, reason=why)
-            self._end(pending, ServiceError(
+            self.end(pending, ServiceError(
                 message="the engine lost this request (a scheduler or detokenizer restarted or is unreachable); "
                         "send it again", type="server_error", code="request_lost", status=503))
             return
@@ -79,11 +81,11 @@ class RequestTable:
             pending.submitted = False
             log.warning("request_resubmitting", request_id=pending.request_id, reason=why,
                         output_tokens=len(pending.outputs[0]), attempt=pending.attempts + 1)
-            self._spawn(self._resubmit(pending))
+            self.spawn(self._resubmit(pending))
 
-    def _end(self, pending: InFlight, error: ServiceError) -> None:
+    def end(self, pending: InFlight, error: ServiceError) -> None:
         """End every sample's stream with ``error``."""
-        self._settle(pending, error)
+        self.settle(pending, error)
         pending.queue.put_nowait(RequestDelta(request_id=pending.request_id, finished=True, finish_reason="error",
                                               error=error))
 
@@ -92,8 +94,8 @@ class RequestTable:
         aborted at the scheduler (if it still runs there, for nobody)."""
         old = pending.engine_id
         message = pending.resubmission()
-        self._engine_ids.pop(old, None)
-        self._engine_ids[pending.engine_id] = pending.request_id
+        self.engine_ids.pop(old, None)
+        self.engine_ids[pending.engine_id] = pending.request_id
         self.num_resubmitted += 1
         try:
             await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=[old]))
@@ -102,26 +104,26 @@ class RequestTable:
         except Exception as exc:  # no tokenizer or NATS away: the liveness check tries again
             log.warning("resubmit_failed", request_id=pending.request_id, error=repr(exc))
             reply = None
-        if self._pending.get(pending.request_id) is not pending:  # ended meanwhile (aborted)
+        if self.pending.get(pending.request_id) is not pending:  # ended meanwhile (aborted)
             return
         pending.last_output = time.monotonic()
         pending.submitted = True
         if reply is not None and reply.error is not None:  # refused now (it was accepted before)
-            self._end(pending, reply.error)
+            self.end(pending, reply.error)
 
-    async def _on_scheduler_started(self, _: SchedulerStarted) -> None:
+    async def on_scheduler_started(self, _: SchedulerStarted) -> None:
         """A scheduler (re)started: resubmit at once what it does not hold."""
-        self._spawn(self._check_held([p for p in self._pending.values() if p.submitted], rounds=1))
+        self.spawn(self._check_held([p for p in self.pending.values() if p.submitted], rounds=1))
 
-    async def _watch_liveness(self) -> None:
+    async def watch_liveness(self) -> None:
         """Resubmit idle requests the scheduler does not hold (see the class docstring)."""
         while True:
             await asyncio.sleep(self.liveness_check_s)
             now = time.monotonic()
-            idle = [p for p in self._pending.values() if p.submitted and now - p.last_output > self.liveness_idle_s]
-            self._misses.retain([p.engine_id for p in idle])  # output since: "in a row" starts again
+            idle = [p for p in self.pending.values() if p.submitted and now - p.last_output > self.liveness_idle_s]
+            self.misses.retain([p.engine_id for p in idle])  # output since: "in a row" starts again
             if idle:
-                await self._check_held(idle, rounds=self._misses.limit)
+                await self._check_held(idle, rounds=self.misses.limit)
 
     async def _check_held(self, requests: list[InFlight], rounds: int) -> None:
         """Ask the scheduler which of ``requests`` it holds; one missing ``rounds`` checks in a
@@ -138,8 +140,24 @@ class RequestTable:
         for pending in requests:
             engine_id = pending.engine_id
             if engine_id in known:
-                self._misses.hit(engine_id)
-            elif self._pending.get(pending.request_id) is pending and pending.submitted and \
-                    (rounds == 1 or self._misses.miss(engine_id)):
-                self._misses.hit(engine_id)
-                self._lost(pending, why="its scheduler does not hold it")
+                self.misses.hit(engine_id)
+            elif self.pending.get(pending.request_id) is pending and pending.submitted and \
+                    (rounds == 1 or self.misses.miss(engine_id)):
+                self.misses.hit(engine_id)
+                self.lost(pending, why="its scheduler does not hold it")
+
+    def drop(self, request_id: str, pending: InFlight) -> None:
+        """Forget ``request_id`` if ``pending`` is still its state (not a later request's)."""
+        if self.pending.get(request_id) is pending:
+            self.forget(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drop the client's state about ``request_id`` (a ``wait_accepted`` still waiting
+        gets an error)."""
+        pending = self.pending.pop(request_id, None)
+        if pending is None:
+            return
+        self.engine_ids.pop(pending.engine_id, None)
+        self.misses.hit(pending.engine_id)  # its row of misses ends with it
+        self.settle(pending, ServiceError(message="the request was aborted before the scheduler accepted it",
+                                           type="server_error", code="request_aborted", status=503))

@@ -249,13 +249,13 @@ def test_a_request_whose_outputs_or_detokenizer_state_are_lost_goes_again_and_gi
     from pagedllm import LLM, SamplingParams
     from services.detokenizer.service import DetokenizerService
     from shared import inflight
-    from shared.engine_client import EngineClient
+    from shared.request_recovery import RequestTable
 
-    monkeypatch.setattr(EngineClient, "liveness_idle_s", 0.5)
-    monkeypatch.setattr(EngineClient, "liveness_check_s", 0.25)
+    monkeypatch.setattr(RequestTable, "liveness_idle_s", 0.5)
+    monkeypatch.setattr(RequestTable, "liveness_check_s", 0.25)
     monkeypatch.setattr(inflight, "MAX_RESUBMITS", 2)
     original_handle, original_process = DetokenizerService.handle, DetokenizerService.process
-    original_resubmit = EngineClient._resubmit
+    original_resubmit = RequestTable._resubmit
     dropping = {"on": False, "until_resubmitted": False}
     steps = {"n": 0, "lose_at": -1}
 
@@ -276,7 +276,7 @@ def test_a_request_whose_outputs_or_detokenizer_state_are_lost_goes_again_and_gi
 
     monkeypatch.setattr(DetokenizerService, "handle", handle)
     monkeypatch.setattr(DetokenizerService, "process", process)
-    monkeypatch.setattr(EngineClient, "_resubmit", resubmit)
+    monkeypatch.setattr(RequestTable, "_resubmit", resubmit)
     llm = LLM(model=str(smollm2_path), dtype="float32")
     try:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -467,7 +467,7 @@ async def test_streaming_disconnect_aborts(gw):
     await gw.backend.wait_aborted(request_id)
     assert request_id.startswith("cmpl-") and request_id in gw.backend.aborted
     await asyncio.sleep(0.05)
-    assert request_id not in gw.service.client._pending
+    assert request_id not in gw.service.client.requests.pending
     assert await _aborts_counted(gw) == aborts_before + 1  # vLLM's finished_reason="abort"
 
 

@@ -73,7 +73,7 @@ async def env(nats_url: str, monkeypatch) -> AsyncIterator[SimpleNamespace]:
 
     await bus.subscribe(Subjects(model).tokenize, TokenizeRequest, tokenize, queue=TOKENIZER_QUEUE)
     client = EngineClient(bus, model)
-    client.liveness_idle_s, client.liveness_check_s = IDLE_S, CHECK_S
+    client.requests.liveness_idle_s, client.requests.liveness_check_s = IDLE_S, CHECK_S
     await client.start()
 
     async def scheduler(answers: list[bool | None], output_after: frozenset[int] = frozenset()) -> FakeScheduler:
@@ -193,7 +193,7 @@ async def test_an_n_greater_than_one_request_with_output_is_lost_not_resubmitted
 
 async def test_a_scheduler_that_starts_has_what_it_does_not_hold_resubmitted_at_once(env):
     """The liveness check would wait IDLE_S; the start notice needs no idle time and one miss."""
-    env.client.liveness_idle_s = 60.0
+    env.client.requests.liveness_idle_s = 60.0
     fake = await env.scheduler([False])
     await env.client.submit("r9", prompt="hi", sampling_params=SamplingParams())
     await env.bus.publish(Subjects(env.model).scheduler_started, SchedulerStarted(instance_id="new"))
@@ -238,8 +238,8 @@ async def test_a_request_the_scheduler_holds_is_never_lost(env):
     await env.client.submit("r3", prompt="hi", sampling_params=SamplingParams(n=2))
     while fake.queries < 3:
         await asyncio.sleep(0.05)
-    assert env.client.num_in_flight == 1 and env.client._pending["r3"].queue.empty()
-    assert env.client._misses.misses("r3") == 0 and _ids(env) == ["r3"]
+    assert env.client.num_in_flight == 1 and env.client.requests.pending["r3"].queue.empty()
+    assert env.client.requests.misses.misses("r3") == 0 and _ids(env) == ["r3"]
     outputs = asyncio.create_task(_outputs(env.client, "r3"))
     await asyncio.sleep(0.05)
     await env.client.abort(["r3"])
@@ -258,6 +258,6 @@ async def test_a_refusal_ends_the_wait_for_acceptance_and_forgets_the_request(en
     await env.bus.publish(subjects.gateway(env.client.gateway_id), step)
     assert await asyncio.wait_for(env.client.wait_accepted("ok"), 5) is None
     assert await asyncio.wait_for(env.client.wait_accepted("refused"), 5) == refusal
-    assert sorted(env.client._pending) == ["ok"] and env.client._pending["ok"].queue.empty()
+    assert sorted(env.client.requests.pending) == ["ok"] and env.client.requests.pending["ok"].queue.empty()
     await env.client.abort(["ok"])
     assert env.client.num_in_flight == 0
