@@ -314,8 +314,12 @@ class ModelRunner:
             return result
         params = [s.sampling_params for s in sample_states]
         sample_ids = [s.request_id for s in sample_states]
-        # [R, ceil(V / 32)] of the constrained rows
-        bitmask = early_mask.result() if early_mask is not None else self.structured.bitmask(sample_ids)
+        # [R, ceil(V / 32)] of the constrained rows: filled during the forward pass, or now for a
+        # step that forked samples (without a fork, no early mask means no constrained row)
+        if early_mask is not None:
+            bitmask = early_mask.result()
+        else:
+            bitmask = self.structured.bitmask(sample_ids) if plan.forks else None
         tokens = self.sampler.sample(logits, params, [s.generator for s in sample_states],
                                      [s.token_ids for s in sample_states], [s.num_prompt_tokens for s in sample_states],
                                      bitmask=bitmask)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from services.scheduler.beam import BeamSearch
 from shared.messages import FinishReason, SampleLogprobs, SamplingParams, SubmitRequest
@@ -111,38 +112,30 @@ class Request:
         """Sample ``index`` of this n > 1 request, ``"<id>#<index>"``, forked when its prefill
         completes: running on the same group with its tokens so far (its blocks are shared by
         ``KVCacheManager.fork``) and the sampling params of that sample (``for_child``)."""
-        return Request(
-            request_id=f"{self.request_id}#{index}",
-            sampling_params=self.sampling_params.for_child(index),
-            **{name: getattr(self, name) for name in _INHERITED},
-            output_token_ids=list(self.output_token_ids),
-            status=RequestStatus.RUNNING,
-            num_computed_tokens=self.num_computed_tokens,
-            num_cached_tokens=self.num_cached_tokens,
-            group_id=self.group_id,
-            parent_request_id=self.request_id,
-            index=index,
-        )
+        return self._running_copy(f"{self.request_id}#{index}", self.sampling_params.for_child(index),
+                                  list(self.output_token_ids), self.num_computed_tokens,
+                                  parent_request_id=self.request_id, index=index)
 
     def fork_beam(self, parent: Request, token_id: int, logprobs: SampleLogprobs, cum_logprob: float) -> Request:
         """A new live beam of this root's search, ``"<id>@<k>"``: ``parent``'s tokens and
         ``token_id``, running on the same group; its blocks are shared by ``KVCacheManager.fork``."""
         assert self.beam is not None
-        beam = Request(
-            request_id=f"{self.request_id}@{self.beam.next_beam}",
-            sampling_params=self.sampling_params,
-            **{name: getattr(self, name) for name in _INHERITED},
-            output_token_ids=[*parent.output_token_ids, token_id],
-            status=RequestStatus.RUNNING,
-            num_computed_tokens=parent.num_computed_tokens,
-            num_cached_tokens=self.num_cached_tokens,
-            group_id=self.group_id,
-            beam_root=self,
-            cum_logprob=cum_logprob,
-            beam_logprobs=[*parent.beam_logprobs, logprobs],
-        )
+        beam = self._running_copy(f"{self.request_id}@{self.beam.next_beam}", self.sampling_params,
+                                  [*parent.output_token_ids, token_id], parent.num_computed_tokens,
+                                  beam_root=self, cum_logprob=cum_logprob,
+                                  beam_logprobs=[*parent.beam_logprobs, logprobs])
         self.beam.next_beam += 1
         return beam
+
+    def _running_copy(self, request_id: str, sampling_params: SamplingParams, output_token_ids: list[int],
+                      num_computed_tokens: int, **fields: Any) -> Request:
+        """A request running on this one's group with its inherited fields (``_INHERITED``) and
+        cached-token count: an n > 1 sample or a beam; ``fields`` name what makes it one."""
+        return Request(request_id=request_id, sampling_params=sampling_params,
+                       **{name: getattr(self, name) for name in _INHERITED},
+                       output_token_ids=output_token_ids, status=RequestStatus.RUNNING,
+                       num_computed_tokens=num_computed_tokens, num_cached_tokens=self.num_cached_tokens,
+                       group_id=self.group_id, **fields)
 
     @property
     def is_beam(self) -> bool:
