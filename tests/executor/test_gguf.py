@@ -11,7 +11,9 @@ from gguf import GGMLQuantizationType, quants
 from gguf_fixtures import pack_k, random_blocks
 from torch import nn
 
+from kernels.cpu import quant_ops
 from services.executor.layers import gguf as G
+from services.executor.layers import gguf_r16
 
 FORMATS = [G.Q4_0, G.Q4_1, G.Q8_0, G.Q4_K, G.Q5_K, G.Q6_K]
 
@@ -80,3 +82,29 @@ def test_sharded_method_multiplies_each_shard_in_its_format():
     weight = torch.cat([torch.from_numpy(ref) for _, ref in shards])  # [16, 256]
     torch.testing.assert_close(method.apply(layer, x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     assert layer.weight.numel() == 0 and len(layer.gguf_shards) == 3
+
+
+@pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0], ids=lambda f: f.name)
+def test_native_method_keeps_16_row_groups_interleaved(fmt, kernel_library):
+    """With the native kernels a Q4_0 / Q4_1 / Q8_0 weight of a multiple of 16 rows is held in
+    gguf_r16's layout (same bytes, same size): its dequantized weight and embedding rows are the
+    file's, and bf16 activations of more than NATIVE_MAX_ROWS rows take the int8 kernel (equal to
+    the file layout's kernel up to float32 rounding); 24 rows stay in the file's layout."""
+    k = 64
+    blocks, reference = quantized(fmt, 48, k, seed=3)
+    layer = nn.Module()
+    method = G.GGUFLinearMethod(fmt, torch.bfloat16, native=True)
+    method.install(layer, blocks, k)
+    assert method.r16 and method.kernel_type == fmt.ggml_type | 0x100
+    assert layer.weight.shape == blocks.shape and not torch.equal(layer.weight, blocks)
+    assert torch.equal(gguf_r16.unpack_rows(layer.weight, fmt.ggml_type), blocks)
+    torch.testing.assert_close(method.weight(layer, torch.float32), torch.from_numpy(reference), rtol=0, atol=0)
+    ids = torch.tensor([47, 0, 17, 16])
+    torch.testing.assert_close(method.embed(layer, ids), torch.from_numpy(reference)[ids].bfloat16(), rtol=0, atol=0)
+    x = torch.randn(G.NATIVE_MAX_ROWS + 5, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    expected = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32)  # the file layout's int8 kernel
+    torch.testing.assert_close(method.apply_logits(layer, x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    other = nn.Module()
+    plain = G.GGUFLinearMethod(fmt, torch.bfloat16, native=True)
+    plain.install(other, blocks[:24], k)
+    assert not plain.r16 and torch.equal(other.weight, blocks[:24])

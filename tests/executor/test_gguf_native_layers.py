@@ -1,7 +1,8 @@
-"""The bundled Q4_1 GGUF served in bf16 with the native kernels: steps of at most
-``NATIVE_MAX_ROWS`` tokens run every decoder layer in one C call (``NativeLayers``, the GGUF
-blocks read by ``cpu_gguf_gemm.c`` inside ``cpu_llama_layers.c``), with the per-layer path's
-greedy tokens and logits; longer steps run layer by layer."""
+"""GGUF files served in bf16 with the native kernels: every decoder layer in one C call
+(``NativeLayers``, the GGUF blocks read by ``cpu_gguf_gemm.c`` inside ``cpu_llama_layers.c``),
+with the per-layer path's greedy tokens and logits. The bundled Q4_1 file's weights are held in
+the 16-row interleaved layout (``gguf_r16``), served at any step size; K-quant steps of more than
+``NATIVE_MAX_ROWS`` tokens run layer by layer."""
 
 from __future__ import annotations
 
@@ -35,10 +36,10 @@ def test_gguf_blocks_run_in_the_all_layers_c_call(tmp_path, monkeypatch):
     real_run = NativeLayers.run
     monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
     new_n, logits_n = paged_greedy(model, PROMPTS, 5)
-    # the 17-token prefill step is over NATIVE_MAX_ROWS: layer by layer; the 3-row decodes in C
-    assert sum(map(len, PROMPTS)) > G.NATIVE_MAX_ROWS and fused == [len(PROMPTS)] * 4
-    assert model.model.native_layers.max_rows == G.NATIVE_MAX_ROWS
-    assert model.model.native_layers._wtype.tolist() == [G.Q4_1.ggml_type] * (4 * config.num_hidden_layers)
+    # the 17-token prefill (over NATIVE_MAX_ROWS: no limit for the interleaved layout) and the 3-row decodes in C
+    assert sum(map(len, PROMPTS)) > G.NATIVE_MAX_ROWS and fused == [sum(map(len, PROMPTS))] + [len(PROMPTS)] * 4
+    assert model.model.native_layers.max_rows is None
+    assert model.model.native_layers._wtype.tolist() == [G.Q4_1.ggml_type | 0x100] * (4 * config.num_hidden_layers)
 
     monkeypatch.setattr(NativeLayers, "applies", staticmethod(lambda layers, caches: False))
     model.model.native_layers = None

@@ -16,14 +16,16 @@ from native_builds import X86
 
 from kernels.cpu import native, quant_ops
 from services.executor.layers import gguf as G
+from services.executor.layers import gguf_r16
 
 
 def _portable_kernel(tmp_path) -> ctypes.CDLL:
-    """``cpu_gguf_gemm.c`` and ``cpu_gguf_q8.c`` alone, compiled without AVX-512 (the portable C
+    """``cpu_gguf_gemm.c``, ``cpu_gguf_q8.c`` and ``cpu_gguf_r16.c`` alone, compiled without AVX-512 (the portable C
     loops): a second build of the whole library would cost ~20 s; these files alone, about one."""
     so = tmp_path / "gguf_portable.so"
     cmd = [native.find_compiler(), "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-ffast-math", "-fPIC",
-           "-shared", str(native.CSRC / "cpu_gguf_gemm.c"), str(native.CSRC / "cpu_gguf_q8.c"), "-o", str(so)]
+           "-shared", str(native.CSRC / "cpu_gguf_gemm.c"), str(native.CSRC / "cpu_gguf_q8.c"),
+           str(native.CSRC / "cpu_gguf_r16.c"), "-o", str(so)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     lib = ctypes.CDLL(str(so))
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -130,6 +132,10 @@ def test_gemm_gguf_int8_portable_equals_native(kernel_library, tmp_path_factory,
     a = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=kernel_library)
     b = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=portable)
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
+    packed, kind = gguf_r16.pack(blocks[:16], fmt.ggml_type), fmt.ggml_type | quant_ops.GGUF_R16  # interleaved rows
+    a = quant_ops.gemm_gguf(x, packed, kind, k, torch.float32, lib=kernel_library)
+    torch.testing.assert_close(a, b[:, :16], rtol=1e-6, atol=1e-6 * b.abs().max().item())
+    assert torch.equal(quant_ops.gemm_gguf(x, packed, kind, k, torch.float32, lib=portable), b[:, :16])
 
 
 @pytest.mark.parametrize("fmt", [G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda f: f.name)
@@ -163,3 +169,42 @@ def test_gemm_gguf_refuses_bad_arguments(lib):
         quant_ops.gemm_gguf(torch.randn(1, 64), blocks, G.Q8_0.ggml_type, 64, lib=lib)
     with pytest.raises(ValueError, match="multiple of its block size"):  # K-quants: super-blocks of 256
         quant_ops.gemm_gguf(torch.randn(1, 64), blocks, G.Q4_K.ggml_type, 64, lib=lib)
+
+
+@pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0], ids=lambda f: f.name)
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 40])  # tiles of 8 activation rows: partial, full, one more, several
+@pytest.mark.parametrize("k", [96, 576])
+def test_gemm_gguf_r16_int8_equals_exact_sums(lib, fmt, m, k):
+    """The 16-row interleaved layout (gguf_r16): bf16 activations give the exact sum of the int8
+    path's operands up to float32 rounding, bf16 out one rounding of the float32 out; float32
+    activations give the file layout's float32 path bit for bit (the same code on unpacked rows)."""
+    n = 48
+    blocks = _blocks(fmt, n, k, seed=m + k)
+    packed = gguf_r16.pack(blocks, fmt.ggml_type)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
+    x[0, :32] = 0  # a block of zeros: d_a = 0
+    kind = fmt.ggml_type | quant_ops.GGUF_R16
+    exact = _int8_reference(x, blocks, fmt)
+    out32 = quant_ops.gemm_gguf(x, packed, kind, k, torch.float32, lib=lib)
+    torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    out = quant_ops.gemm_gguf(x, packed, kind, k, torch.bfloat16, lib=lib)
+    torch.testing.assert_close(out, out32.bfloat16(), rtol=0, atol=0)
+    xf = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1))
+    assert torch.equal(quant_ops.gemm_gguf(xf, packed, kind, k, torch.float32, lib=lib),
+                       quant_ops.gemm_gguf(xf, blocks, fmt.ggml_type, k, torch.float32, lib=lib))
+
+
+def test_gemm_gguf_r16_reads_strided_rows_and_refuses_bad_layouts(lib):
+    blocks = _blocks(G.Q8_0, 32, 64, seed=5)
+    packed = gguf_r16.pack(blocks, G.Q8_0.ggml_type)
+    x = torch.randn(4, 128)[:, 32:96].bfloat16()  # [4, 64], row stride 128
+    kind = G.Q8_0.ggml_type | quant_ops.GGUF_R16
+    torch.testing.assert_close(quant_ops.gemm_gguf(x, packed, kind, 64, torch.float32, lib=lib).double(),
+                               _int8_reference(x, blocks, G.Q8_0), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        quant_ops.gemm_gguf(x, packed[:24], kind, 64, lib=lib)
+    with pytest.raises(ValueError, match="ggml_type"):  # no interleaved K-quants
+        quant_ops.gemm_gguf(torch.randn(1, 256), random_blocks(G.Q4_K, 16, 256, 0), 12 | quant_ops.GGUF_R16, 256,
+                            lib=lib)
+    with pytest.raises(ValueError, match="no 16-row interleaved layout"):
+        gguf_r16.pack(blocks[:24], G.Q8_0.ggml_type)

@@ -267,10 +267,33 @@ static void row_tile(int qtype, int bpb, const uint8_t* wr, int64_t nb, const fl
 #endif
 }
 
+/* out[:, n] = A . W row n (its blocks at wr), float32 A. */
+static void raw_row(int qtype, int bpb, const uint8_t* wr, int64_t nb, const float* af, int64_t lda, int64_t M,
+                    int out_dtype, void* out, int64_t ldo, int64_t n) {
+  float sums[MT];
+  for (int64_t m0 = 0; m0 < M; m0 += MT) {
+    const int mt = (int)(M - m0 < MT ? M - m0 : MT);
+    row_tile(qtype, bpb, wr, nb, af, lda, m0, mt, sums);
+    for (int i = 0; i < mt; ++i) {
+      if (out_dtype == 0)
+        ((float*)out)[(m0 + i) * ldo + n] = sums[i];
+      else
+        ((uint16_t*)out)[(m0 + i) * ldo + n] = f32_to_bf16(sums[i]);
+    }
+  }
+}
+
 int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, int64_t lda, int out_dtype,
                        void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads) {
+  const int r16 = (qtype & GGUF_R16) != 0;
+  if (r16) {
+    qtype &= ~GGUF_R16;
+    if (!gguf_r16_supports(qtype) || N % 16) return 1;
+  }
   const int bpb = block_bytes(qtype);
   if (bpb == 0 || K % block_elems(qtype) != 0 || M < 0 || N < 0) return 1;
+  if (a_dtype == 1 && r16) /* bf16 A, interleaved rows: cpu_gguf_r16.c */
+    return gguf_gemm_r16_q8a(qtype, w, (const uint16_t*)a, lda, out_dtype, out, ldo, M, N, K, num_threads);
   if (a_dtype == 1 && gguf_q8a_supports(qtype)) /* bf16 A: int8 activations (cpu_gguf_q8.c) */
     return gguf_gemm_q8a(qtype, w, (const uint16_t*)a, lda, out_dtype, out, ldo, M, N, K, num_threads);
   const int64_t nb = K / block_elems(qtype);
@@ -284,21 +307,27 @@ int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, 
     af = widened;
     lda = K;
   }
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && N > 1)
-  for (int64_t n = 0; n < N; ++n) {
-    const uint8_t* wr = w + n * nb * bpb;
-    float sums[MT];
-    for (int64_t m0 = 0; m0 < M; m0 += MT) {
-      const int mt = (int)(M - m0 < MT ? M - m0 : MT);
-      row_tile(qtype, bpb, wr, nb, af, lda, m0, mt, sums);
-      for (int i = 0; i < mt; ++i) {
-        if (out_dtype == 0)
-          ((float*)out)[(m0 + i) * ldo + n] = sums[i];
-        else
-          ((uint16_t*)out)[(m0 + i) * ldo + n] = f32_to_bf16(sums[i]);
+  int status = 0;
+  if (r16) { /* float32 A: each group of 16 rows unpacked to the file's blocks */
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && N > 16)
+    {
+      uint8_t* raw = (uint8_t*)malloc((size_t)(16 * nb * bpb));
+      if (!raw) {
+#pragma omp atomic write
+        status = 3;
       }
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < N / 16; ++g) {
+        if (!raw) continue;
+        gguf_r16_unpack(qtype, w + g * 16 * nb * bpb, nb, raw);
+        for (int r = 0; r < 16; ++r) raw_row(qtype, bpb, raw + r * nb * bpb, nb, af, lda, M, out_dtype, out, ldo, 16 * g + r);
+      }
+      free(raw);
     }
+  } else {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && N > 1)
+    for (int64_t n = 0; n < N; ++n) raw_row(qtype, bpb, w + n * nb * bpb, nb, af, lda, M, out_dtype, out, ldo, n);
   }
   free(widened);
-  return 0;
+  return status;
 }

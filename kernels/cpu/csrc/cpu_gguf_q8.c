@@ -81,10 +81,7 @@ static inline float half(const uint8_t* p) { /* fp16 at p -> float (normals, sub
 #endif
 }
 
-/* Block b of activation row m (32 bf16 at x) -> A's int8 quants, scale and sums. */
-static void quantize_block(int qtype, const uint16_t* x, act_q8* A, int64_t m, int64_t b) {
-  int8_t* q = A->q + m * A->nbp * QK + b * QK;
-  const int64_t l = m * A->nbp * LANES + b * LANES;
+void gguf_q8_quantize_block(const uint16_t* x, int8_t* q, float* d, int32_t* s) {
   int32_t sum = 0;
 #ifdef Q8A_VNNI
   const __m512 x0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
@@ -93,15 +90,9 @@ static void quantize_block(int qtype, const uint16_t* x, act_q8* A, int64_t m, i
   const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
   sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-  __m128i q0 = _mm512_cvtepi32_epi8(i0), q1 = _mm512_cvtepi32_epi8(i1);
-  if (qtype != GGUF_Q4_1) {
-    q0 = _mm_xor_si128(q0, _mm_set1_epi8((char)0x80));
-    q1 = _mm_xor_si128(q1, _mm_set1_epi8((char)0x80));
-  }
-  _mm_storeu_si128((__m128i*)q, q0);
-  _mm_storeu_si128((__m128i*)(q + 16), q1);
+  _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(i0));
+  _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(i1));
 #else
-  (void)qtype;
   float xf[QK], amax = 0.f;
   for (int e = 0; e < QK; ++e) {
     xf[e] = bf16_to_f32(x[e]);
@@ -113,7 +104,23 @@ static void quantize_block(int qtype, const uint16_t* x, act_q8* A, int64_t m, i
     sum += q[e];
   }
 #endif
-  const float d = amax * (1.0f / 127.0f);
+  *d = amax * (1.0f / 127.0f);
+  *s = sum;
+}
+
+/* Block b of activation row m (32 bf16 at x) -> A's int8 quants, scale and sums. */
+static void quantize_block(int qtype, const uint16_t* x, act_q8* A, int64_t m, int64_t b) {
+  int8_t* q = A->q + m * A->nbp * QK + b * QK;
+  const int64_t l = m * A->nbp * LANES + b * LANES;
+  float d;
+  int32_t sum;
+  gguf_q8_quantize_block(x, q, &d, &sum);
+#ifdef Q8A_VNNI
+  if (qtype != GGUF_Q4_1) /* qa + 128 as uint8 */
+    for (int e = 0; e < QK; ++e) q[e] = (int8_t)((uint8_t)q[e] ^ 0x80);
+#else
+  (void)qtype;
+#endif
   for (int j = 0; j < LANES; ++j) A->d[l + j] = d;
   if (A->corr) A->corr[l] = -8 * sum; /* the portable loop's Q4_0 */
   if (A->s) A->s[m * A->nbp + b] = d * (float)sum;

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu import quant_ops
+from services.executor.layers import gguf_r16
 from services.executor.layers.linear import LinearMethodBase
 
 
@@ -71,7 +72,7 @@ Q4_K = BlockFormat("Q4_K", 12, 256, 144)
 Q5_K = BlockFormat("Q5_K", 13, 256, 176)
 Q6_K = BlockFormat("Q6_K", 14, 256, 210)
 FORMATS = {f.ggml_type: f for f in (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)}
-NATIVE_MAX_ROWS = 16  # above: dequantize once per call and multiply with torch's GEMM
+NATIVE_MAX_ROWS = 16  # above (float32 activations or K-quants): dequantize once per call, torch's GEMM
 
 
 def _fp16(b: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [..., 1] float32
@@ -141,14 +142,23 @@ class GGUFLinearMethod(LinearMethodBase):
 
     ``fmt``: the blocks' format; ``dtype``: the model's activation dtype (an embedding lookup's
     output); ``native``: the C kernel may serve small row counts on CPU (the native kernels are
-    allowed and the library loads). The model keeps this method when the kernels are chosen
-    (``quantized``: ``layers/selection.py`` leaves it in place).
+    allowed and the library loads). With ``native``, Q4_0 / Q4_1 / Q8_0 blocks of a multiple of
+    16 rows are kept in ``gguf_r16``'s interleaved layout (``r16``), whose int8 kernel serves bf16
+    activations of any row count. One method per installed layer (the tied LM head shares its
+    embedding's). The model keeps this method when the kernels are chosen (``quantized``:
+    ``layers/selection.py`` leaves it in place).
     """
 
     quantized = True
 
     def __init__(self, fmt: BlockFormat, dtype: torch.dtype, native: bool = False) -> None:
         self.fmt, self.dtype, self.native = fmt, dtype, native
+        self.r16 = False
+
+    @property
+    def kernel_type(self) -> int:
+        """The type code of ``quant_ops.gemm_gguf`` for the blocks as held (``| GGUF_R16`` when interleaved)."""
+        return self.fmt.ggml_type | (quant_ops.GGUF_R16 if self.r16 else 0)
 
     def install(self, layer: nn.Module, blocks: torch.Tensor, input_size: int) -> None:
         """Make ``blocks`` ``[N, K / block_size * block_bytes]`` uint8 ``layer``'s weight, served by this method.
@@ -160,13 +170,22 @@ class GGUFLinearMethod(LinearMethodBase):
                 or blocks.shape[1] != input_size // self.fmt.block_size * self.fmt.block_bytes:
             raise ValueError(f"{self.fmt.name} blocks {tuple(blocks.shape)} {blocks.dtype} are not rows of "
                              f"{input_size} elements")
+        self.r16 = self.native and gguf_r16.supports(self.fmt.ggml_type, blocks.shape[0])
+        if self.r16:
+            blocks = gguf_r16.pack(blocks, self.fmt.ggml_type)
         layer.weight = nn.Parameter(blocks.contiguous(), requires_grad=False)
         layer.gguf_input_size = input_size
         layer.quant_method = self
 
+    def file_blocks(self, layer: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's blocks of ``rows`` (``[R]`` int64; all when ``None``) in the file's row layout."""
+        if self.r16:
+            return gguf_r16.unpack_rows(layer.weight, self.fmt.ggml_type, rows)
+        return layer.weight if rows is None else layer.weight[rows]
+
     def weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:  # [N, K] dtype
         """The layer's weight, dequantized."""
-        return dequantize(layer.weight, self.fmt, dtype)
+        return dequantize(self.file_blocks(layer), self.fmt, dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, K] -> [T, N] in x's dtype
@@ -178,13 +197,13 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def embed(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, K]
         """The rows of ``input_ids``, dequantized into the model's dtype."""
-        return dequantize(layer.weight[input_ids], self.fmt, self.dtype)
+        return dequantize(self.file_blocks(layer, input_ids), self.fmt, self.dtype).reshape(*input_ids.shape, -1)
 
     def _matmul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
-        if (self.native and x.device.type == "cpu" and x.shape[0] <= NATIVE_MAX_ROWS
-                and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1):
-            out = quant_ops.gemm_gguf(x, layer.weight, self.fmt.ggml_type, layer.gguf_input_size, out_dtype, validate=False)
+        if (self.native and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and x.stride(-1) == 1 and (x.shape[0] <= NATIVE_MAX_ROWS or (self.r16 and x.dtype == torch.bfloat16))):
+            out = quant_ops.gemm_gguf(x, layer.weight, self.kernel_type, layer.gguf_input_size, out_dtype, validate=False)
             return out if bias is None else out.add_(bias)
         if x.is_cuda and x.dim() == 2 and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
             from kernels.triton.gemm_gguf import gemm_gguf  # imports triton: only where it runs

@@ -62,11 +62,12 @@ class NativeLayers:
             setattr(a, f"{name}_w", pointers([p[name].weight if _gguf(p[name]) else p[name].panel for p in projections]))
             setattr(a, f"{name}_b", pointers([p[name].bias for p in projections]))
         gguf = [_gguf(p) for projs in projections for p in projs.values()]
-        self._wtype = torch.tensor([0 if m is None else m.fmt.ggml_type for m in gguf], dtype=torch.int32)
+        self._wtype = torch.tensor([0 if m is None else m.kernel_type for m in gguf], dtype=torch.int32)
         a.wtype = self._wtype.data_ptr()
-        # GGUF blocks: the C kernel unpacks a block once per 8 rows (16 on its int8 path); over NATIVE_MAX_ROWS the per-layer
-        # path (a dequantized weight in torch's GEMM) is quicker
-        self.max_rows = NATIVE_MAX_ROWS if any(m is not None for m in gguf) else None
+        # GGUF blocks in the file's layout (K-quants): the C kernel unpacks a block once per 8 rows (16 on its int8
+        # path); over NATIVE_MAX_ROWS the per-layer path (a dequantized weight in torch's GEMM) is quicker. The 16-row
+        # interleaved int8 kernel (gguf_r16) is quicker at every row count.
+        self.max_rows = NATIVE_MAX_ROWS if any(m is not None and not m.r16 for m in gguf) else None
         a.k_cache = pointers([k for k, _ in kv_caches])
         a.v_cache = pointers([v for _, v in kv_caches])
         self.args = a
