@@ -38,7 +38,7 @@ log = get_logger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / n for n in ("abi.c", "cpu_paged_attention.c", "cpu_rms_norm.c", "cpu_gemm_bf16.c",
                               "cpu_llama_layers.c", "cpu_gemm_w4.c", "cpu_gguf_gemm.c", "cpu_gguf_q8.c", "cpu_gguf_r16.c",
-                              "cpu_token_bitmask.c")]
+                              "cpu_gguf_r16k.c", "cpu_token_bitmask.c")]
 HEADERS = [CSRC / "cpu_bf16.h", CSRC / "cpu_gguf_q8.h", CSRC / "pagedllm_abi.h"]
 # -ffast-math only when compiling (vectorised expf): linking with it would add gcc's
 # crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
@@ -46,7 +46,7 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c
 LINK_FLAGS = ["-shared", "-fopenmp"]
 PROBE_TIMEOUT_S = 60  # the compiler's --version and its predefined macros
 COMPILE_TIMEOUT_S = 600  # one source file, or the link; a timeout is a failed build
-ABI_VERSION = 5  # PAGEDLLM_ABI_VERSION in csrc/pagedllm_abi.h
+ABI_VERSION = 6  # PAGEDLLM_ABI_VERSION in csrc/pagedllm_abi.h
 PANEL = 16  # output columns per packed weight panel (csrc/pagedllm_abi.h): kernels.cpu.ops packs in it
 
 _lock = threading.Lock()

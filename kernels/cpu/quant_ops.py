@@ -66,14 +66,14 @@ def gemm_w4(
 
 #: (elements, bytes) per block of each GGML type :func:`gemm_gguf` reads (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
 GGUF_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
-GGUF_R16 = 0x100  #: flag on Q4_0 / Q4_1 / Q8_0: rows interleaved by 16 (services/executor/layers/gguf_r16.py)
+GGUF_R16 = 0x100  #: flag on any of them: rows interleaved by 16 (services/executor/layers/gguf_r16.py)
 
 
 def gemm_gguf(
     x: torch.Tensor,  # [M, K] bfloat16 or float32, unit stride along K
     blocks: torch.Tensor,  # [N, K / block_size * block_bytes] uint8, dense: each weight row's GGUF blocks
     ggml_type: int,  # a key of GGUF_BLOCKS: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K);
-    # 2, 3 or 8 | GGUF_R16: blocks in gguf_r16.py's layout (N a multiple of 16)
+    # any of them | GGUF_R16: blocks in gguf_r16.py's layout (N a multiple of 16)
     k: int,  # K, the weight's input features (a multiple of the block size: 32, or 256 for the K-quants)
     out_dtype: torch.dtype = torch.bfloat16,  # bfloat16 or float32
     lib: ctypes.CDLL | None = None,
@@ -81,7 +81,8 @@ def gemm_gguf(
 ) -> torch.Tensor:  # [M, N] out_dtype
     """``F.linear(x, dequantize(blocks))`` with the weight kept quantized (``cpu_gguf_gemm.c``:
     each block dequantized in registers, float32 sums, one rounding per output; bf16 ``x`` with
-    Q4_0 / Q4_1 / Q8_0: int8 activations, ``cpu_gguf_q8.c`` or ``cpu_gguf_r16.c``). Runs on
+    Q4_0 / Q4_1 / Q8_0, or any type ``| GGUF_R16``: int8 activations, ``cpu_gguf_q8.c``,
+    ``cpu_gguf_r16.c`` or ``cpu_gguf_r16k.c``). Runs on
     ``torch.get_num_threads()`` OpenMP threads.
 
     Raises:
@@ -96,9 +97,9 @@ def gemm_gguf(
         if x.dim() != 2 or x.dtype not in _DTYPES or x.device.type != "cpu" or x.stride(1) != 1 or x.shape[1] != k:
             raise ValueError(f"x must be a float32/bfloat16 [M, {k}] CPU tensor with unit stride along K")
         base = ggml_type & ~GGUF_R16
-        if base not in GGUF_BLOCKS or k % GGUF_BLOCKS[base][0] or (ggml_type & GGUF_R16 and base not in (2, 3, 8)):
-            raise ValueError(f"ggml_type must be one of {sorted(GGUF_BLOCKS)} (2, 3, 8 | GGUF_R16) and k a multiple "
-                             "of its block size")
+        if base not in GGUF_BLOCKS or k % GGUF_BLOCKS[base][0]:
+            raise ValueError(f"ggml_type must be one of {sorted(GGUF_BLOCKS)} (| GGUF_R16) and k a multiple of its "
+                             "block size")
         if ggml_type & GGUF_R16 and blocks.shape[0] % 16:
             raise ValueError(f"blocks in the 16-row interleaved layout need a multiple of 16 rows, got {blocks.shape[0]}")
         size, nbytes = GGUF_BLOCKS[base]

@@ -20,12 +20,13 @@ from services.executor.layers import gguf_r16
 
 
 def _portable_kernel(tmp_path) -> ctypes.CDLL:
-    """``cpu_gguf_gemm.c``, ``cpu_gguf_q8.c`` and ``cpu_gguf_r16.c`` alone, compiled without AVX-512 (the portable C
-    loops): a second build of the whole library would cost ~20 s; these files alone, about one."""
+    """``cpu_gguf_gemm.c``, ``cpu_gguf_q8.c``, ``cpu_gguf_r16.c`` and ``cpu_gguf_r16k.c`` alone, compiled without
+    AVX-512 (the portable C loops): a second build of the whole library would cost ~20 s; these files alone, about
+    one."""
     so = tmp_path / "gguf_portable.so"
+    sources = [str(native.CSRC / f) for f in ("cpu_gguf_gemm.c", "cpu_gguf_q8.c", "cpu_gguf_r16.c", "cpu_gguf_r16k.c")]
     cmd = [native.find_compiler(), "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-ffast-math", "-fPIC",
-           "-shared", str(native.CSRC / "cpu_gguf_gemm.c"), str(native.CSRC / "cpu_gguf_q8.c"),
-           str(native.CSRC / "cpu_gguf_r16.c"), "-o", str(so)]
+           "-shared", *sources, "-o", str(so)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     lib = ctypes.CDLL(str(so))
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -203,8 +204,101 @@ def test_gemm_gguf_r16_reads_strided_rows_and_refuses_bad_layouts(lib):
                                _int8_reference(x, blocks, G.Q8_0), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="multiple of 16 rows"):
         quant_ops.gemm_gguf(x, packed[:24], kind, 64, lib=lib)
-    with pytest.raises(ValueError, match="ggml_type"):  # no interleaved K-quants
-        quant_ops.gemm_gguf(torch.randn(1, 256), random_blocks(G.Q4_K, 16, 256, 0), 12 | quant_ops.GGUF_R16, 256,
-                            lib=lib)
+    with pytest.raises(ValueError, match="ggml_type"):  # interleaved K-quants: super-blocks of 256 too
+        quant_ops.gemm_gguf(x, packed, G.Q4_K.ggml_type | quant_ops.GGUF_R16, 64, lib=lib)
     with pytest.raises(ValueError, match="no 16-row interleaved layout"):
         gguf_r16.pack(blocks[:24], G.Q8_0.ggml_type)
+
+
+def _k_integer_blocks(blocks: torch.Tensor, fmt: G.BlockFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K-quant rows [N, K / 256 * bytes] -> (q [N, K / 32, 32] the unsigned quants as multiplied (0..15, 0..31,
+    0..63), scale [N, K / 32, 2] of each half sub-block (Q4_K / Q5_K: d sc_j twice; Q6_K: d sc[2 j], d sc[2 j + 1]),
+    offset [N, K / 32] subtracted per element (Q4_K / Q5_K: dmin m_j; Q6_K: 0)), float64; Q6_K's w is
+    scale (q - 32). Read from the bytes as cpu_gguf_gemm.c's header lays them out."""
+    n = blocks.shape[0]
+    b = blocks.view(n, -1, fmt.block_bytes).long()  # [N, S, bytes]
+    half = lambda lo: b[..., lo:lo + 2].to(torch.uint8).contiguous().view(torch.float16).double()  # noqa: E731  [N, S, 1]
+    if fmt.ggml_type == G.Q6_K.ggml_type:
+        ql, qh = b[..., 0:128], b[..., 128:192]
+        subs = []
+        for j in range(8):  # sub-block j = 4 h + s: elements 128 h + 32 s + e
+            h, sh = divmod(j, 4)
+            low = (ql[..., 64 * h + 32 * (sh % 2):][..., :32] >> (4 * (sh // 2))) & 15
+            subs.append(low | (((qh[..., 32 * h:32 * h + 32] >> (2 * sh)) & 3) << 4))
+        q = torch.stack(subs, dim=2)  # [N, S, 8, 32]
+        sc = b[..., 192:208].to(torch.uint8).view(torch.int8).double()  # [N, S, 16]
+        scale = (half(208) * sc).view(n, -1, 8, 2)
+        return q.view(n, -1, 32).double(), scale.view(n, -1, 2), torch.zeros(q.shape[:3], dtype=torch.float64).view(n, -1)
+    s = b[..., 4:16]
+    sc = [s[..., j] & 63 if j < 4 else (s[..., j + 4] & 15) | ((s[..., j - 4] >> 6) << 4) for j in range(8)]
+    mn = [s[..., j + 4] & 63 if j < 4 else (s[..., j + 4] >> 4) | ((s[..., j] >> 6) << 4) for j in range(8)]
+    qs = b[..., 48:176] if fmt.ggml_type == G.Q5_K.ggml_type else b[..., 16:144]
+    q = torch.stack([(qs[..., 32 * (j // 2):32 * (j // 2) + 32] >> (4 * (j % 2))) & 15 for j in range(8)], dim=2)
+    if fmt.ggml_type == G.Q5_K.ggml_type:
+        q = q | torch.stack([((b[..., 16:48] >> j) & 1) << 4 for j in range(8)], dim=2)
+    dsc = half(0) * torch.stack(sc, dim=-1).double()  # [N, S, 8]
+    dm = half(2) * torch.stack(mn, dim=-1).double()
+    return q.view(n, -1, 32).double(), dsc.view(n, -1, 1).expand(-1, -1, 2), dm.view(n, -1)
+
+
+def _k_int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: G.BlockFormat) -> torch.Tensor:  # [M, N] float64
+    """The exact result of the interleaved K-quant kernel's operands: per 32-block b and half h (16 elements),
+    scale[n, b, h] d_a[m, b] (q . qa over the half, less 32 sum qa there for Q6_K), less offset[n, b] d_a s_a
+    (Q4_K / Q5_K), summed in float64 (the integer dots exact)."""
+    qa, da = _quantize_activations(x)  # [M, B, 32], [M, B]
+    q, scale, offset = _k_integer_blocks(blocks, fmt)
+    qa2, q2 = qa.view(*qa.shape[:2], 2, 16), q.view(*q.shape[:2], 2, 16)
+    dot = torch.einsum("mbhe,nbhe->mnbh", qa2, q2)  # [M, N, B, 2]
+    sa = qa2.sum(-1)[:, None]  # [M, 1, B, 2]
+    if fmt.ggml_type == G.Q6_K.ggml_type:
+        dot = dot - 32 * sa
+    out = (scale[None] * da[:, None, :, None] * dot).sum((-1, -2))
+    return out - (offset[None] * da[:, None] * sa.sum(-1)).sum(-1)
+
+
+@pytest.mark.parametrize("fmt", [G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda f: f.name)
+def test_k_integer_blocks_are_the_dequantized_weight(fmt):
+    """The reference's integer reading of the K-quant bytes gives ``gguf.quants.dequantize``'s weight."""
+    blocks = random_blocks(fmt, 4, 512, seed=fmt.ggml_type)
+    q, scale, offset = _k_integer_blocks(blocks, fmt)
+    w = scale.repeat_interleave(16, dim=-1) * (q - 32 * (fmt.ggml_type == G.Q6_K.ggml_type)) - offset[..., None]
+    reference = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(fmt.ggml_type)))
+    torch.testing.assert_close(w.view(4, -1), reference.double(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fmt", [G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda f: f.name)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 256), (3, 48, 512), (8, 32, 768), (9, 16, 512), (20, 48, 768)])
+def test_gemm_gguf_r16k_int8_equals_exact_sums(lib, fmt, m, n, k):
+    """Q4_K / Q5_K / Q6_K in the 16-row interleaved layout (gguf_r16, cpu_gguf_r16k.c): bf16 activations give
+    the exact sum of the int8 operands up to float32 rounding (tiles of 8 activation rows: one, partial, full, one
+    more, several), bf16 out one rounding of the float32 out; float32 activations give the file layout's float32
+    path bit for bit (the same code on the unpacked rows)."""
+    blocks = random_blocks(fmt, n, k, seed=m + k + fmt.ggml_type, scale=0.05)
+    packed = gguf_r16.pack(blocks, fmt.ggml_type)
+    assert packed.shape == blocks.shape and torch.equal(gguf_r16.unpack_rows(packed, fmt.ggml_type), blocks)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
+    x[0, :32] = 0  # a block of zeros: d_a = 0
+    kind = fmt.ggml_type | quant_ops.GGUF_R16
+    exact = _k_int8_reference(x, blocks, fmt)
+    out32 = quant_ops.gemm_gguf(x, packed, kind, k, torch.float32, lib=lib)
+    torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    out = quant_ops.gemm_gguf(x, packed, kind, k, torch.bfloat16, lib=lib)
+    torch.testing.assert_close(out, out32.bfloat16(), rtol=0, atol=0)
+    xf = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1))
+    assert torch.equal(quant_ops.gemm_gguf(xf, packed, kind, k, torch.float32, lib=lib),
+                       quant_ops.gemm_gguf(xf, blocks, fmt.ggml_type, k, torch.float32, lib=lib))
+
+
+@pytest.mark.skipif(not X86, reason="-mno-avx512f is x86")
+@pytest.mark.parametrize("fmt", [G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda f: f.name)
+def test_gemm_gguf_r16k_portable_equals_native(kernel_library, tmp_path_factory, fmt):
+    """The portable C loop (each group unpacked to the file's rows) and the AVX512-VNNI kernel: the same integer
+    sums scaled and added by the same float32 operations in the same order, so the same bits."""
+    portable = _portable_kernel(tmp_path_factory.mktemp("gguf_r16k"))
+    m, n, k = 17, 32, 1536
+    blocks = random_blocks(fmt, n, k, seed=7, scale=0.05)
+    packed, kind = gguf_r16.pack(blocks, fmt.ggml_type), fmt.ggml_type | quant_ops.GGUF_R16
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    for dtype in (torch.float32, torch.bfloat16):
+        a = quant_ops.gemm_gguf(x, packed, kind, k, dtype, lib=kernel_library)
+        assert torch.equal(a, quant_ops.gemm_gguf(x, packed, kind, k, dtype, lib=portable))

@@ -21,7 +21,10 @@
  *
  * bf16 activations with Q4_0, Q4_1 or Q8_0 weights take the int8-activation path of cpu_gguf_q8.c
  * (as llama.cpp: the activations quantized to int8 per 32-element block, integer dot products,
- * AVX512-VNNI where compiled for it; its header states the numerics). Otherwise, the float32
+ * AVX512-VNNI where compiled for it; its header states the numerics). Weights of any type in the
+ * 16-row interleaved layout (type | GGUF_R16) take, with bf16 activations, the int8 path of
+ * cpu_gguf_r16.c (Q4_0, Q4_1, Q8_0) or cpu_gguf_r16k.c (Q4_K, Q5_K, Q6_K), and with float32 ones
+ * the path below on each group's 16 rows unpacked to the file's layout. Otherwise, the float32
  * path below: each OpenMP thread owns a contiguous range of output rows n. For each row, the activation rows
  * are taken in tiles of up to MT: every 32 elements of the weight row are dequantized once per tile into
  * two vectors of 16 floats (AVX-512) and multiplied into MT float32 accumulators, so a block's
@@ -288,10 +291,12 @@ int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, 
   const int r16 = (qtype & GGUF_R16) != 0;
   if (r16) {
     qtype &= ~GGUF_R16;
-    if (!gguf_r16_supports(qtype) || N % 16) return 1;
+    if (!(gguf_r16_supports(qtype) || gguf_r16k_supports(qtype)) || N % 16) return 1;
   }
   const int bpb = block_bytes(qtype);
   if (bpb == 0 || K % block_elems(qtype) != 0 || M < 0 || N < 0) return 1;
+  if (a_dtype == 1 && r16 && gguf_r16k_supports(qtype)) /* bf16 A, interleaved K-quant rows: cpu_gguf_r16k.c */
+    return gguf_gemm_r16k_q8a(qtype, w, (const uint16_t*)a, lda, out_dtype, out, ldo, M, N, K, num_threads);
   if (a_dtype == 1 && r16) /* bf16 A, interleaved rows: cpu_gguf_r16.c */
     return gguf_gemm_r16_q8a(qtype, w, (const uint16_t*)a, lda, out_dtype, out, ldo, M, N, K, num_threads);
   if (a_dtype == 1 && gguf_q8a_supports(qtype)) /* bf16 A: int8 activations (cpu_gguf_q8.c) */
@@ -319,7 +324,7 @@ int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, 
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < N / 16; ++g) {
         if (!raw) continue;
-        gguf_r16_unpack(qtype, w + g * 16 * nb * bpb, nb, raw);
+        (gguf_r16k_supports(qtype) ? gguf_r16k_unpack : gguf_r16_unpack)(qtype, w + g * 16 * nb * bpb, nb, raw);
         for (int r = 0; r < 16; ++r) raw_row(qtype, bpb, raw + r * nb * bpb, nb, af, lda, M, out_dtype, out, ldo, 16 * g + r);
       }
       free(raw);

@@ -13,7 +13,7 @@ int gguf_q8a_supports(int qtype);
 int gguf_gemm_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, int out_dtype, void* out, int64_t ldo,
                   int64_t M, int64_t N, int64_t K, int num_threads);
 /* One 32-element block of bf16 activations x -> q[32] int8, its scale d and s = sum q, as the
- * header of cpu_gguf_q8.c states (also the quantization of cpu_gguf_r16.c). */
+ * header of cpu_gguf_q8.c states (also the quantization of cpu_gguf_r16.c and cpu_gguf_r16k.c). */
 void gguf_q8_quantize_block(const uint16_t* x, int8_t* q, float* d, int32_t* s);
 
 /* GGUF_R16 layouts (cpu_gguf_r16.c): whether base type qtype has one; a group's 16 rows
@@ -23,4 +23,10 @@ int gguf_r16_supports(int qtype);
 void gguf_r16_unpack(int qtype, const uint8_t* group, int64_t nb, uint8_t* rows);
 int gguf_gemm_r16_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, int out_dtype, void* out,
                       int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads);
+/* The same for the K-quants Q4_K / Q5_K / Q6_K (cpu_gguf_r16k.c): ns super-blocks per row,
+ * K a multiple of 256. */
+int gguf_r16k_supports(int qtype);
+void gguf_r16k_unpack(int qtype, const uint8_t* group, int64_t ns, uint8_t* rows);
+int gguf_gemm_r16k_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, int out_dtype, void* out,
+                       int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads);
 #endif

@@ -10,7 +10,7 @@
 #define PAGEDLLM_ABI_H
 #include <stdint.h>
 
-#define PAGEDLLM_ABI_VERSION 5
+#define PAGEDLLM_ABI_VERSION 6
 
 #define MAX_GROUP 16     /* query heads per KV head (cpu_paged_attention.c) */
 #define MAX_HEAD_DIM 256 /* head_dim of paged attention (cpu_paged_attention.c) */
@@ -25,7 +25,7 @@
 #define GGUF_Q4_K 12 /* super-blocks of 256 */
 #define GGUF_Q5_K 13
 #define GGUF_Q6_K 14
-#define GGUF_R16 0x100 /* flag on Q4_0 / Q4_1 / Q8_0: rows interleaved by 16 (cpu_gguf_r16.c) */
+#define GGUF_R16 0x100 /* flag on any of them: rows interleaved by 16 (cpu_gguf_r16.c; the K-quants: cpu_gguf_r16k.c) */
 
 /* The argument block of pagedllm_llama_layers_bf16: the model's pointers (set once) and the step's. */
 typedef struct {

@@ -1,16 +1,21 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 blocks with their rows interleaved by 16: the layout of
-``kernels/cpu/csrc/cpu_gguf_r16.c`` (type ``| GGUF_R16``), where one AVX512-VNNI instruction
-multiplies a block of 16 weight rows into the 16 lanes of a vector.
+"""GGUF blocks with their rows interleaved by 16: the layout of ``kernels/cpu/csrc/cpu_gguf_r16.c``
+(Q4_0 / Q4_1 / Q8_0) and ``cpu_gguf_r16k.c`` (the K-quants Q4_K / Q5_K / Q6_K), type ``| GGUF_R16``,
+where one AVX512-VNNI instruction multiplies a block of 16 weight rows into the 16 lanes of a vector.
 
 Rows ``16 g .. 16 g + 15`` of a weight ``[N, K]`` (``N`` a multiple of :data:`GROUP`) form group
-``g``; block ``b`` (32 k) of the group is ``16 * block_bytes`` bytes at ``(g * K/32 + b) * 16 *
-block_bytes``: the 16 rows' fp16 ``d`` (row ``r`` at byte ``2 r``), for Q4_1 then their 16 fp16
-``m``, then the quants as 64-byte vectors whose 4-byte lane ``r`` holds row ``r``'s bytes ``4 p ..
-4 p + 3`` of the file's block (Q4: 4 vectors of nibble bytes; Q8_0: 8 vectors of ``q + 128``, the
-int8 stored XOR 0x80, so every weight byte is unsigned for ``vpdpbusd``). The tensor keeps the
-file's size and the shape ``[N, K / 32 * block_bytes]`` of its rows of blocks; a permutation of the
-bytes within each group-block, plus the XOR, so :func:`unpack_rows` gives back the file's bytes
-exactly.
+``g``; block ``b`` (32 k; a K-quant's super-block: 256 k) of the group is ``16 * block_bytes``
+bytes at ``(g * blocks_per_row + b) * 16 * block_bytes``: the 16 rows' fp16 fields, field by field
+(row ``r``'s at byte ``2 r`` of its field's 32 bytes: ``d``; Q4_1's ``m``; Q4_K's and Q5_K's
+``dmin``; Q6_K's ``d``, last in its file block), then the rest of each row's block, in the file's
+order, cut into 4-byte chunks: chunk ``c`` is a 64-byte vector whose 4-byte lane ``r`` holds row
+``r``'s chunk ``c``. Chunks of quants hold 4 consecutive k of one row (Q4: nibble bytes; Q8_0:
+``q + 128``, the int8 stored XOR 0x80, so every weight byte is unsigned for ``vpdpbusd``); the
+K-quants' 6-bit scales and mins (Q4_K: 3 chunks, Q5_K: 3, then 8 of ``qh``) and Q6_K's ``qh`` and
+int8 scales are chunks as well, one row's 4 bytes per 32-bit lane, decoded with shifts in the
+lanes (``cpu_gguf_r16k.c``'s header lists each chunk). The tensor keeps the file's size exactly
+(Q4_K 144, Q5_K 176, Q6_K 210 bytes per row and super-block) and the shape ``[N, K / block_size *
+block_bytes]`` of its rows of blocks; a permutation of the bytes within each group-block, plus
+Q8_0's XOR, so :func:`unpack_rows` gives back the file's bytes exactly.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import functools
 import torch
 
 GROUP = 16  # rows per group (cpu_gguf_r16.c's RG)
-TYPES = {2: 18, 3: 20, 8: 34}  # ggml type -> block bytes: Q4_0, Q4_1, Q8_0
+# ggml type -> (block bytes, byte offsets of the block's fp16 fields): Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
+TYPES = {2: (18, (0,)), 3: (20, (0, 2)), 8: (34, (0,)), 12: (144, (0, 2)), 13: (176, (0, 2)), 14: (210, (208,))}
 R16_FLAG = 0x100  # GGUF_R16 in kernels/cpu/csrc/pagedllm_abi.h
 
 
@@ -34,25 +40,23 @@ def _source(ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``src [16 bpb]``: the packed group-block's byte ``i`` is byte ``src[i]`` of the 16 file
     blocks laid end to end (row ``r``'s byte ``j`` at ``r * bpb + j``); ``flip [16 bpb]`` bool:
     the bytes stored XOR 0x80 (Q8_0's quants)."""
-    bpb = TYPES[ggml_type]
+    bpb, halves = TYPES[ggml_type]
     src: list[int] = []
-    for r in range(GROUP):  # the fp16 d
-        src += [r * bpb, r * bpb + 1]
-    if ggml_type == 3:  # Q4_1's fp16 m
+    for off in halves:  # the fp16 fields, field by field
         for r in range(GROUP):
-            src += [r * bpb + 2, r * bpb + 3]
-    q_off = 4 if ggml_type == 3 else 2
+            src += [r * bpb + off, r * bpb + off + 1]
+    rest = [j for j in range(bpb) if all(j not in (off, off + 1) for off in halves)]  # in 4-byte chunks
     flip = [False] * len(src)
-    for v in range((bpb - q_off) // 4):
+    for c in range(0, len(rest), 4):
         for r in range(GROUP):
-            src += [r * bpb + q_off + 4 * v + t for t in range(4)]
+            src += [r * bpb + j for j in rest[c:c + 4]]
             flip += [ggml_type == 8] * 4
     assert sorted(src) == list(range(GROUP * bpb))
     return torch.tensor(src), torch.tensor(flip)
 
 
 def pack(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """The file's rows of blocks ``[N, K/32 * bpb]`` uint8 -> the interleaved layout, same shape.
+    """The file's rows of blocks ``[N, K / block_size * bpb]`` uint8 -> the interleaved layout, same shape.
 
     Raises:
         ValueError: a type without the layout or ``N`` not a multiple of 16.
@@ -60,7 +64,7 @@ def pack(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     n = blocks.shape[0]
     if not supports(ggml_type, n):
         raise ValueError(f"GGUF type {ggml_type} with {n} rows has no 16-row interleaved layout")
-    bpb = TYPES[ggml_type]
+    bpb = TYPES[ggml_type][0]
     src, flip = _source(ggml_type)
     grouped = blocks.reshape(n // GROUP, GROUP, -1, bpb).transpose(1, 2).reshape(n // GROUP, -1, GROUP * bpb)
     packed = grouped[..., src]
@@ -70,9 +74,9 @@ def pack(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 def unpack_rows(packed: torch.Tensor, ggml_type: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The file's blocks of ``rows`` (``[R]`` int64 row indices; all rows when ``None``) from the
-    interleaved layout ``[N, K/32 * bpb]``: ``[R, K/32 * bpb]`` uint8."""
+    interleaved layout ``[N, K / block_size * bpb]``: ``[R, K / block_size * bpb]`` uint8."""
     n = packed.shape[0]
-    bpb = TYPES[ggml_type]
+    bpb = TYPES[ggml_type][0]
     src, flip = _source(ggml_type)
     groups = packed.view(n // GROUP, -1, GROUP * bpb)  # [G, nb, 16 bpb]
     rows = torch.arange(n) if rows is None else rows.reshape(-1).long()
