@@ -84,13 +84,15 @@ def test_sharded_method_multiplies_each_shard_in_its_format():
     assert layer.weight.numel() == 0 and len(layer.gguf_shards) == 3
 
 
-@pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_native_method_keeps_16_row_groups_interleaved(fmt, kernel_library):
-    """With the native kernels a Q4_0 / Q4_1 / Q8_0 weight of a multiple of 16 rows is held in
-    gguf_r16's layout (same bytes, same size): its dequantized weight and embedding rows are the
-    file's, and bf16 activations of more than NATIVE_MAX_ROWS rows take the int8 kernel (equal to
-    the file layout's kernel up to float32 rounding); 24 rows stay in the file's layout."""
-    k = 64
+    """With the native kernels a weight of a multiple of 16 rows, of any type, is held in gguf_r16's
+    layout (same bytes, same size): its dequantized weight and embedding rows are the file's, and
+    bf16 activations of more than NATIVE_MAX_ROWS rows take the int8 kernel (Q4_0 / Q4_1 / Q8_0:
+    equal to the file layout's int8 kernel up to float32 rounding; the K-quants, whose file layout
+    multiplies in float32: within the int8 activations' bound of the float32 product); 24 rows stay
+    in the file's layout."""
+    k = 2 * fmt.block_size
     blocks, reference = quantized(fmt, 48, k, seed=3)
     layer = nn.Module()
     method = G.GGUFLinearMethod(fmt, torch.bfloat16, native=True)
@@ -102,8 +104,15 @@ def test_native_method_keeps_16_row_groups_interleaved(fmt, kernel_library):
     ids = torch.tensor([47, 0, 17, 16])
     torch.testing.assert_close(method.embed(layer, ids), torch.from_numpy(reference)[ids].bfloat16(), rtol=0, atol=0)
     x = torch.randn(G.NATIVE_MAX_ROWS + 5, k, generator=torch.Generator().manual_seed(4)).bfloat16()
-    expected = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32)  # the file layout's int8 kernel
-    torch.testing.assert_close(method.apply_logits(layer, x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    out = method.apply_logits(layer, x)
+    if fmt.block_size == 32:
+        expected = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32)  # the file layout's int8 kernel
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    else:  # |x - d_a qa| <= d_a / 2 per element, d_a = max |x| / 127 per 32-element block
+        weight = torch.from_numpy(reference).double()  # [48, k]
+        da = x.double().view(x.shape[0], -1, 32).abs().amax(-1) / 127
+        bound = 0.5 * torch.einsum("mb,nb->mn", da, weight.abs().view(48, -1, 32).sum(-1))
+        assert ((out.double() - x.double() @ weight.t()).abs() <= bound * (1 + 1e-4) + 1e-5).all()
     other = nn.Module()
     plain = G.GGUFLinearMethod(fmt, torch.bfloat16, native=True)
     plain.install(other, blocks[:24], k)

@@ -1,8 +1,7 @@
 """GGUF files served in bf16 with the native kernels: every decoder layer in one C call
 (``NativeLayers``, the GGUF blocks read by ``cpu_gguf_gemm.c`` inside ``cpu_llama_layers.c``),
-with the per-layer path's greedy tokens and logits. The bundled Q4_1 file's weights are held in
-the 16-row interleaved layout (``gguf_r16``), served at any step size; K-quant steps of more than
-``NATIVE_MAX_ROWS`` tokens run layer by layer."""
+with the per-layer path's greedy tokens and logits. The bundled Q4_1 file's weights and the tiny
+K-quant file's are held in the 16-row interleaved layout (``gguf_r16``), served at any step size."""
 
 from __future__ import annotations
 
@@ -54,8 +53,9 @@ def test_gguf_blocks_run_in_the_all_layers_c_call(tmp_path, monkeypatch):
 @NEEDS_KERNEL
 def test_k_quant_blocks_run_in_the_all_layers_c_call(tmp_path, smollm2_path, monkeypatch):
     """A tiny Q4_K / Q5_K / Q6_K GGUF (``tests/gguf_fixtures.py``, one format per merged layer)
-    in bf16: its steps run in the one C call, reading the super-blocks, with the per-layer
-    path's greedy tokens."""
+    in bf16: its weights held in the 16-row interleaved layout, its steps (the prefill of more
+    than NATIVE_MAX_ROWS tokens included) run in the one C call with the per-layer path's
+    greedy tokens."""
     from gguf_fixtures import TINY_FORMATS, write_tiny_gguf
 
     monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
@@ -68,10 +68,12 @@ def test_k_quant_blocks_run_in_the_all_layers_c_call(tmp_path, smollm2_path, mon
     fused: list[int] = []
     real_run = NativeLayers.run
     monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
-    prompts = [[1, 2, 3, 400, 500, 700], [900, 17, 31]]
+    prompts = [[1, 2, 3, 400, 500, 700], [900, 17, 31], [5, 60, 7, 80, 9, 100, 11, 120]]
     new_n, _ = paged_greedy(model, prompts, 5)
-    assert fused == [sum(map(len, prompts))] + [len(prompts)] * 4  # the 9-token prefill and the decodes
-    layer_types = [TINY_FORMATS[k].ggml_type for k in ("attn_q", "attn_output", "ffn_gate", "ffn_down")]
+    assert sum(map(len, prompts)) > G.NATIVE_MAX_ROWS
+    assert fused == [sum(map(len, prompts))] + [len(prompts)] * 4  # the 17-token prefill and the decodes
+    assert model.model.native_layers.max_rows is None
+    layer_types = [TINY_FORMATS[k].ggml_type | 0x100 for k in ("attn_q", "attn_output", "ffn_gate", "ffn_down")]
     assert model.model.native_layers._wtype.tolist() == layer_types * config.num_hidden_layers
 
     monkeypatch.setattr(NativeLayers, "applies", staticmethod(lambda layers, caches: False))

@@ -33,11 +33,13 @@ merged layers (q | k | v, gate | up) concatenate their shards' rows and rows can
 without dequantizing. :meth:`GGUFLinearMethod.apply` runs the native kernel
 (``kernels/cpu/csrc/cpu_gguf_gemm.c``: each block dequantized in registers, float32 sums) for
 up to ``NATIVE_MAX_ROWS`` rows on CPU where the native kernels are allowed (numerics: float32
-activations are multiplied as they are; bf16 activations with Q4_0 / Q4_1 / Q8_0 weights are
-quantized to int8 per 32-element block, ``d_a = max|x| / 127``, ``q = round-half-even(x * (127 / max|x|))``,
-as llama.cpp's Q8_0 / Q8_1, and each block's integer dot product is exact, scaled in float32:
-``cpu_gguf_q8.c``; the error against the unquantized activations is at most ``d_a / 2`` per
-element times ``|w|``; the K-quants keep float32 sums), the Triton kernel
+activations are multiplied as they are; bf16 activations with Q4_0 / Q4_1 / Q8_0 weights, or
+weights of any type in ``gguf_r16``'s interleaved layout, are quantized to int8 per 32-element
+block, ``d_a = max|x| / 127``, ``q = round-half-even(x * (127 / max|x|))``, as llama.cpp's Q8_0 /
+Q8_1, and each block's (Q6_K: half-block's) integer dot product is exact, scaled in float32:
+``cpu_gguf_q8.c``, ``cpu_gguf_r16.c``, ``cpu_gguf_r16k.c``; the error against the unquantized
+activations is at most ``d_a / 2`` per element times ``|w|``; K-quants in the file's layout keep
+float32 sums), the Triton kernel
 (``kernels/triton/gemm_gguf.py``, the same contract) on CUDA, else dequantizes the whole weight
 into the activation dtype and calls ``F.linear``.
 """
@@ -72,7 +74,8 @@ Q4_K = BlockFormat("Q4_K", 12, 256, 144)
 Q5_K = BlockFormat("Q5_K", 13, 256, 176)
 Q6_K = BlockFormat("Q6_K", 14, 256, 210)
 FORMATS = {f.ggml_type: f for f in (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)}
-NATIVE_MAX_ROWS = 16  # above (float32 activations or K-quants): dequantize once per call, torch's GEMM
+# above (float32 activations, or K-quants in the file's layout): dequantize once per call, torch's GEMM
+NATIVE_MAX_ROWS = 16
 
 
 def _fp16(b: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [..., 1] float32
@@ -142,9 +145,9 @@ class GGUFLinearMethod(LinearMethodBase):
 
     ``fmt``: the blocks' format; ``dtype``: the model's activation dtype (an embedding lookup's
     output); ``native``: the C kernel may serve small row counts on CPU (the native kernels are
-    allowed and the library loads). With ``native``, Q4_0 / Q4_1 / Q8_0 blocks of a multiple of
-    16 rows are kept in ``gguf_r16``'s interleaved layout (``r16``), whose int8 kernel serves bf16
-    activations of any row count. One method per installed layer (the tied LM head shares its
+    allowed and the library loads). With ``native``, blocks of any type (Q4_0, Q4_1, Q8_0, Q4_K,
+    Q5_K, Q6_K) of a multiple of 16 rows are kept in ``gguf_r16``'s interleaved layout (``r16``,
+    the file's size), whose int8 kernels serve bf16 activations of any row count. One method per installed layer (the tied LM head shares its
     embedding's). The model keeps this method when the kernels are chosen (``quantized``:
     ``layers/selection.py`` leaves it in place).
     """

@@ -64,9 +64,10 @@ class NativeLayers:
         gguf = [_gguf(p) for projs in projections for p in projs.values()]
         self._wtype = torch.tensor([0 if m is None else m.kernel_type for m in gguf], dtype=torch.int32)
         a.wtype = self._wtype.data_ptr()
-        # GGUF blocks in the file's layout (K-quants): the C kernel unpacks a block once per 8 rows (16 on its int8
-        # path); over NATIVE_MAX_ROWS the per-layer path (a dequantized weight in torch's GEMM) is quicker. The 16-row
-        # interleaved int8 kernel (gguf_r16) is quicker at every row count.
+        # GGUF blocks in the file's layout (a weight whose rows are not a multiple of 16): the C kernel unpacks a
+        # block once per 8 rows (16 on its int8 path); over NATIVE_MAX_ROWS the per-layer path (a dequantized weight
+        # in torch's GEMM) is quicker. The 16-row interleaved int8 kernels (gguf_r16: every type, K-quants included)
+        # are quicker at every row count.
         self.max_rows = NATIVE_MAX_ROWS if any(m is not None and not m.r16 for m in gguf) else None
         a.k_cache = pointers([k for k, _ in kv_caches])
         a.v_cache = pointers([v for _, v in kv_caches])
