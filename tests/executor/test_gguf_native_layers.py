@@ -52,10 +52,10 @@ def test_gguf_blocks_run_in_the_all_layers_c_call(tmp_path, monkeypatch):
 
 @NEEDS_KERNEL
 def test_k_quant_blocks_run_in_the_all_layers_c_call(tmp_path, smollm2_path, monkeypatch):
-    """A tiny Q4_K / Q5_K / Q6_K GGUF (``tests/gguf_fixtures.py``, one format per merged layer)
+    """A tiny Q4_K / Q5_K / Q6_K GGUF (``tests/gguf_files.py``, one format per merged layer)
     in bf16: its steps run in the one C call, reading the super-blocks, with the per-layer
     path's greedy tokens."""
-    from gguf_fixtures import TINY_FORMATS, write_tiny_gguf
+    from gguf_files import TINY_FORMATS, write_tiny_gguf
 
     monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
     write_tiny_gguf(tmp_path / "tiny.gguf", smollm2_path, mixed=False)
@@ -77,3 +77,4 @@ def test_k_quant_blocks_run_in_the_all_layers_c_call(tmp_path, smollm2_path, mon
     model.model.native_layers = None
     new_l, _ = paged_greedy(model, prompts, 5)
     assert new_n == new_l
+
