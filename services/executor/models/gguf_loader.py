@@ -143,19 +143,19 @@ def load_gguf_weights(model: nn.Module, path: Path, native: bool) -> None:
         raise ValueError("a GGUF model is served on one rank (tensor parallelism needs a Hugging Face directory)")
     reader = GGUFReader(path)
     tmap = tensor_map(architecture(reader))
-    files = _Tensors(reader, tmap, model, native and ops.load() is not None, path)
+    tensors = _Tensors(reader, tmap, model, native and ops.load() is not None, path)
     for i, layer in enumerate(model.model.layers):
         for attr, parts in tmap.layer.items():
-            files.load(layer.get_submodule(attr), [f"blk.{i}.{p}" for p in parts])
+            tensors.load(layer.get_submodule(attr), [f"blk.{i}.{p}" for p in parts])
     for attr, name in MODEL_TENSORS.items():
         if attr == "lm_head" and model.tie_word_embeddings:
             continue
-        files.load(model.get_submodule(attr), [name])
+        tensors.load(model.get_submodule(attr), [name])
     if model.tie_word_embeddings:
         embed, head = model.model.embed_tokens, model.lm_head
         head.weight, head.quant_method = embed.weight, embed.quant_method
         if embed.quant_method.quantized:
             head.gguf_input_size = embed.gguf_input_size
-    unexpected = sorted(set(files.tensors) - files.used)
+    unexpected = sorted(set(tensors.tensors) - tensors.used)
     if unexpected:
         raise ValueError(f"{len(unexpected)} unexpected tensors in {path}, e.g. {unexpected[:5]}")
