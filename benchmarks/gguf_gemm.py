@@ -4,8 +4,9 @@
 
 For each weight type, shape (N x K: down 576x1536, gate_up-like 1536x576, lm_head 49152x576),
 row count M and thread count, prints the milliseconds per call of ``quant_ops.gemm_gguf`` with
-bf16 activations (the serving path: int8 activations on the Q4_0 / Q4_1 / Q8_0 types) and with
-float32 activations (the float32 path), random weights.
+bf16 activations on the file's row layout (``bf16``: int8 activations, ``cpu_gguf_q8.c``) and on
+the 16-row interleaved layout the CPU serves from (``r16``: ``cpu_gguf_r16.c``), and with
+float32 activations (``float32``: the float32 path), random weights.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch  # noqa: E402
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 
 from kernels.cpu import native, quant_ops  # noqa: E402
+from services.executor.layers import gguf_r16  # noqa: E402
 
 SHAPES = {"down": (576, 1536), "up": (1536, 576), "lm_head": (49152, 576)}
 TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
@@ -61,15 +63,17 @@ def main() -> None:
             n, k = SHAPES[sname]
             blocks = torch.from_numpy(quants.quantize(rng.standard_normal((n, k)).astype(np.float32),
                                                       GGMLQuantizationType(qtype)))
+            packed = gguf_r16.pack(blocks, qtype)
             for m in [int(r) for r in args.rows.split(",")]:
                 x = torch.randn(m, k)
                 cells = []
                 for threads in [int(t) for t in args.threads.split(",")]:
                     torch.set_num_threads(threads)
-                    for dtype in (torch.bfloat16, torch.float32):
-                        t = ms(partial(quant_ops.gemm_gguf, x.to(dtype), blocks, qtype, k, dtype, lib=lib,
-                                       validate=False))
-                        cells.append(f"{threads}t {str(dtype)[6:]:>8} {t:7.3f} ms")
+                    for name, dtype, w, kind in (("bf16", torch.bfloat16, blocks, qtype),
+                                                 ("r16", torch.bfloat16, packed, qtype | quant_ops.GGUF_R16),
+                                                 ("float32", torch.float32, blocks, qtype)):
+                        t = ms(partial(quant_ops.gemm_gguf, x.to(dtype), w, kind, k, dtype, lib=lib, validate=False))
+                        cells.append(f"{threads}t {name:>7} {t:7.3f} ms")
                 print(f"{tname} {sname:>7} {n}x{k} M={m:<3} " + " | ".join(cells), flush=True)
 
 

@@ -1,14 +1,10 @@
-"""GGUF test data written by our own code: random but valid blocks of any kept format
-(:func:`random_blocks`), K-quant packers from float weights (:func:`pack_k`: round to nearest,
+"""GGUF blocks written by our own code: random but valid blocks of any kept format
+(:func:`random_blocks`) and K-quant packers from float weights (:func:`pack_k`: round to nearest,
 simpler than llama.cpp's search, the layouts of gguf-py's ``quants.py``, whose ``quantize`` lacks
-the K-quants), and a tiny Llama GGUF file with K-quant matrices and a cut of SmolLM2's tokenizer
-(:func:`write_tiny_gguf`).
+the K-quants). Whole GGUF files: ``gguf_files.py``.
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -76,113 +72,3 @@ def pack_k(w: np.ndarray, fmt: G.BlockFormat) -> np.ndarray:
     packed = _pack_q6_k(flat) if fmt is G.Q6_K else _pack_q4_q5_k(flat, 4 if fmt is G.Q4_K else 5)
     assert packed.shape[1] == fmt.block_bytes
     return np.ascontiguousarray(packed.reshape(n, -1))
-
-
-#: tiny Llama (head_dim 64; every matrix's input a multiple of 256, as the K-quants need)
-TINY = dict(hidden=256, inter=512, layers=2, heads=4, kv_heads=2, context=512)
-#: the format of each matrix (merged layers' shards share one) but for :data:`TINY_LAYER0_V`
-TINY_FORMATS = {"token_embd": G.Q6_K, "attn_q": G.Q5_K, "attn_k": G.Q5_K, "attn_v": G.Q5_K,
-                "attn_output": G.Q4_K, "ffn_gate": G.Q4_K, "ffn_up": G.Q4_K, "ffn_down": G.Q6_K}
-#: layer 0's attn_v, in another format than its q and k (as llama.cpp's Q4_K_M does)
-TINY_LAYER0_V = G.Q6_K
-
-
-def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:  # [H D, ...] -> [H D, ...]
-    """llama.cpp's converter's q/k row order: Hugging Face row ``h D + j D/2 + i`` is stored at
-    ``h D + 2 i + j`` (whole rows: blocks move with them)."""
-    d = rows.shape[0] // heads
-    return rows.reshape(heads, 2, d // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def tiny_hf_config(vocab: int):
-    """The ``LlamaConfig`` of :func:`write_tiny_gguf`'s file."""
-    from transformers import LlamaConfig
-
-    t = TINY
-    return LlamaConfig(vocab_size=vocab, hidden_size=t["hidden"], intermediate_size=t["inter"],
-                       num_hidden_layers=t["layers"], num_attention_heads=t["heads"],
-                       num_key_value_heads=t["kv_heads"], max_position_embeddings=t["context"], rms_norm_eps=1e-5,
-                       rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
-                       pad_token_id=None)
-
-
-def write_tiny_gguf(path: Path, tokenizer_dir: Path, vocab: int = 1024, seed: int = 0, std: float = 0.15,
-                    mixed: bool = True) -> dict[str, torch.Tensor]:
-    """A Llama GGUF at ``path``: :data:`TINY`'s shapes, random normal weights (``std``) packed in
-    :data:`TINY_FORMATS` (tied embeddings; norms F32; q and k rows in llama.cpp's order), and the
-    byte-level BPE tokenizer of the Hugging Face directory ``tokenizer_dir`` (SmolLM2's: token 1
-    BOS, 2 EOS) cut to its first ``vocab`` tokens and the merges among them (49k token strings
-    cost seconds at each parse of the file). ``mixed``: layer 0's attn_v in :data:`TINY_LAYER0_V`.
-
-    Returns the Hugging Face state dict of the weights the file holds (dequantized by
-    ``gguf.quants`` to float32), for ``LlamaForCausalLM(tiny_hf_config(vocab))``.
-    """
-    from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
-
-    hf_tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    ids = hf_tok["model"]["vocab"]  # token -> id
-    tokens = sorted((t for t in ids if ids[t] < vocab), key=ids.get)
-    assert len(tokens) == vocab and hf_tok["model"]["type"] == "BPE"
-    special = {a["id"] for a in hf_tok["added_tokens"] if a["special"]}
-    known = set(tokens)
-    merges = [" ".join(m) for m in hf_tok["model"]["merges"] if "".join(m) in known and set(m) <= known]
-    writer = GGUFWriter(path, "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([TokenType.CONTROL if i in special else TokenType.NORMAL for i in range(vocab)])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
-    template = tokenizer_dir / "chat_template.jinja"
-    if template.exists():
-        writer.add_chat_template(template.read_text())
-    t = TINY
-    writer.add_context_length(t["context"])
-    writer.add_embedding_length(t["hidden"])
-    writer.add_block_count(t["layers"])
-    writer.add_feed_forward_length(t["inter"])
-    writer.add_head_count(t["heads"])
-    writer.add_head_count_kv(t["kv_heads"])
-    writer.add_rope_dimension_count(t["hidden"] // t["heads"])
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(vocab)
-    rng = np.random.default_rng(seed)
-    head = t["hidden"] // t["heads"]
-    state: dict[str, torch.Tensor] = {}
-
-    def matrix(name: str, hf: str, kind: str, rows: int, cols: int, std_: float = std, heads: int = 0) -> None:
-        fmt = TINY_LAYER0_V if mixed and name == "blk.0.attn_v.weight" else TINY_FORMATS[kind]
-        raw = pack_k(rng.standard_normal((rows, cols)).astype(np.float32) * std_, fmt)  # HF's row order
-        state[hf] = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(fmt.ggml_type)))
-        stored = np.ascontiguousarray(llama_cpp_permute(raw, heads)) if heads else raw
-        writer.add_tensor(name, stored, raw_dtype=GGMLQuantizationType(fmt.ggml_type))
-
-    def norm(name: str, hf: str) -> None:
-        w = (1.0 + 0.2 * rng.standard_normal(t["hidden"])).astype(np.float32)
-        state[hf] = torch.from_numpy(w)
-        writer.add_tensor(name, w)
-
-    matrix("token_embd.weight", "model.embed_tokens.weight", "token_embd", vocab, t["hidden"], 1.0)
-    for i in range(t["layers"]):
-        blk, hf = f"blk.{i}.", f"model.layers.{i}."
-        norm(blk + "attn_norm.weight", hf + "input_layernorm.weight")
-        matrix(blk + "attn_q.weight", hf + "self_attn.q_proj.weight", "attn_q", t["heads"] * head, t["hidden"],
-               heads=t["heads"])
-        matrix(blk + "attn_k.weight", hf + "self_attn.k_proj.weight", "attn_k", t["kv_heads"] * head, t["hidden"],
-               heads=t["kv_heads"])
-        matrix(blk + "attn_v.weight", hf + "self_attn.v_proj.weight", "attn_v", t["kv_heads"] * head, t["hidden"])
-        matrix(blk + "attn_output.weight", hf + "self_attn.o_proj.weight", "attn_output", t["hidden"],
-               t["heads"] * head)
-        norm(blk + "ffn_norm.weight", hf + "post_attention_layernorm.weight")
-        matrix(blk + "ffn_gate.weight", hf + "mlp.gate_proj.weight", "ffn_gate", t["inter"], t["hidden"])
-        matrix(blk + "ffn_up.weight", hf + "mlp.up_proj.weight", "ffn_up", t["inter"], t["hidden"])
-        matrix(blk + "ffn_down.weight", hf + "mlp.down_proj.weight", "ffn_down", t["hidden"], t["inter"])
-    norm("output_norm.weight", "model.norm.weight")
-    state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return state

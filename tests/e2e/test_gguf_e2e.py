@@ -8,7 +8,7 @@ The reference is the ``smollm2_path`` directory: transformers' own dequantizatio
 from __future__ import annotations
 
 import torch
-from gguf_fixtures import TINY_FORMATS, TINY_LAYER0_V, tiny_hf_config, write_tiny_gguf
+from gguf_files import TINY_FORMATS, TINY_LAYER0_V, tiny_hf_config, write_tiny_gguf
 from greedy import hf_greedy
 from processes import start_serve, stop_all
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM

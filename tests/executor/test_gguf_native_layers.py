@@ -52,11 +52,11 @@ def test_gguf_blocks_run_in_the_all_layers_c_call(tmp_path, monkeypatch):
 
 @NEEDS_KERNEL
 def test_k_quant_blocks_run_in_the_all_layers_c_call(tmp_path, smollm2_path, monkeypatch):
-    """A tiny Q4_K / Q5_K / Q6_K GGUF (``tests/gguf_fixtures.py``, one format per merged layer)
+    """A tiny Q4_K / Q5_K / Q6_K GGUF (``tests/gguf_files.py``, one format per merged layer)
     in bf16: its weights held in the 16-row interleaved layout, its steps (the prefill of more
     than NATIVE_MAX_ROWS tokens included) run in the one C call with the per-layer path's
     greedy tokens."""
-    from gguf_fixtures import TINY_FORMATS, write_tiny_gguf
+    from gguf_files import TINY_FORMATS, write_tiny_gguf
 
     monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
     write_tiny_gguf(tmp_path / "tiny.gguf", smollm2_path, mixed=False)
@@ -80,3 +80,35 @@ def test_k_quant_blocks_run_in_the_all_layers_c_call(tmp_path, smollm2_path, mon
     model.model.native_layers = None
     new_l, _ = paged_greedy(model, prompts, 5)
     assert new_n == new_l
+
+
+@NEEDS_KERNEL
+def test_qwen2_gguf_with_qkv_biases_runs_layer_by_layer(tmp_path, smollm2_path, monkeypatch):
+    """A Qwen2 GGUF (q, k, v biases) in bf16 with the native kernels: the all-layers C call takes
+    no bias (``NativeLayers.applies``), so every step runs layer by layer, the biases added
+    after the native GGUF GEMM; greedy tokens are the float32 model's, logits within bf16's error."""
+    from gguf_files import TINY_FORMATS, write_gguf
+    from transformers import Qwen2Config
+
+    monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
+    tiny = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None,
+                eos_token_id=None, pad_token_id=None)
+    write_gguf(tmp_path / "qwen2.gguf", Qwen2Config(**tiny), smollm2_path, TINY_FORMATS, {})
+    path = prepare_gguf_model(tmp_path / "qwen2.gguf", tmp_path / "cache")
+    config = AutoConfig.from_pretrained(path)
+    fused: list[int] = []
+    real_run = NativeLayers.run
+    monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
+    prompts = [[1, 2, 3, 400, 500, 700], [900, 17, 31]]
+    runs = {}
+    for dtype, native in ((torch.bfloat16, True), (torch.float32, False)):
+        model = get_model_class(config)(config, dtype=dtype, device="cpu", native_cpu_kernels=native)
+        model.load_weights(path)
+        assert model.model.native_layers_enabled == native  # the kernels would take the C call ...
+        assert model.model.layers[0].self_attn.qkv_proj.bias is not None
+        runs[native] = paged_greedy(model, prompts, 5)
+    assert not fused  # ... which refuses the biased q | k | v
+    assert runs[True][0] == runs[False][0]
+    for bf16, f32 in zip(runs[True][1], runs[False][1], strict=True):
+        torch.testing.assert_close(bf16.float(), f32, atol=0.05 * f32.abs().max().item(), rtol=0)

@@ -1,7 +1,8 @@
 """What every decoder-only model class gives the model runner, written once: the attention
-backend shared by its layers, logits, loading a Hugging Face checkpoint and the kernels'
-weight forms. Each architecture (``gpt2.py``, ``gpt_neox.py``, ...) builds its layers in
-``__init__`` and writes ``forward``; ``llama.py`` keeps its own (its CPU fast path).
+backend shared by its layers, logits, loading a Hugging Face checkpoint (or a GGUF file:
+``gguf_loader.py``) and the kernels' weight forms. Each architecture (``gpt2.py``,
+``gpt_neox.py``, ...) builds its layers in ``__init__`` and writes ``forward``; ``llama.py``
+keeps its own (its CPU fast path).
 
 The model runner's contract (``services/executor/model_runner.py``):
 
@@ -31,7 +32,7 @@ from services.executor.layers.selection import (
     use_linear_methods,
 )
 from services.executor.layers.utils import FastModule
-from services.executor.models import loader
+from services.executor.models import gguf_loader, loader
 from services.executor.parallel.group import current_tp_group
 
 #: the architectures whose linear layers take a checkpoint's quantization (the error's list)
@@ -123,14 +124,22 @@ class PagedCausalLM(KernelSwitches, FastModule):
     @torch.no_grad()
     def load_weights(self, model_dir: Path | str) -> None:
         """Load the Hugging Face safetensors checkpoint (``loader.load_weights``, each tensor
-        renamed by :meth:`checkpoint_name`), then derive the kernels' weight forms.
+        renamed by :meth:`checkpoint_name`), or the GGUF file the directory is served from
+        (``gguf_loader``: Phi-3 and Gemma 2/3 files, their kept formats' matrices kept
+        quantized), then derive the kernels' weight forms.
 
         Raises:
             FileNotFoundError: no ``*.safetensors`` in ``model_dir``.
-            ValueError: a parameter is missing or has the wrong shape, or the checkpoint holds
-                tensors this architecture does not know.
+            ValueError: a parameter is missing or has the wrong shape, the checkpoint holds
+                tensors this architecture does not know, or a GGUF file's architecture is not
+                served from GGUF.
         """
         restore_weights(self)
-        loader.load_weights(self, model_dir, self.stacked_params_mapping, skip=self.skip_checkpoint_tensor,
-                            rename=self.checkpoint_name)
+        gguf = gguf_loader.gguf_file(model_dir)
+        if gguf is not None:
+            native = self.kernel_request["native_matmuls"] and self.device.type == "cpu"
+            gguf_loader.load_gguf_weights(self, gguf, native=native)
+        else:
+            loader.load_weights(self, model_dir, self.stacked_params_mapping, skip=self.skip_checkpoint_tensor,
+                                rename=self.checkpoint_name)
         self.use_kernels(self.kernels)

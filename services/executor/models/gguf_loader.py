@@ -1,23 +1,25 @@
-"""A Llama-architecture GGUF file -> a :class:`~services.executor.models.llama.LlamaForCausalLM`'s
-parameters, its Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices kept quantized (``layers/gguf.py``).
+"""A GGUF file -> a model's parameters, its Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices kept
+quantized (``layers/gguf.py``).
 
-GGUF names (llama.cpp's ``gguf-py`` tensor map) -> ours, per decoder layer ``N``:
+The file's ``general.architecture`` picks the map of its tensors onto our modules
+(``gguf_tensors.py``: llama, qwen2, qwen3, phi3, gemma2, gemma3, served by
+:class:`~services.executor.models.llama.LlamaForCausalLM`, ``phi3.Phi3ForCausalLM`` and
+``gemma.Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``); every decoder layer ``N``'s modules take
+``blk.N``'s tensors, and ``token_embd`` / ``output_norm`` / ``output`` go to ``embed_tokens`` /
+``norm`` / ``lm_head`` (``output`` absent when the embeddings are tied).
 
-- ``blk.N.attn_q`` | ``attn_k`` | ``attn_v`` -> ``self_attn.qkv_proj`` (rows q | k | v),
-  ``attn_output`` -> ``self_attn.o_proj``, ``ffn_gate`` | ``ffn_up`` -> ``mlp.gate_up_proj``,
-  ``ffn_down`` -> ``mlp.down_proj``, ``attn_norm`` / ``ffn_norm`` -> ``input_layernorm`` /
-  ``post_attention_layernorm``;
-- ``token_embd`` -> ``embed_tokens``, ``output_norm`` -> ``norm``, ``output`` -> ``lm_head``
-  (absent when the embeddings are tied).
+What llama.cpp's converter changed is undone as transformers undoes it: the llama files' q and
+k rows (and biases) are put back in Hugging Face's order (llama.cpp interleaves the two halves of
+each head's rows for its RoPE: HF row ``h * D + j * D/2 + i`` is stored at ``h * D + 2 i + j``);
+Gemma's norms, stored as ``1 + w``, are loaded as the stored value minus 1 (float32). Rows are
+whole runs of blocks, so the quantized blocks are moved without dequantizing.
 
-llama.cpp's converter permutes the rows of q and k for its RoPE (pairs of a head's rows
-interleaved: HF row ``h * D + j * D/2 + i`` is stored at ``h * D + 2 i + j``); the rows are put
-back here as transformers' ``LlamaTensorProcessor`` does. Rows are whole runs of blocks, so the
-quantized blocks are moved without dequantizing. A merged layer whose shards are all of one
-kept format keeps its blocks (``GGUFLinearMethod``), one whose shards are of several kept
-formats keeps each shard's (``GGUFShardedLinearMethod``: llama.cpp's Q4_K_M mixes Q4_K and
-Q6_K in q | k | v); any other (F32, F16, BF16, other quantizations) is dequantized by
-``gguf.quants`` into the model's dtype and loaded as usual.
+A merged layer (q | k | v, gate | up, or Phi-3's fused tensors) whose shards are all of one kept
+format keeps its blocks (``GGUFLinearMethod``), one whose shards are of several kept formats
+keeps each shard's (``GGUFShardedLinearMethod``: llama.cpp's Q4_K_M mixes Q4_K and Q6_K in
+q | k | v); any other (F32, F16, BF16, other quantizations) is dequantized by ``gguf.quants`` into
+the model's dtype and loaded as usual. Biases and norms (F32 in llama.cpp's files) are loaded
+as values.
 """
 
 from __future__ import annotations
@@ -30,18 +32,7 @@ from torch import nn
 
 from kernels.cpu import ops
 from services.executor.layers.gguf import FORMATS, GGUFLinearMethod, GGUFShardedLinearMethod
-
-# our module (under model.layers.N) -> its GGUF tensors (under blk.N), in merged row order
-LAYER_TENSORS = {
-    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
-    "self_attn.o_proj": ("attn_output",),
-    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
-    "mlp.down_proj": ("ffn_down",),
-    "input_layernorm": ("attn_norm",),
-    "post_attention_layernorm": ("ffn_norm",),
-}
-MODEL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-IGNORED = ("rope_freqs.weight",)  # llama.cpp's RoPE scaling factors: our config carries the RoPE
+from services.executor.models.gguf_tensors import MODEL_TENSORS, GGUFTensorMap, tensor_map
 
 
 def gguf_file(model_dir: Path | str) -> Path | None:
@@ -61,11 +52,76 @@ def _raw(tensor) -> torch.Tensor:  # a GGUFReader tensor's bytes / values, copie
     return torch.from_numpy(np.array(tensor.data, copy=True))
 
 
-def _dequantized(tensor) -> torch.Tensor:  # [rows, cols] float32
+def _dequantized(tensor) -> torch.Tensor:  # [rows, cols] or [rows] float32
     from gguf import quants
 
     shape = tuple(int(s) for s in reversed(tensor.shape))  # GGUF lists dims innermost first
     return torch.from_numpy(np.array(quants.dequantize(tensor.data, tensor.tensor_type), copy=True)).reshape(shape)
+
+
+def architecture(reader) -> str:
+    """A ``GGUFReader``'s ``general.architecture``.
+
+    Raises:
+        ValueError: the file does not state it.
+    """
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ValueError("the GGUF file has no general.architecture")
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+class _Tensors:
+    """The file's tensors by name, what has been read, and how rows are put back in order."""
+
+    def __init__(self, reader, tmap: GGUFTensorMap, model: nn.Module, native: bool, path: Path) -> None:
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.used: set[str] = set(tmap.ignored)
+        attn = model.model.layers[0].self_attn
+        heads = {"q": attn.num_heads, "kv": attn.num_kv_heads}
+        self.permuted = {kind: heads[which] for kind, which in tmap.permuted.items()}  # kind -> heads
+        self.norm_offset, self.dtype, self.native, self.path = tmap.norm_offset, model.dtype, native, path
+
+    def _rows(self, name: str, raw: bool) -> torch.Tensor:  # one tensor's rows in Hugging Face's order
+        kind = name.split(".")[-2]  # blk.N.<kind>.weight
+        rows = _raw(self.tensors[name]) if raw else _dequantized(self.tensors[name])
+        if kind in self.permuted:
+            rows = unpermute_rows(rows, self.permuted[kind])
+        if "norm" in kind and self.norm_offset:
+            rows = rows - self.norm_offset  # float32, as transformers subtracts it
+        return rows
+
+    def load(self, module: nn.Module, stems: list[str]) -> None:
+        """``module``'s weight (and bias, if it has one) from the tensors ``<stem>.weight`` (``.bias``),
+        rows concatenated in order.
+
+        Raises:
+            ValueError: a tensor is missing, or the tensors' rows do not fit the module.
+        """
+        names = [f"{s}.weight" for s in stems]
+        bias = getattr(module, "bias", None)
+        biases = [f"{s}.bias" for s in stems] if isinstance(bias, torch.Tensor) else []
+        missing = [n for n in names + biases if n not in self.tensors]
+        if missing:
+            raise ValueError(f"{self.path}: tensors missing: {missing}")
+        self.used.update(names + biases)
+        fmts = [FORMATS.get(int(self.tensors[n].tensor_type)) for n in names]
+        kept = None not in fmts and hasattr(module, "quant_method")
+        rows = [self._rows(n, raw=kept) for n in names]  # each shard's whole rows
+        expected = tuple(module.weight.shape)
+        if sum(r.shape[0] for r in rows) != expected[0] or (not kept and tuple(torch.cat(rows).shape) != expected):
+            raise ValueError(f"{names}: GGUF shapes {[tuple(r.shape) for r in rows]} do not fit {expected}")
+        if kept and len(set(fmts)) > 1:  # each shard's blocks apart
+            GGUFShardedLinearMethod(fmts, self.dtype, self.native).install(module, rows, expected[1])
+        elif kept:  # [rows, K / block_size * block_bytes] uint8
+            GGUFLinearMethod(fmts[0], self.dtype, self.native).install(module, torch.cat(rows), expected[1])
+        else:  # [rows, K] float32 (a norm: [rows])
+            module.weight.data.copy_(torch.cat(rows))
+        if biases:
+            values = torch.cat([self._rows(n, raw=False) for n in biases])  # [rows] float32
+            if values.shape != bias.shape:
+                raise ValueError(f"{biases}: GGUF shape {tuple(values.shape)} does not fit {tuple(bias.shape)}")
+            bias.data.copy_(values)
 
 
 @torch.no_grad()
@@ -73,54 +129,33 @@ def load_gguf_weights(model: nn.Module, path: Path, native: bool) -> None:
     """Load ``model``'s parameters from the GGUF file at ``path``; ``native``: the kept
     formats' matmuls may run in the C kernel (``GGUFLinearMethod``).
 
+    ``model``: a Llama-family, Phi-3 or Gemma 2/3 model (``model.model.layers``,
+    ``embed_tokens``, ``norm``, ``lm_head``, ``tie_word_embeddings``) of the file's architecture.
+
     Raises:
-        ValueError: a tensor is missing or has the wrong shape, the file holds tensors this
-            architecture does not know, or the model is split over tensor-parallel ranks.
+        ValueError: an architecture not served from GGUF, a tensor missing or of the wrong
+            shape, tensors this architecture does not know, or a model split over
+            tensor-parallel ranks.
     """
     from gguf import GGUFReader
 
     if model.tp_size > 1:
         raise ValueError("a GGUF model is served on one rank (tensor parallelism needs a Hugging Face directory)")
-    native = native and ops.load() is not None
-    tensors = {t.name: t for t in GGUFReader(path).tensors}
-    used: set[str] = set(IGNORED)
-    attn = model.model.layers[0].self_attn
-    permuted = {"attn_q": attn.num_heads, "attn_k": attn.num_kv_heads}
-
-    def load(module: nn.Module, names: list[str], permute: dict[str, int]) -> None:
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise ValueError(f"{path}: tensors missing: {missing}")
-        used.update(names)
-        parts = [tensors[n] for n in names]
-        fmts = [FORMATS.get(int(t.tensor_type)) for t in parts]
-        kept = None not in fmts and hasattr(module, "quant_method")
-        rows = [_raw(t) if kept else _dequantized(t) for t in parts]  # whole rows of each shard
-        rows = [unpermute_rows(r, permute[n.split(".")[-2]]) if n.split(".")[-2] in permute else r
-                for r, n in zip(rows, names, strict=True)]
-        expected = tuple(module.weight.shape)
-        if sum(r.shape[0] for r in rows) != expected[0] or (not kept and tuple(torch.cat(rows).shape) != expected):
-            raise ValueError(f"{names}: GGUF shapes {[tuple(r.shape) for r in rows]} do not fit {expected}")
-        if kept and len(set(fmts)) > 1:  # each shard's blocks apart
-            GGUFShardedLinearMethod(fmts, model.dtype, native).install(module, rows, expected[1])
-        elif kept:  # [rows, K / block_size * block_bytes] uint8
-            GGUFLinearMethod(fmts[0], model.dtype, native).install(module, torch.cat(rows), expected[1])
-        else:  # [rows, K] float32
-            module.weight.data.copy_(torch.cat(rows))
-
+    reader = GGUFReader(path)
+    tmap = tensor_map(architecture(reader))
+    tensors = _Tensors(reader, tmap, model, native and ops.load() is not None, path)
     for i, layer in enumerate(model.model.layers):
-        for attr, parts in LAYER_TENSORS.items():
-            module = layer.get_submodule(attr)
-            load(module, [f"blk.{i}.{p}.weight" for p in parts], permuted)
+        for attr, parts in tmap.layer.items():
+            tensors.load(layer.get_submodule(attr), [f"blk.{i}.{p}" for p in parts])
     for attr, name in MODEL_TENSORS.items():
         if attr == "lm_head" and model.tie_word_embeddings:
             continue
-        load(model.get_submodule(attr), [f"{name}.weight"], {})
+        tensors.load(model.get_submodule(attr), [name])
     if model.tie_word_embeddings:
         embed, head = model.model.embed_tokens, model.lm_head
         head.weight, head.quant_method = embed.weight, embed.quant_method
         if embed.quant_method.quantized:
             head.gguf_input_size = embed.gguf_input_size
-    unexpected = sorted(set(tensors) - used)
+    unexpected = sorted(set(tensors.tensors) - tensors.used)
     if unexpected:
         raise ValueError(f"{len(unexpected)} unexpected tensors in {path}, e.g. {unexpected[:5]}")

@@ -351,14 +351,15 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
     def load_weights(self, model_dir: Path | str) -> None:
         """Load HF safetensors (one file, or shards listed in ``model.safetensors.index.json``)
         through :func:`services.executor.models.loader.load_weights`, or the GGUF file the
-        directory is served from (``gguf_loader``: its Q4_0 / Q4_1 / Q8_0 / K-quant matrices kept
-        quantized), then derive the kernels' weight forms. ``lm_head.weight`` is ignored when
-        embeddings are tied.
+        directory is served from (``gguf_loader``: llama, qwen2 and qwen3 files, their Q4_0 /
+        Q4_1 / Q8_0 / K-quant matrices kept quantized), then derive the kernels' weight forms.
+        ``lm_head.weight`` is ignored when embeddings are tied.
 
         Raises:
             FileNotFoundError: no ``*.safetensors`` in ``model_dir``.
-            ValueError: a parameter is missing, has the wrong shape, or the checkpoint holds
-                tensors this architecture does not know.
+            ValueError: a parameter is missing, has the wrong shape, the checkpoint holds
+                tensors this architecture does not know, or a GGUF file's architecture is not
+                served from GGUF.
         """
         restore_weights(self)  # the parameters must hold their shapes to be loaded into
         gguf = gguf_loader.gguf_file(model_dir)

@@ -1,0 +1,176 @@
+"""Every architecture served from GGUF (``shared/model_source.py``'s ``GGUF_ARCHITECTURES``):
+a tiny random-weight file written as llama.cpp writes it (``tests/gguf_files.py``: its names,
+the llama q/k permutation, Gemma's ``1 + w`` norms, Qwen2's biases, Phi-3's fused q|k|v and
+gate|up; Q4_0, Q8_0, Q4_K and Q6_K matrices, some merged layers' shards in two formats) is
+served by ``LLM(model="...gguf")`` with every matrix kept in its blocks, and its greedy tokens
+in float32 equal Hugging Face's ``generate`` on the model transformers loads from the same file
+(``from_pretrained(dir, gguf_file=...)``).
+
+Mistral: transformers reads a ``llama`` file named "mistral" as a Mistral config but cannot load
+its tensors (gguf-py has no ``mistral`` architecture to name them by), so its reference is
+``MistralForCausalLM`` of that config holding the weights the file holds (the writer's state
+dict: for every other architecture it equals transformers' reading, checked here too).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf_files import write_gguf
+from greedy import hf_greedy
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from pagedllm import LLM, SamplingParams
+from services.executor.layers import gguf as G
+from services.executor.layers.embedding import VocabParallelEmbedding
+from services.executor.layers.linear import LinearBase
+from services.executor.models import get_model_class
+from shared.config import kernel_cache_dir
+from shared.model_source import GGUF_ARCHITECTURES, ModelNotFoundError, prepare_gguf_model
+
+#: every matrix's input a multiple of 256 (the K-quants' super-block)
+TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY),  # an output matrix of its own (Q6_K)
+    "mistral": lambda: MistralConfig(**TINY),
+    "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),  # q, k, v biases
+    "qwen3": lambda: Qwen3Config(**TINY, head_dim=128),  # q/k norms; head_dim != hidden / heads
+    "phi3": lambda: Phi3Config(**TINY),  # fused q|k|v (Q8_0), gate|up (Q4_K; layer 1 Q8_0)
+    # layer 0 windowed (16 tokens: the 40-token prompt reaches past it), layer 1 full; soft caps
+    "gemma2": lambda: Gemma2Config(**TINY, head_dim=64, sliding_window=16),
+    "gemma3_text": lambda: Gemma3TextConfig(**TINY, head_dim=64, sliding_window=16),  # both layers windowed
+}
+PROMPTS = [[1, 2, 3, 400, 500, 700], [900, 17, 31], list(range(300, 340))]
+
+
+def _cache(tmp_path):
+    """A cache directory for the served GGUF directories whose kernels are the ones built."""
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(kernel_cache_dir(), target_is_directory=True)
+    return tmp_path / "cache"
+
+
+def test_every_served_architecture_is_tested():
+    assert set(CONFIGS) == set(GGUF_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_gguf_served_directly_gives_the_tokens_of_transformers_reading_of_the_file(model_type, tmp_path,
+                                                                                  smollm2_path):
+    path = tmp_path / f"tiny-{model_type}.gguf"
+    state = write_gguf(path, CONFIGS[model_type](), smollm2_path)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=8 << 20, cache_dir=str(_cache(tmp_path))) as llm:
+        served = llm.model_info.path
+        ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                             use_tqdm=False)]
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    assert config.model_type == model_type
+    if model_type == "mistral":
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        hf.load_state_dict(state)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+        loaded = hf.state_dict()
+        assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[k], v) for k, v in state.items())
+    hf.eval().generation_config.eos_token_id = None  # ours ignores EOS: so does the reference
+    ref = [hf_greedy(hf, p, 8)[0] for p in PROMPTS]
+    assert ours == ref
+    assert len({tuple(t) for t in ref}) > 1
+
+    config = AutoConfig.from_pretrained(served)  # the served directory's config, as the executor reads it
+    model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+    model.load_weights(served)
+    layers = [m for m in model.modules() if isinstance(m, LinearBase | VocabParallelEmbedding)]
+    assert all(m.quant_method.quantized for m in layers)  # nothing dequantized
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[1].mlp
+    assert attn.o_proj.quant_method.fmt == G.Q4_0 and model.model.embed_tokens.quant_method.fmt == G.Q8_0
+    if model_type == "phi3":  # the fused tensors, whole
+        assert attn.qkv_proj.quant_method.fmt == G.Q8_0 and mlp.gate_up_proj.quant_method.fmt == G.Q8_0
+    else:  # q, k Q4_K beside v Q6_K; gate Q4_K beside up Q8_0: each shard's blocks
+        assert [p.fmt for p in attn.qkv_proj.quant_method.parts] == [G.Q4_K, G.Q4_K, G.Q6_K]
+        assert [p.fmt for p in mlp.gate_up_proj.quant_method.parts] == [G.Q4_K, G.Q8_0]
+
+
+def test_an_architecture_not_served_from_gguf_is_refused_naming_those_that_are(tmp_path):
+    """GPT-NeoX and Gemma 1 files (architectures transformers' GGUF support does not read) and a
+    GPT-2 file (one it reads, which this engine serves from Hugging Face directories only) are
+    refused with the list of served architectures."""
+    from gguf import GGUFWriter
+
+    for arch in ("gptneox", "gemma", "gpt2"):
+        path = tmp_path / f"{arch}.gguf"
+        writer = GGUFWriter(path, arch)
+        writer.add_block_count(1)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(ModelNotFoundError, match=rf"GGUF architecture '{arch}' is not served from GGUF "
+                                                     r"\(supported: gemma2, gemma3_text, llama, mistral, phi3"):
+            prepare_gguf_model(path, tmp_path / "cache")
+
+
+#: files stating what transformers' GGUF reader leaves to the config class's defaults
+COMPLETED = {
+    # Qwen3Config's default head_dim is 128: the file's attention.key_length says 64
+    "qwen3-head-dim-64": lambda: Qwen3Config(**TINY, head_dim=64),
+    # Gemma 3 4B and larger: linear RoPE scaling on the full-attention layers (gemma3.rope.scaling.*)
+    # (6 layers: Gemma 3's pattern makes the last one full attention)
+    "gemma3-linear-rope": lambda: Gemma3TextConfig(
+        **{**TINY, "num_hidden_layers": 6}, head_dim=64, sliding_window=16,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPLETED))
+def test_the_served_config_takes_what_the_file_states_beyond_transformers_reading(name, tmp_path, smollm2_path):
+    """The served directory's config has the file's head_dim and Gemma 3 RoPE scaling, which
+    transformers' reading of the file leaves at the config class's defaults, so the served
+    model gives the greedy tokens of the original model (Hugging Face's, on the weights the file
+    holds)."""
+    from greedy import paged_greedy
+
+    original = COMPLETED[name]()
+    path = tmp_path / f"{name}.gguf"
+    state = write_gguf(path, original, smollm2_path)
+    read = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name).to_dict()
+    served = prepare_gguf_model(path, tmp_path / "cache")
+    config = AutoConfig.from_pretrained(served)
+    if name.startswith("qwen3"):
+        assert (read["head_dim"], config.head_dim) == (128, 64)
+    else:
+        assert read["rope_parameters"]["full_attention"] == {"rope_type": "default", "rope_theta": 1000000.0}
+        assert config.rope_parameters["full_attention"] == original.rope_parameters["full_attention"]
+        assert config.layer_types == original.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+    model.load_weights(served)
+    hf = AutoModelForCausalLM.from_config(original, dtype=torch.float32)
+    hf.load_state_dict(state)
+    hf.eval()
+    prompts = [[1, 2, 3, 400, 500, 700], list(range(300, 340))]
+    assert paged_greedy(model, prompts, 6)[0] == [hf_greedy(hf, p, 6)[0] for p in prompts]
+
+
+def test_a_phi3_file_with_longrope_factors_is_refused(tmp_path, smollm2_path):
+    """LongRoPE's factors are tensors of the file, which transformers does not read into the config."""
+    path = tmp_path / "phi3-longrope.gguf"
+    head = TINY["hidden_size"] // TINY["num_attention_heads"]
+    write_gguf(path, Phi3Config(**TINY), smollm2_path, extra={"rope_factors_long.weight": np.ones(head // 2),
+                                                              "rope_factors_short.weight": np.ones(head // 2)})
+    with pytest.raises(ModelNotFoundError, match="phi3 GGUF files with LongRoPE factors .* are not served"):
+        prepare_gguf_model(path, tmp_path / "cache")
