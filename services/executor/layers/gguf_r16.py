@@ -72,20 +72,31 @@ def pack(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return packed.reshape(n, -1).contiguous()
 
 
+@functools.cache
+def _inverse(ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``where [16, bpb]``: row ``r``'s byte ``j`` lies at ``where[r, j]`` of its group-block;
+    ``flipped [bpb]`` uint8: 0x80 at a row's bytes stored XOR 0x80 (the same offsets in every row), else 0."""
+    src, flip = _source(ggml_type)
+    bpb = TYPES[ggml_type][0]
+    inverse = torch.empty_like(src)
+    inverse[src] = torch.arange(src.numel())
+    raw_flip = torch.zeros_like(flip)
+    raw_flip[src] = flip
+    return inverse.view(GROUP, bpb), raw_flip.view(GROUP, bpb)[0].to(torch.uint8) * 0x80
+
+
 def unpack_rows(packed: torch.Tensor, ggml_type: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The file's blocks of ``rows`` (``[R]`` int64 row indices; all rows when ``None``) from the
     interleaved layout ``[N, K / block_size * bpb]``: ``[R, K / block_size * bpb]`` uint8."""
     n = packed.shape[0]
     bpb = TYPES[ggml_type][0]
-    src, flip = _source(ggml_type)
-    groups = packed.view(n // GROUP, -1, GROUP * bpb)  # [G, nb, 16 bpb]
+    inverse, flipped = _inverse(ggml_type)
+    nb = packed.shape[1] // bpb
     rows = torch.arange(n) if rows is None else rows.reshape(-1).long()
-    inverse = torch.empty_like(src)
-    inverse[src] = torch.arange(src.numel())
-    where = inverse.view(GROUP, bpb)[rows % GROUP]  # [R, bpb]: each byte's place in its group-block
-    sel = groups[rows // GROUP]  # [R, nb, 16 bpb]
-    out = sel.gather(2, where[:, None, :].expand(-1, sel.shape[1], -1))
-    raw_flip = torch.zeros_like(flip)
-    raw_flip[src] = flip
-    out[..., raw_flip.view(GROUP, bpb)[0]] ^= 0x80  # the same byte offsets in every row
+    # byte j of block b of row r: group-block (r // 16) * nb + b, at where[r % 16, j] within it
+    start = ((rows // GROUP) * nb)[:, None] + torch.arange(nb)  # [R, nb]
+    index = start[:, :, None] * (GROUP * bpb) + inverse[rows % GROUP][:, None, :]  # [R, nb, bpb]
+    out = packed.view(-1)[index]
+    if ggml_type == 8:  # Q8_0's quants
+        out ^= flipped
     return out.reshape(rows.numel(), -1)
