@@ -30,9 +30,11 @@ layers' ``attn_v`` in Q6_K beside Q4_K ``attn_q`` / ``attn_k``) is served by
 
 The layer's ``weight`` is a uint8 parameter ``[N, K / block_size * block_bytes]``: whole rows, so
 merged layers (q | k | v, gate | up) concatenate their shards' rows and rows can be permuted
-without dequantizing. :meth:`GGUFLinearMethod.apply` runs the native kernel
-(``kernels/cpu/csrc/cpu_gguf_gemm.c``: each block dequantized in registers, float32 sums) for
-up to ``NATIVE_MAX_ROWS`` rows on CPU where the native kernels are allowed (numerics: float32
+without dequantizing (the loader does so before :meth:`GGUFLinearMethod.install`, which, with
+the native kernels, may then interleave the rows by 16: ``gguf_r16``). :meth:`GGUFLinearMethod.apply`
+runs the native kernel (``kernels/cpu/csrc/cpu_gguf_gemm.c``: each block dequantized in
+registers, float32 sums) for up to ``NATIVE_MAX_ROWS`` rows, or any row count of bf16
+activations on interleaved rows, on CPU where the native kernels are allowed (numerics: float32
 activations are multiplied as they are; bf16 activations with Q4_0 / Q4_1 / Q8_0 weights, or
 weights of any type in ``gguf_r16``'s interleaved layout, are quantized to int8 per 32-element
 block, ``d_a = max|x| / 127``, ``q = round-half-even(x * (127 / max|x|))``, as llama.cpp's Q8_0 /
