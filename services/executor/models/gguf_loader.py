@@ -14,6 +14,13 @@ each head's rows for its RoPE: HF row ``h * D + j * D/2 + i`` is stored at ``h *
 Gemma's norms, stored as ``1 + w``, are loaded as the stored value minus 1 (float32). Rows are
 whole runs of blocks, so the quantized blocks are moved without dequantizing.
 
+Under tensor parallelism (a model built under ``use_tp_group``) each rank keeps its share of
+every tensor, blocks still kept (``gguf_shards.py``): a column-parallel layer's rows of each
+merged shard (q, k, v by the rank's heads, taken after the q / k rows are put back in order),
+a row-parallel layer's input columns as whole blocks (a share that would cut a block is
+refused), the embedding's and LM head's vocabulary rows; norms whole. Each rank reads the
+file's tensors whole and copies out its share.
+
 A merged layer (q | k | v, gate | up, or Phi-3's fused tensors) whose shards are all of one kept
 format keeps its blocks (``GGUFLinearMethod``), one whose shards are of several kept formats
 keeps each shard's (``GGUFShardedLinearMethod``: llama.cpp's Q4_K_M mixes Q4_K and Q6_K in
@@ -32,6 +39,8 @@ from torch import nn
 
 from kernels.cpu import ops
 from services.executor.layers.gguf import FORMATS, GGUFLinearMethod, GGUFShardedLinearMethod
+from services.executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from services.executor.models.gguf_shards import column_shares, is_split, row_share, vocab_share
 from services.executor.models.gguf_tensors import MODEL_TENSORS, GGUFTensorMap, tensor_map
 
 
@@ -77,8 +86,8 @@ class _Tensors:
     def __init__(self, reader, tmap: GGUFTensorMap, model: nn.Module, native: bool, path: Path) -> None:
         self.tensors = {t.name: t for t in reader.tensors}
         self.used: set[str] = set(tmap.ignored)
-        attn = model.model.layers[0].self_attn
-        heads = {"q": attn.num_heads, "kv": attn.num_kv_heads}
+        qkv = model.model.layers[0].self_attn.qkv_proj  # the model's heads (not a rank's): whole rows
+        heads = {"q": qkv.output_sizes[0] // qkv.head_size, "kv": qkv.output_sizes[1] // qkv.head_size}
         self.permuted = {kind: heads[which] for kind, which in tmap.permuted.items()}  # kind -> heads
         self.norm_offset, self.dtype, self.native, self.path = tmap.norm_offset, model.dtype, native, path
 
@@ -90,6 +99,17 @@ class _Tensors:
         if "norm" in kind and self.norm_offset:
             rows = rows - self.norm_offset  # float32, as transformers subtracts it
         return rows
+
+    @staticmethod
+    def _share(module: nn.Module, rows: list[torch.Tensor], fmts: list, names: list[str]) -> list[torch.Tensor]:
+        """This rank's part of each tensor's whole ``rows`` (``gguf_shards.py``; all of them at one rank)."""
+        if not is_split(module):
+            return rows
+        if isinstance(module, ColumnParallelLinear):
+            return column_shares(module, rows, names)
+        if isinstance(module, RowParallelLinear):
+            return [row_share(module, r, f, n) for r, f, n in zip(rows, fmts, names, strict=True)]
+        return [vocab_share(module, r) for r in rows]
 
     def load(self, module: nn.Module, stems: list[str]) -> None:
         """``module``'s weight (and bias, if it has one) from the tensors ``<stem>.weight`` (``.bias``),
@@ -107,7 +127,8 @@ class _Tensors:
         self.used.update(names + biases)
         fmts = [FORMATS.get(int(self.tensors[n].tensor_type)) for n in names]
         kept = None not in fmts and hasattr(module, "quant_method")
-        rows = [self._rows(n, raw=kept) for n in names]  # each shard's whole rows
+        rows = self._share(module, [self._rows(n, raw=kept) for n in names], fmts if kept else [None] * len(names),
+                           names)  # each tensor's rows (of this rank)
         expected = tuple(module.weight.shape)
         if sum(r.shape[0] for r in rows) != expected[0] or (not kept and tuple(torch.cat(rows).shape) != expected):
             raise ValueError(f"{names}: GGUF shapes {[tuple(r.shape) for r in rows]} do not fit {expected}")
@@ -118,7 +139,9 @@ class _Tensors:
         else:  # [rows, K] float32 (a norm: [rows])
             module.weight.data.copy_(torch.cat(rows))
         if biases:
-            values = torch.cat([self._rows(n, raw=False) for n in biases])  # [rows] float32
+            values = [self._rows(n, raw=False) for n in biases]  # [rows] float32 each
+            split = isinstance(module, ColumnParallelLinear) and module.tp_size > 1  # a row-parallel bias is whole
+            values = torch.cat(column_shares(module, values, biases) if split else values)
             if values.shape != bias.shape:
                 raise ValueError(f"{biases}: GGUF shape {tuple(values.shape)} does not fit {tuple(bias.shape)}")
             bias.data.copy_(values)
@@ -130,17 +153,16 @@ def load_gguf_weights(model: nn.Module, path: Path, native: bool) -> None:
     formats' matmuls may run in the C kernel (``GGUFLinearMethod``).
 
     ``model``: a Llama-family, Phi-3 or Gemma 2/3 model (``model.model.layers``,
-    ``embed_tokens``, ``norm``, ``lm_head``, ``tie_word_embeddings``) of the file's architecture.
+    ``embed_tokens``, ``norm``, ``lm_head``, ``tie_word_embeddings``) of the file's architecture,
+    whole or one tensor-parallel rank's part (its layers take their rank's share).
 
     Raises:
         ValueError: an architecture not served from GGUF, a tensor missing or of the wrong
-            shape, tensors this architecture does not know, or a model split over
-            tensor-parallel ranks.
+            shape, tensors this architecture does not know, or a tensor-parallel rank's input
+            columns of a row-parallel layer that are not whole blocks (``gguf_shards.row_share``).
     """
     from gguf import GGUFReader
 
-    if model.tp_size > 1:
-        raise ValueError("a GGUF model is served on one rank (tensor parallelism needs a Hugging Face directory)")
     reader = GGUFReader(path)
     tmap = tensor_map(architecture(reader))
     tensors = _Tensors(reader, tmap, model, native and ops.load() is not None, path)

@@ -1,0 +1,90 @@
+"""A tensor-parallel rank's share of a GGUF tensor, taken from its whole rows (blocks kept).
+
+The shares are those of ``layers/linear.py`` and ``layers/embedding.py`` for a Hugging Face
+checkpoint (vLLM's semantics), read off the layer built under the rank's group:
+
+- a column-parallel layer (``QKVParallelLinear``, ``MergedColumnParallelLinear``) takes rows of
+  each merged shard, ``layer.row_ranges[i]`` of shard ``i`` (q, k, v by the rank's heads; gate, up
+  by balanced ranges); a fused file tensor holding every shard's rows (Phi-3's ``attn_qkv``,
+  ``ffn_up``) is cut into its shards (``layer.output_sizes``) first. Biases likewise;
+- a row-parallel layer (``o_proj``, ``down_proj``) takes the input columns ``layer.input_range``:
+  whole blocks of each row, so the range must start and end on a block boundary (32 elements,
+  256 for the K-quants), else :class:`ValueError`. Its bias stays whole;
+- a vocabulary-parallel embedding or LM head takes the vocabulary rows
+  ``[vocab_start, vocab_start + num_embeddings_per_partition)`` (balanced, no padding rows);
+  ``VocabParallelEmbedding.forward`` already shifts the ids to the rank's rows and zeroes the
+  others, and ``ParallelLMHead.compute_logits`` gathers each rank's logits, so the GGUF
+  method's ``embed`` / ``apply_logits`` need nothing more;
+- anything else (norms) is whole on every rank.
+
+A GGUF block row is whole runs of blocks (``[N, K / block_size * block_bytes]`` uint8), so rows
+are sliced as any tensor's and a column range of ``c`` elements is ``c / block_size *
+block_bytes`` bytes. The q / k rows are put back in Hugging Face's order (whole heads) before
+any of this. Every share is a copy: the rank keeps only its part of the file's tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.executor.layers.embedding import VocabParallelEmbedding
+from services.executor.layers.gguf import BlockFormat
+from services.executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:  # a view's values in their own (contiguous) storage
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def column_shares(layer: ColumnParallelLinear, parts: list[torch.Tensor], names: list[str]) -> list[torch.Tensor]:
+    """This rank's rows of each file tensor ``parts[j]`` (``[rows_j, ...]``, whole, Hugging Face's
+    row order): one tensor per part. ``len(parts)`` is the layer's shard count, or 1 for a fused
+    tensor of every shard's rows (its shares concatenated in shard order).
+
+    Raises:
+        ValueError: the parts do not match the layer's shards (``names`` named).
+    """
+    sizes, ranges = layer.output_sizes, layer.row_ranges
+    if len(parts) == len(sizes):
+        for part, whole, name in zip(parts, sizes, names, strict=True):
+            if part.shape[0] != whole:
+                raise ValueError(f"{name}: GGUF shape {tuple(part.shape)} does not have the layer's {whole} rows")
+        return [_copy(p.narrow(0, start, size)) for p, (start, size) in zip(parts, ranges, strict=True)]
+    if len(parts) == 1 and parts[0].shape[0] == sum(sizes):  # one tensor of every shard's rows
+        firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [torch.cat([parts[0].narrow(0, first + start, size)
+                           for first, (start, size) in zip(firsts, ranges, strict=True)])]
+    raise ValueError(f"{names}: GGUF shapes {[tuple(p.shape) for p in parts]} do not split into the layer's "
+                     f"shards of {sizes} rows")
+
+
+def row_share(layer: RowParallelLinear, rows: torch.Tensor, fmt: BlockFormat | None, name: str) -> torch.Tensor:
+    """This rank's input columns ``layer.input_range`` of ``rows``: block rows
+    ``[N, K / block_size * block_bytes]`` uint8 of ``fmt``, or values ``[N, K]`` (``fmt`` None).
+
+    Raises:
+        ValueError: the rank's columns do not start and end on a block boundary (the layer
+            ``name``, the tensor-parallel size and the block size named).
+    """
+    start, size = layer.input_range
+    if fmt is None:
+        return _copy(rows.narrow(1, start, size))
+    bs = fmt.block_size
+    if start % bs or size % bs:
+        raise ValueError(f"{name}: tensor_parallel_size={layer.tp_size} gives rank {layer.tp_rank} the input columns "
+                         f"[{start}, {start + size}) of {layer.full_input_size}, which cut {fmt.name}'s blocks of "
+                         f"{bs} elements (each rank's share must be whole blocks: a multiple of {bs})")
+    return _copy(rows.narrow(1, start // bs * fmt.block_bytes, size // bs * fmt.block_bytes))
+
+
+def vocab_share(layer: VocabParallelEmbedding, rows: torch.Tensor) -> torch.Tensor:
+    """This rank's vocabulary rows of the table ``rows`` ``[vocab, ...]`` (blocks or values)."""
+    return _copy(rows.narrow(0, layer.vocab_start, layer.num_embeddings_per_partition))
+
+
+def is_split(module: nn.Module) -> bool:
+    """Whether ``module`` holds one rank's part of its weight (a parallel layer of a group of
+    more than one rank)."""
+    parallel = isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding)
+    return parallel and module.tp_size > 1

@@ -1,0 +1,95 @@
+"""A GGUF file loaded at tensor-parallel ranks (``gguf_loader`` + ``gguf_shards``), built under
+sizes-only groups in one process: every rank keeps its layers' blocks, and its shares put
+together (q | k | v and gate | up rows by shard, o_proj / down_proj input columns, vocabulary
+rows) are one rank's weights exactly; a rank share that would cut a block is refused, naming the
+layer, the tensor-parallel size and the block size. Greedy tokens over real ranks:
+``tests/e2e/test_gguf_tensor_parallel_e2e.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_files import TINY_FORMATS, tiny_hf_config, write_gguf
+from transformers import LlamaConfig, Phi3Config
+
+from services.executor.layers import gguf as G
+from services.executor.layers.gguf import GGUFLinearMethod, GGUFShardedLinearMethod
+from services.executor.models import get_model_class, gguf_loader
+from services.executor.parallel.group import TensorParallelGroup, use_tp_group
+
+#: 9 heads / 3 KV heads (3 ranks: 3 + 3 + 3; 2 ranks: 6 + 3), 32-element blocks only, shards of
+#: q | k | v and gate | up in different formats, an untied LM head of 1024 rows (342 + 341 + 341)
+UNEVEN = LlamaConfig(vocab_size=1024, hidden_size=288, intermediate_size=192, num_hidden_layers=1,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+Q32_FORMATS = {"token_embd": G.Q8_0, "output": G.Q4_1, "attn_q": G.Q4_0, "attn_k": G.Q4_0, "attn_v": G.Q8_0,
+               "attn_qkv": G.Q8_0, "attn_output": G.Q4_0, "ffn_gate": G.Q8_0, "ffn_up": G.Q4_0, "ffn_down": G.Q4_1}
+#: the same sizes as Phi-3: q | k | v and gate | up each one fused file tensor, cut into shards at each rank
+PHI3 = Phi3Config(vocab_size=1024, hidden_size=288, intermediate_size=192, num_hidden_layers=1, num_attention_heads=9,
+                  num_key_value_heads=3, max_position_embeddings=512, tie_word_embeddings=False,
+                  pad_token_id=0, architectures=["Phi3ForCausalLM"])
+
+
+def _load(config, path, rank: int, world: int):
+    with use_tp_group(TensorParallelGroup(rank, world)):  # sizes only: no process group behind it
+        model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+    gguf_loader.load_gguf_weights(model, path, native=False)
+    return model
+
+
+def _w(module) -> torch.Tensor:  # [N, K] float32: the module's weight as its method holds it
+    method = module.quant_method
+    if isinstance(method, GGUFShardedLinearMethod):
+        return torch.cat([m.weight(part, torch.float32) for m, part in zip(method.parts, module.gguf_shards, strict=True)])
+    assert isinstance(method, GGUFLinearMethod)
+    return method.weight(module, torch.float32)
+
+
+@pytest.mark.parametrize(("config", "world"), [
+    pytest.param(UNEVEN, 2, id="llama-6-and-3-heads"), pytest.param(UNEVEN, 3, id="llama-3-heads-each"),
+    pytest.param(PHI3, 2, id="phi3-fused-tensors")])
+def test_rank_shares_put_together_are_one_rank_weights(tmp_path, smollm2_path, config, world):
+    path = tmp_path / "uneven.gguf"
+    write_gguf(path, config, smollm2_path, Q32_FORMATS, {})
+    whole = _load(config, path, 0, 1)
+    ranks = [_load(config, path, r, world) for r in range(world)]
+    fused = config.model_type == "phi3"  # one file tensor, one format: GGUFLinearMethod
+    attn, mlp = whole.model.layers[0].self_attn, whole.model.layers[0].mlp
+    d, inter = attn.head_dim, config.intermediate_size
+    q, k, v = _w(attn.qkv_proj).split([9 * d, 3 * d, 3 * d])
+    gate, up = _w(mlp.gate_up_proj).split([inter, inter])
+    parts: dict[str, list[torch.Tensor]] = {n: [] for n in ("q", "k", "v", "gate", "up", "o", "down", "embed", "head")}
+    for model in ranks:
+        a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        # llama: Q4_0 q, k beside Q8_0 v, each shard's blocks apart
+        assert isinstance(a.qkv_proj.quant_method, GGUFLinearMethod if fused else GGUFShardedLinearMethod)
+        sizes = [a.num_heads * d, a.num_kv_heads * d, a.num_kv_heads * d]
+        for name, t in zip("qkv", _w(a.qkv_proj).split(sizes), strict=True):
+            parts[name].append(t)
+        half = m.gate_up_proj.output_partition_sizes[0]
+        parts["gate"].append(_w(m.gate_up_proj)[:half])
+        parts["up"].append(_w(m.gate_up_proj)[half:])
+        parts["o"].append(_w(a.o_proj))
+        parts["down"].append(_w(m.down_proj))
+        parts["embed"].append(_w(model.model.embed_tokens))
+        parts["head"].append(_w(model.lm_head))
+        assert torch.equal(model.model.norm.weight, whole.model.norm.weight)
+    assert [t.shape[0] for t in parts["q"]] == ([6 * d, 3 * d] if world == 2 else [3 * d] * 3)
+    assert [t.shape[0] for t in parts["embed"]] == ([512, 512] if world == 2 else [342, 341, 341])
+    for name, ref in (("q", q), ("k", k), ("v", v), ("gate", gate), ("up", up),
+                      ("embed", _w(whole.model.embed_tokens)), ("head", _w(whole.lm_head))):
+        assert torch.equal(torch.cat(parts[name]), ref), name
+    assert torch.equal(torch.cat(parts["o"], dim=1), _w(attn.o_proj))  # each rank's heads' input columns
+    assert torch.equal(torch.cat(parts["down"], dim=1), _w(mlp.down_proj))
+
+
+def test_a_rank_share_that_cuts_a_block_is_refused_naming_layer_tp_and_block(tmp_path, smollm2_path):
+    """The tiny K-quant Llama's o_proj (Q4_K, 256 input columns) over 2 ranks: 128 columns each,
+    half a 256-element super-block."""
+    path = tmp_path / "kq.gguf"
+    config = tiny_hf_config(256)
+    config.architectures = ["LlamaForCausalLM"]
+    write_gguf(path, config, smollm2_path, TINY_FORMATS, {})
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_output\.weight: tensor_parallel_size=2 gives rank 0 the "
+                                         r"input columns \[0, 128\) of 256, which cut Q4_K's blocks of 256 elements"):
+        _load(config, path, 0, 2)
