@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf_files import TINY_FORMATS, tiny_hf_config, write_gguf
-from transformers import LlamaConfig, Phi3Config
+from transformers import LlamaConfig, Phi3Config, Qwen2Config
 
 from services.executor.layers import gguf as G
 from services.executor.layers.gguf import GGUFLinearMethod, GGUFShardedLinearMethod
@@ -28,6 +28,10 @@ Q32_FORMATS = {"token_embd": G.Q8_0, "output": G.Q4_1, "attn_q": G.Q4_0, "attn_k
 PHI3 = Phi3Config(vocab_size=1024, hidden_size=288, intermediate_size=192, num_hidden_layers=1, num_attention_heads=9,
                   num_key_value_heads=3, max_position_embeddings=512, tie_word_embeddings=False,
                   pad_token_id=0, architectures=["Phi3ForCausalLM"])
+#: the same sizes as Qwen2: q, k and v biases, split with their rows
+QWEN2 = Qwen2Config(vocab_size=1024, hidden_size=288, intermediate_size=192, num_hidden_layers=1, num_attention_heads=9,
+                    num_key_value_heads=3, max_position_embeddings=512, tie_word_embeddings=True,
+                    architectures=["Qwen2ForCausalLM"])
 
 
 def _load(config, path, rank: int, world: int):
@@ -47,7 +51,7 @@ def _w(module) -> torch.Tensor:  # [N, K] float32: the module's weight as its me
 
 @pytest.mark.parametrize(("config", "world"), [
     pytest.param(UNEVEN, 2, id="llama-6-and-3-heads"), pytest.param(UNEVEN, 3, id="llama-3-heads-each"),
-    pytest.param(PHI3, 2, id="phi3-fused-tensors")])
+    pytest.param(PHI3, 2, id="phi3-fused-tensors"), pytest.param(QWEN2, 2, id="qwen2-qkv-bias-tied")])
 def test_rank_shares_put_together_are_one_rank_weights(tmp_path, smollm2_path, config, world):
     path = tmp_path / "uneven.gguf"
     write_gguf(path, config, smollm2_path, Q32_FORMATS, {})
@@ -66,6 +70,9 @@ def test_rank_shares_put_together_are_one_rank_weights(tmp_path, smollm2_path, c
         sizes = [a.num_heads * d, a.num_kv_heads * d, a.num_kv_heads * d]
         for name, t in zip("qkv", _w(a.qkv_proj).split(sizes), strict=True):
             parts[name].append(t)
+        if a.qkv_proj.bias is not None:
+            for name, t in zip(("qb", "kb", "vb"), a.qkv_proj.bias.split(sizes), strict=True):
+                parts.setdefault(name, []).append(t)
         half = m.gate_up_proj.output_partition_sizes[0]
         parts["gate"].append(_w(m.gate_up_proj)[:half])
         parts["up"].append(_w(m.gate_up_proj)[half:])
@@ -79,6 +86,10 @@ def test_rank_shares_put_together_are_one_rank_weights(tmp_path, smollm2_path, c
     for name, ref in (("q", q), ("k", k), ("v", v), ("gate", gate), ("up", up),
                       ("embed", _w(whole.model.embed_tokens)), ("head", _w(whole.lm_head))):
         assert torch.equal(torch.cat(parts[name]), ref), name
+    assert (attn.qkv_proj.bias is not None) == (config.model_type == "qwen2")
+    if attn.qkv_proj.bias is not None:
+        for name, ref in zip(("qb", "kb", "vb"), attn.qkv_proj.bias.split([9 * d, 3 * d, 3 * d]), strict=True):
+            assert torch.equal(torch.cat(parts[name]), ref), name
     assert torch.equal(torch.cat(parts["o"], dim=1), _w(attn.o_proj))  # each rank's heads' input columns
     assert torch.equal(torch.cat(parts["down"], dim=1), _w(mlp.down_proj))
 
