@@ -34,10 +34,10 @@ QWEN2 = Qwen2Config(vocab_size=1024, hidden_size=288, intermediate_size=192, num
                     architectures=["Qwen2ForCausalLM"])
 
 
-def _load(config, path, rank: int, world: int):
+def _load(config, path, rank: int, world: int, native: bool = False):
     with use_tp_group(TensorParallelGroup(rank, world)):  # sizes only: no process group behind it
         model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
-    gguf_loader.load_gguf_weights(model, path, native=False)
+    gguf_loader.load_gguf_weights(model, path, native=native)
     return model
 
 
@@ -92,6 +92,22 @@ def test_rank_shares_put_together_are_one_rank_weights(tmp_path, smollm2_path, c
             assert torch.equal(torch.cat(parts[name]), ref), name
     assert torch.equal(torch.cat(parts["o"], dim=1), _w(attn.o_proj))  # each rank's heads' input columns
     assert torch.equal(torch.cat(parts["down"], dim=1), _w(mlp.down_proj))
+
+
+def test_native_ranks_interleave_shares_of_a_multiple_of_16_rows(tmp_path, smollm2_path, kernel_library):
+    """With the native kernels ``gguf_r16`` interleaves a rank's share when it has a multiple of 16
+    rows (rank 0 of 3: q 96, k and v 32, o_proj 288 rows), not otherwise (342 vocabulary rows);
+    either way the rank's weights are the file layout's."""
+    path = tmp_path / "uneven.gguf"
+    write_gguf(path, UNEVEN, smollm2_path, Q32_FORMATS, {})
+    native, plain = _load(UNEVEN, path, 0, 3, native=True), _load(UNEVEN, path, 0, 3)
+    attn = native.model.layers[0].self_attn
+    assert [p.r16 for p in attn.qkv_proj.quant_method.parts] == [True, True, True]
+    assert attn.o_proj.quant_method.r16 and not native.model.embed_tokens.quant_method.r16
+    assert not native.lm_head.quant_method.r16
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+                 "model.layers.0.mlp.down_proj", "model.embed_tokens", "lm_head"):
+        assert torch.equal(_w(native.get_submodule(name)), _w(plain.get_submodule(name))), name
 
 
 def test_a_rank_share_that_cuts_a_block_is_refused_naming_layer_tp_and_block(tmp_path, smollm2_path):
