@@ -6,7 +6,8 @@ rows permuted, merged layers' shards in different formats in some layers): a Lla
 K-quants where whole rows are split (q, k, v, gate, up, the tied embedding) and ``o_proj`` in
 Q8_0, 4 heads / 2 KV heads over 2 ranks; and an untied Llama of 9 heads / 3 KV heads in the
 32-element formats only, over 3 ranks (hidden size 288: no K-quant fits it), whose vocabulary
-rows (342 + 341 + 341) are not multiples of 16 (the file's row layout, not ``gguf_r16``'s)."""
+rows (342 + 341 + 341) are not multiples of 16 (the file's row layout, not ``gguf_r16``'s); a file
+whose row-parallel share would cut a block is refused by ``LLM`` with the rank's error."""
 
 from __future__ import annotations
 
@@ -53,3 +54,15 @@ def test_gguf_over_ranks_gives_one_rank_greedy_tokens(tmp_path, smollm2_path, co
     one = _generate(path, 1, tmp_path / "cache")
     assert len({tuple(t) for t in one}) == len(PROMPTS)  # the prompts' outputs differ: the test can fail
     assert _generate(path, tp, tmp_path / "cache") == one
+
+
+def test_gguf_whose_row_parallel_share_cuts_a_block_is_refused(tmp_path, smollm2_path):
+    """The tiny K-quant Llama's Q4_K o_proj (256 input columns) at TP=2: 128 columns a rank, half
+    a super-block; ``LLM`` raises the rank's load error."""
+    path = tmp_path / "tiny-kq.gguf"
+    write_gguf(path, tiny_hf_config(1024), smollm2_path, TINY_FORMATS, {})
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(kernel_cache_dir(), target_is_directory=True)
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_output\.weight: tensor_parallel_size=2 .* cut Q4_K's "
+                                         r"blocks of 256 elements"):
+        _generate(path, 2, tmp_path / "cache")
