@@ -24,6 +24,9 @@ UNEVEN = LlamaConfig(vocab_size=1024, hidden_size=288, intermediate_size=192, nu
                      tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
 Q32_FORMATS = {"token_embd": G.Q8_0, "output": G.Q4_1, "attn_q": G.Q4_0, "attn_k": G.Q4_0, "attn_v": G.Q8_0,
                "attn_qkv": G.Q8_0, "attn_output": G.Q4_0, "ffn_gate": G.Q8_0, "ffn_up": G.Q4_0, "ffn_down": G.Q4_1}
+#: o_proj, down_proj and the embedding in F16: not kept, dequantized at load, then split as values
+F16 = G.BlockFormat("F16", 1, 1, 2)
+Q32_F16_FORMATS = {**Q32_FORMATS, "token_embd": F16, "attn_output": F16, "ffn_down": F16}
 #: the same sizes as Phi-3: q | k | v and gate | up each one fused file tensor, cut into shards at each rank
 PHI3 = Phi3Config(vocab_size=1024, hidden_size=288, intermediate_size=192, num_hidden_layers=1, num_attention_heads=9,
                   num_key_value_heads=3, max_position_embeddings=512, tie_word_embeddings=False,
@@ -45,20 +48,26 @@ def _w(module) -> torch.Tensor:  # [N, K] float32: the module's weight as its me
     method = module.quant_method
     if isinstance(method, GGUFShardedLinearMethod):
         return torch.cat([m.weight(part, torch.float32) for m, part in zip(method.parts, module.gguf_shards, strict=True)])
-    assert isinstance(method, GGUFLinearMethod)
-    return method.weight(module, torch.float32)
+    if isinstance(method, GGUFLinearMethod):
+        return method.weight(module, torch.float32)
+    assert not method.quantized  # dequantized at load (F16)
+    return module.weight.data
 
 
-@pytest.mark.parametrize(("config", "world"), [
-    pytest.param(UNEVEN, 2, id="llama-6-and-3-heads"), pytest.param(UNEVEN, 3, id="llama-3-heads-each"),
-    pytest.param(PHI3, 2, id="phi3-fused-tensors"), pytest.param(QWEN2, 2, id="qwen2-qkv-bias-tied")])
-def test_rank_shares_put_together_are_one_rank_weights(tmp_path, smollm2_path, config, world):
+@pytest.mark.parametrize(("config", "world", "formats"), [
+    pytest.param(UNEVEN, 2, Q32_FORMATS, id="llama-6-and-3-heads"),
+    pytest.param(UNEVEN, 3, Q32_FORMATS, id="llama-3-heads-each"),
+    pytest.param(UNEVEN, 3, Q32_F16_FORMATS, id="llama-f16-row-parallel-and-embedding"),
+    pytest.param(PHI3, 2, Q32_FORMATS, id="phi3-fused-tensors"),
+    pytest.param(QWEN2, 2, Q32_FORMATS, id="qwen2-qkv-bias-tied")])
+def test_rank_shares_put_together_are_one_rank_weights(tmp_path, smollm2_path, config, world, formats):
     path = tmp_path / "uneven.gguf"
-    write_gguf(path, config, smollm2_path, Q32_FORMATS, {})
+    write_gguf(path, config, smollm2_path, formats, {})
     whole = _load(config, path, 0, 1)
     ranks = [_load(config, path, r, world) for r in range(world)]
     fused = config.model_type == "phi3"  # one file tensor, one format: GGUFLinearMethod
     attn, mlp = whole.model.layers[0].self_attn, whole.model.layers[0].mlp
+    assert attn.o_proj.quant_method.quantized == (formats["attn_output"] is not F16)
     d, inter = attn.head_dim, config.intermediate_size
     q, k, v = _w(attn.qkv_proj).split([9 * d, 3 * d, 3 * d])
     gate, up = _w(mlp.gate_up_proj).split([inter, inter])
