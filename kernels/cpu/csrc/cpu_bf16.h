@@ -1,4 +1,4 @@
-/* bfloat16 <-> float32 conversions shared by the native CPU kernels. */
+/* bfloat16 <-> float32 and fp16 -> float32 conversions shared by the native CPU kernels. */
 #ifndef PAGEDLLM_CPU_BF16_H
 #define PAGEDLLM_CPU_BF16_H
 #include <stdint.h>
@@ -17,6 +17,36 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept
   if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
   u += 0x7fffu + ((u >> 16) & 1u);
   return (uint16_t)(u >> 16);
+}
+
+static inline uint16_t load_u16(const uint8_t* p) { /* p need not be aligned */
+  uint16_t v;
+  memcpy(&v, p, 2);
+  return v;
+}
+
+/* The IEEE half at p -> float (normals, subnormals, inf, NaN), exactly. */
+static inline float fp16_at(const uint8_t* p) {
+  const uint16_t h = load_u16(p);
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+  if (exp == 0x1fu) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else { /* subnormal: normalise */
+    exp = 113u;
+    while (!(man & 0x400u)) {
+      man <<= 1;
+      --exp;
+    }
+    u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
 }
 
 #if defined(__AVX512F__)

@@ -68,35 +68,6 @@ static int block_bytes(int qtype) {
 
 static int block_elems(int qtype) { return qtype >= GGUF_Q4_K ? QKK : QK; }
 
-static inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  memcpy(&v, p, 2);
-  return v;
-}
-
-/* IEEE half -> float (normals, subnormals, inf, NaN). */
-static inline float fp16_to_f32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-  if (exp == 0x1fu) {
-    u = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    u = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    u = sign;
-  } else { /* subnormal: normalise */
-    exp = 113u;
-    while (!(man & 0x400u)) {
-      man <<= 1;
-      --exp;
-    }
-    u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-  }
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
 /* Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 scale bytes s. */
 static inline void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
   if (j < 4) {
@@ -112,7 +83,7 @@ static inline void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
  * 16-31 (*dhi), the offset subtracted (*dm, Q4_K / Q5_K), and the 32 quants (Q6_K: minus 32). */
 static inline void k_sub_block(int qtype, const uint8_t* b, int j, float* dlo, float* dhi, float* dm, int8_t* q) {
   if (qtype == GGUF_Q6_K) {
-    const float d = fp16_to_f32(load_u16(b + 208));
+    const float d = fp16_at(b + 208);
     const int8_t* sc = (const int8_t*)(b + 192);
     const uint8_t* ql = b + 64 * (j / 4) + 32 * (j % 2);
     const uint8_t* qh = b + 128 + 32 * (j / 4);
@@ -125,8 +96,8 @@ static inline void k_sub_block(int qtype, const uint8_t* b, int j, float* dlo, f
   }
   int sc, m;
   k_scale_min(b + 4, j, &sc, &m);
-  *dlo = *dhi = fp16_to_f32(load_u16(b)) * (float)sc;
-  *dm = fp16_to_f32(load_u16(b + 2)) * (float)m;
+  *dlo = *dhi = fp16_at(b) * (float)sc;
+  *dm = fp16_at(b + 2) * (float)m;
   const uint8_t* qs = b + (qtype == GGUF_Q5_K ? 48 : 16) + 32 * (j / 2);
   const int sh = 4 * (j % 2);
   for (int e = 0; e < QK; ++e) q[e] = (int8_t)((qs[e] >> sh) & 15);
@@ -143,11 +114,11 @@ static inline void dequant_block(int qtype, const uint8_t* b, int j, float* w) {
     for (int e = 0; e < QK; ++e) w[e] = (e < QK / 2 ? dlo : dhi) * (float)q[e] - dm;
     return;
   }
-  const float d = fp16_to_f32(load_u16(b));
+  const float d = fp16_at(b);
   if (qtype == GGUF_Q8_0) {
     for (int j = 0; j < QK; ++j) w[j] = d * (float)(int8_t)b[2 + j];
   } else if (qtype == GGUF_Q4_1) {
-    const float m = fp16_to_f32(load_u16(b + 2));
+    const float m = fp16_at(b + 2);
     for (int j = 0; j < QK / 2; ++j) {
       w[j] = d * (float)(b[4 + j] & 15) + m;
       w[j + QK / 2] = d * (float)(b[4 + j] >> 4) + m;

@@ -58,26 +58,11 @@ typedef struct {
 
 int gguf_q8a_supports(int qtype) { return qtype == GGUF_Q4_0 || qtype == GGUF_Q4_1 || qtype == GGUF_Q8_0; }
 
-static inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  memcpy(&v, p, 2);
-  return v;
-}
-
-static inline float half(const uint8_t* p) { /* fp16 at p -> float (normals, subnormals, inf) */
+static inline float half(const uint8_t* p) { /* fp16 at p -> float */
 #ifdef Q8A_VNNI
   return _cvtsh_ss(load_u16(p));
 #else
-  const uint16_t h = load_u16(p);
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  float f;
-  if (exp == 0) {
-    f = ldexpf((float)man, -24);
-    return sign ? -f : f;
-  }
-  const uint32_t u = sign | (exp == 0x1fu ? 0x7f800000u | (man << 13) : ((exp + 112u) << 23) | (man << 13));
-  memcpy(&f, &u, 4);
-  return f;
+  return fp16_at(p);
 #endif
 }
 

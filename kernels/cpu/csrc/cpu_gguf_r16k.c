@@ -232,20 +232,6 @@ static void group_rows(int qt, const uint8_t* wg, int64_t ns, const act_k* A, in
   }
 }
 #else
-static float half_f32(const uint8_t* p) { /* fp16 at p -> float (normals, subnormals, inf) */
-  uint16_t h;
-  memcpy(&h, p, 2);
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  float f;
-  if (exp == 0) {
-    f = ldexpf((float)man, -24);
-    return sign ? -f : f;
-  }
-  const uint32_t u = sign | (exp == 0x1fu ? 0x7f800000u | (man << 13) : ((exp + 112u) << 23) | (man << 13));
-  memcpy(&f, &u, 4);
-  return f;
-}
-
 /* Sub-block j of the file's super-block blk: its 32 unsigned quants q, the scales of its halves
  * (Q4_K / Q5_K: both sc_j) and its min m_j (Q6_K: 0). */
 static void k_ints(int qt, const uint8_t* blk, int j, int32_t* q, int* sc0, int* sc1, int* m) {
@@ -283,7 +269,7 @@ static void group_portable(int qt, const uint8_t* raw, int64_t ns, const act_k* 
     for (int64_t m = 0; m < M; ++m) acc[m] = 0.f;
     for (int64_t s = 0; s < ns; ++s) {
       const uint8_t* blk = raw + (r * ns + s) * bpb;
-      const float d = half_f32(blk + (qt == GGUF_Q6_K ? 208 : 0)), dmin = qt == GGUF_Q6_K ? 0.f : half_f32(blk + 2);
+      const float d = fp16_at(blk + (qt == GGUF_Q6_K ? 208 : 0)), dmin = qt == GGUF_Q6_K ? 0.f : fp16_at(blk + 2);
       for (int j = 0; j < 8; ++j) {
         int32_t q[QK];
         int sc0, sc1, mn;
