@@ -172,6 +172,21 @@ def test_gemm_gguf_refuses_bad_arguments(lib):
         quant_ops.gemm_gguf(torch.randn(1, 64), blocks, G.Q4_K.ggml_type, 64, lib=lib)
 
 
+def _check_r16(lib, x: torch.Tensor, blocks: torch.Tensor, packed: torch.Tensor, fmt: G.BlockFormat,
+               exact: torch.Tensor) -> None:
+    """The interleaved ``packed`` (of the file's ``blocks``) times bf16 ``x [m, k]``: the exact sum of the int8
+    operands (``exact``, float64) up to float32 rounding; bf16 out one rounding of the float32 out; float32
+    activations: the file layout's float32 path bit for bit (the same code on the unpacked rows)."""
+    (m, k), kind = x.shape, fmt.ggml_type | quant_ops.GGUF_R16
+    out32 = quant_ops.gemm_gguf(x, packed, kind, k, torch.float32, lib=lib)
+    torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    out = quant_ops.gemm_gguf(x, packed, kind, k, torch.bfloat16, lib=lib)
+    torch.testing.assert_close(out, out32.bfloat16(), rtol=0, atol=0)
+    xf = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1))
+    assert torch.equal(quant_ops.gemm_gguf(xf, packed, kind, k, torch.float32, lib=lib),
+                       quant_ops.gemm_gguf(xf, blocks, fmt.ggml_type, k, torch.float32, lib=lib))
+
+
 @pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0], ids=lambda f: f.name)
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 40])  # tiles of 8 activation rows: partial, full, one more, several
 @pytest.mark.parametrize("k", [96, 576])
@@ -184,15 +199,7 @@ def test_gemm_gguf_r16_int8_equals_exact_sums(lib, fmt, m, k):
     packed = gguf_r16.pack(blocks, fmt.ggml_type)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
     x[0, :32] = 0  # a block of zeros: d_a = 0
-    kind = fmt.ggml_type | quant_ops.GGUF_R16
-    exact = _int8_reference(x, blocks, fmt)
-    out32 = quant_ops.gemm_gguf(x, packed, kind, k, torch.float32, lib=lib)
-    torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
-    out = quant_ops.gemm_gguf(x, packed, kind, k, torch.bfloat16, lib=lib)
-    torch.testing.assert_close(out, out32.bfloat16(), rtol=0, atol=0)
-    xf = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1))
-    assert torch.equal(quant_ops.gemm_gguf(xf, packed, kind, k, torch.float32, lib=lib),
-                       quant_ops.gemm_gguf(xf, blocks, fmt.ggml_type, k, torch.float32, lib=lib))
+    _check_r16(lib, x, blocks, packed, fmt, _int8_reference(x, blocks, fmt))
 
 
 def test_gemm_gguf_r16_reads_strided_rows_and_refuses_bad_layouts(lib):
@@ -278,15 +285,7 @@ def test_gemm_gguf_r16k_int8_equals_exact_sums(lib, fmt, m, n, k):
     assert packed.shape == blocks.shape and torch.equal(gguf_r16.unpack_rows(packed, fmt.ggml_type), blocks)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
     x[0, :32] = 0  # a block of zeros: d_a = 0
-    kind = fmt.ggml_type | quant_ops.GGUF_R16
-    exact = _k_int8_reference(x, blocks, fmt)
-    out32 = quant_ops.gemm_gguf(x, packed, kind, k, torch.float32, lib=lib)
-    torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
-    out = quant_ops.gemm_gguf(x, packed, kind, k, torch.bfloat16, lib=lib)
-    torch.testing.assert_close(out, out32.bfloat16(), rtol=0, atol=0)
-    xf = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1))
-    assert torch.equal(quant_ops.gemm_gguf(xf, packed, kind, k, torch.float32, lib=lib),
-                       quant_ops.gemm_gguf(xf, blocks, fmt.ggml_type, k, torch.float32, lib=lib))
+    _check_r16(lib, x, blocks, packed, fmt, _k_int8_reference(x, blocks, fmt))
 
 
 @pytest.mark.skipif(not X86, reason="-mno-avx512f is x86")
