@@ -46,7 +46,7 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c
 LINK_FLAGS = ["-shared", "-fopenmp"]
 PROBE_TIMEOUT_S = 60  # the compiler's --version and its predefined macros
 COMPILE_TIMEOUT_S = 600  # one source file, or the link; a timeout is a failed build
-ABI_VERSION = 6  # PAGEDLLM_ABI_VERSION in csrc/pagedllm_abi.h
+ABI_VERSION = 7  # PAGEDLLM_ABI_VERSION in csrc/pagedllm_abi.h
 PANEL = 16  # output columns per packed weight panel (csrc/pagedllm_abi.h): kernels.cpu.ops packs in it
 
 _lock = threading.Lock()
@@ -139,7 +139,7 @@ class LlamaLayersArgs(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         *[(n, _PP) for n in ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
                              "down_w", "down_b", "k_cache", "v_cache")],
-        ("wtype", _P),
+        ("wtype", _P), ("nshard", _P), ("shard_w", _PP), ("shard_type", _P), ("shard_rows", _P),
         ("T", ctypes.c_int64), ("h", _P), ("cos", _P), ("sin", _P), ("slots", _P), ("block_index", _P),
         ("nblk", ctypes.c_int64), ("row_seq", _P), ("row_len", _P),
         *[(n, _P) for n in ("x", "qkv", "attn", "gate_up", "act", "delta")],
@@ -150,11 +150,11 @@ class LlamaLayersArgs(ctypes.Structure):
 class AbiInfo(ctypes.Structure):
     """``pagedllm_abi_info`` (``csrc/pagedllm_abi.h``): what a build speaks, and the kernels'
     limits (``max_group`` query heads per KV head, ``max_head_dim`` and ``max_block`` of paged
-    attention, ``max_rope_dim`` of the all-layers call), which :mod:`kernels.cpu.ops` reads
-    from ``lib.abi``."""
+    attention, ``max_rope_dim`` and ``max_shards`` (shards of a merged matmul) of the all-layers
+    call), which :mod:`kernels.cpu.ops` and ``NativeLayers`` read from ``lib.abi``."""
 
     _fields_ = [(n, ctypes.c_int64) for n in ("version", "abi_size", "llama_args_size", "max_group",
-                                               "max_head_dim", "max_block", "max_rope_dim", "panel")]
+                                               "max_head_dim", "max_block", "max_rope_dim", "panel", "max_shards")]
 
 
 def check_abi(lib: ctypes.CDLL) -> AbiInfo:

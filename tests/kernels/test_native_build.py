@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 FAKE_ABI_SOURCE = """
 #include <stdint.h>
 typedef struct { int64_t version, abi_size, llama_args_size, max_group, max_head_dim, max_block, max_rope_dim,
-                 panel; } info_t;
-static const info_t info = {VERSION, sizeof(info_t), ARGS_SIZE, 16, 256, 128, 512, PANEL};
+                 panel, max_shards; } info_t;
+static const info_t info = {VERSION, sizeof(info_t), ARGS_SIZE, 16, 256, 128, 512, PANEL, 3};
 #ifndef NO_ABI
 const info_t* pagedllm_abi(void) { return &info; }
 #endif
@@ -66,7 +66,7 @@ def test_the_library_reports_its_abi(kernel_library):
     abi = kernel_library.abi
     assert (abi.version, abi.abi_size, abi.llama_args_size, abi.panel) == (
         native.ABI_VERSION, ctypes.sizeof(native.AbiInfo), ctypes.sizeof(native.LlamaLayersArgs), native.PANEL)
-    assert (abi.max_group, abi.max_head_dim, abi.max_block, abi.max_rope_dim) == (16, 256, 128, 512)
+    assert (abi.max_group, abi.max_head_dim, abi.max_block, abi.max_rope_dim, abi.max_shards) == (16, 256, 128, 512, 3)
 
 
 def _fake_library(tmp_path: Path, name: str, **defines: int) -> Path:

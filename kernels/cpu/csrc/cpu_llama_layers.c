@@ -10,7 +10,8 @@
  * LlamaDecoderLayer.forward with panels: see its numerics change checklist), every
  * intermediate in bf16:
  *   x = RMSNorm(h)                      (cpu_rms_norm.c; fused with the previous layer's residual add)
- *   qkv = x . Wqkv^T (+ b)              (cpu_gemm_bf16.c, or cpu_gguf_gemm.c for GGUF blocks: wtype)
+ *   qkv = x . Wqkv^T (+ b)              (cpu_gemm_bf16.c, or cpu_gguf_gemm.c for GGUF blocks: wtype,
+ *                                        one call per shard where q, k, v differ in type: nshard)
  *   q, k = RoPE(q, k)                   rotate_half form: bf16(bf16(rot(x) * sin) + bf16(x * cos))
  *   k, v -> cache at slots[t]           (reshape_and_cache; slots < 0 are skipped)
  *   a = PagedAttention(q, cache)        (cpu_paged_attention.c, rows as planned by the caller)
@@ -77,12 +78,32 @@ static void residual_add(uint16_t* h, const uint16_t* delta, int64_t n, int num_
   for (int64_t i = 0; i < n; ++i) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(delta[i]));
 }
 
+/* out [T, N] = in [T, K] . W^T of matmul i's `ns` shards of GGUF blocks (nshard): shard s writes
+ * columns [c_s, c_s + rows_s) of out (ldo N), as the per-layer path's GGUFShardedLinearMethod
+ * concatenates its parts' outputs. Returns 1 for a bad shard (count, type, rows not summing to N). */
+static int linear_shards(const pagedllm_llama_args* a, int64_t i, int32_t ns, const uint16_t* in, int64_t K,
+                         uint16_t* out, int64_t N, int nt) {
+  if (ns > MAX_SHARDS || !a->shard_w || !a->shard_type || !a->shard_rows) return 1;
+  int64_t col = 0;
+  for (int32_t s = 0; s < ns; ++s) {
+    const int64_t j = i * MAX_SHARDS + s, rows = a->shard_rows[j];
+    const int32_t wt = a->shard_type[j];
+    if (wt == 0 || rows < 1 || col + rows > N) return 1;
+    if (pagedllm_gemm_gguf(wt, a->shard_w[j], 1, in, K, 1, out + col, N, a->T, rows, K, nt)) return 1;
+    col += rows;
+  }
+  return col != N;
+}
+
 /* out [T, N] = in [T, K] . W^T (+ b) for weight `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer l:
  * the bf16 panels' GEMM, or the GGUF blocks' (bf16 in and out, as the per-layer path's
- * GGUFLinearMethod calls it). */
+ * GGUFLinearMethod calls it), or one GGUF GEMM per shard of a merged matmul (nshard). */
 static int linear(const pagedllm_llama_args* a, int64_t l, int which, const uint16_t* w, const uint16_t* b,
                   const uint16_t* in, int64_t K, uint16_t* out, int64_t N, int nt) {
-  const int32_t wt = a->wtype ? a->wtype[l * 4 + which] : 0;
+  const int64_t i = l * 4 + which;
+  const int32_t ns = a->nshard ? a->nshard[i] : 0;
+  if (ns) return b || ns < 0 ? 1 : linear_shards(a, i, ns, in, K, out, N, nt);
+  const int32_t wt = a->wtype ? a->wtype[i] : 0;
   if (wt == 0) return pagedllm_gemm_bf16w(1, in, K, w, b, 1, out, N, a->T, N, K, nt);
   if (b) return 1;
   return pagedllm_gemm_gguf(wt, (const uint8_t*)w, 1, in, K, 1, out, N, a->T, N, K, nt);

@@ -10,13 +10,14 @@
 #define PAGEDLLM_ABI_H
 #include <stdint.h>
 
-#define PAGEDLLM_ABI_VERSION 6
+#define PAGEDLLM_ABI_VERSION 7
 
 #define MAX_GROUP 16     /* query heads per KV head (cpu_paged_attention.c) */
 #define MAX_HEAD_DIM 256 /* head_dim of paged attention (cpu_paged_attention.c) */
 #define MAX_BLOCK 128    /* KV cache block size in tokens (cpu_paged_attention.c) */
 #define MAX_ROPE_DIM 512 /* head_dim of the all-layers call (cpu_llama_layers.c) */
 #define PANEL 16         /* output columns per packed weight panel (cpu_gemm_bf16.c) */
+#define MAX_SHARDS 3     /* shards of a merged matmul of the all-layers call (cpu_llama_layers.c): q | k | v */
 
 /* GGML block types of pagedllm_gemm_gguf (cpu_gguf_gemm.c), as numbered in GGUF files */
 #define GGUF_Q4_0 2
@@ -48,6 +49,16 @@ typedef struct {
    * GGML block type of pagedllm_gemm_gguf (its *_w then point at the GGUF blocks, rows of K / 32
    * blocks, K / 256 for the K-quants; no bias); NULL: every weight is panels */
   const int32_t* wtype;
+  /* [L * 4] or NULL (none): a merged matmul (q | k | v, gate | up) whose shards hold GGUF blocks of
+   * different types, as llama.cpp's Q4_K_M files' Q6_K attn_v beside Q4_K attn_q / attn_k: its
+   * shard count, 1 .. MAX_SHARDS (its wtype and *_w then unused, its bias NULL), or 0: one weight
+   * form (wtype). Shard s of matmul i = l * 4 + which is entry i * MAX_SHARDS + s of the three
+   * arrays below; each writes its rows' columns of the matmul's output, side by side in shard
+   * order (the rows sum to the matmul's width). */
+  const int32_t* nshard;
+  const uint8_t* const* shard_w;    /* [L * 4 * MAX_SHARDS] -> GGUF blocks of [rows, K] */
+  const int32_t* shard_type;        /* [L * 4 * MAX_SHARDS] GGML block type (| GGUF_R16), never 0 */
+  const int64_t* shard_rows;        /* [L * 4 * MAX_SHARDS] output rows */
   /* the step */
   int64_t T;
   uint16_t* h;                      /* [T, hidden] in: embeddings; out: the last layer's residual */
@@ -70,7 +81,7 @@ typedef struct {
 
 /* What pagedllm_abi() reports; every field int64, version and this struct's size first. */
 typedef struct {
-  int64_t version, abi_size, llama_args_size, max_group, max_head_dim, max_block, max_rope_dim, panel;
+  int64_t version, abi_size, llama_args_size, max_group, max_head_dim, max_block, max_rope_dim, panel, max_shards;
 } pagedllm_abi_info;
 
 const pagedllm_abi_info* pagedllm_abi(void);

@@ -26,7 +26,8 @@ Q6_K      210    128 bytes ``ql`` (low 4 bits), 64 bytes ``qh`` (high 2),       
 
 A merged layer whose shards come in different formats (llama.cpp's Q4_K_M files keep some
 layers' ``attn_v`` in Q6_K beside Q4_K ``attn_q`` / ``attn_k``) is served by
-:class:`GGUFShardedLinearMethod`: each shard's blocks kept apart, one matmul per shard.
+:class:`GGUFShardedLinearMethod`: each shard's blocks kept apart, one matmul per shard (in the
+all-layers C call too: ``layers/cpu/native_layers.py``, one GGUF GEMM per shard).
 
 The layer's ``weight`` is a uint8 parameter ``[N, K / block_size * block_bytes]``: whole rows, so
 merged layers (q | k | v, gate | up) concatenate their shards' rows and rows can be permuted
@@ -224,7 +225,8 @@ class GGUFShardedLinearMethod(LinearMethodBase):
     formats: shard ``i``'s rows ``[N_i, K / block_size_i * block_bytes_i]`` are held by the
     sub-module ``layer.gguf_shards[i]`` and multiplied by its :class:`GGUFLinearMethod`; the
     outputs are concatenated in shard order (``[T, sum N_i]``). The layer's own ``weight`` is
-    left empty."""
+    left empty. The all-layers C call (``NativeLayers``) reads the parts' blocks in place and
+    multiplies each into its columns of the output, as :meth:`apply` does."""
 
     quantized = True
 

@@ -4,8 +4,11 @@ Where the panels (``panels.py``) or GGUF blocks (``layers/gguf.py``) serve every
 path is ~25 Python-level calls per layer around C kernels; :class:`NativeLayers` strings the
 same kernels together in C with the same roundings, for steps whose every attention row the
 backend's C kernel serves (``AttentionBackend.native_rows``), of at most ``max_rows`` tokens
-where GGUF blocks serve a matmul. Its weights are the layers' own panels or blocks and norm
-weights (pointers, no copies).
+where GGUF blocks in the file's layout serve a matmul. A merged matmul whose shards are GGUF blocks
+of different types (``GGUFShardedLinearMethod``: llama.cpp's Q4_K_M files' Q6_K ``attn_v`` beside
+Q4_K ``attn_q`` / ``attn_k``) runs there too, one GGUF GEMM per shard into its columns of the
+output (the argument block's ``nshard``). Its weights are the layers' own panels or blocks and
+norm weights (pointers, no copies).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch import nn
 
 from kernels.cpu import native, ops
 from kernels.cpu.attention_plan import NativeRows
-from services.executor.layers.gguf import NATIVE_MAX_ROWS, GGUFLinearMethod
+from services.executor.layers.gguf import NATIVE_MAX_ROWS, GGUFLinearMethod, GGUFShardedLinearMethod
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V [num_blocks, block_size, Hkv, D]
 
@@ -33,6 +36,17 @@ def _gguf(proj: nn.Module) -> GGUFLinearMethod | None:
     """The layer's GGUF method when the C call can serve it (native, no bias), else None."""
     method = getattr(proj, "quant_method", None)
     return method if isinstance(method, GGUFLinearMethod) and method.native and proj.bias is None else None
+
+
+def _shards(proj: nn.Module) -> list[tuple[torch.Tensor, GGUFLinearMethod]] | None:
+    """A merged layer's shards of GGUF blocks (``GGUFShardedLinearMethod``), each its blocks
+    ``[rows, K / block_size * block_bytes]`` uint8 and method, when the C call can serve them
+    (every part native, no bias, at most the library's ``max_shards``), else None."""
+    method = getattr(proj, "quant_method", None)
+    if not (isinstance(method, GGUFShardedLinearMethod) and proj.bias is None
+            and all(m.native for m in method.parts) and len(method.parts) <= ops.load().abi.max_shards):
+        return None
+    return [(part.weight, m) for m, part in zip(method.parts, proj.gguf_shards, strict=True)]
 
 
 class NativeLayers:
@@ -59,16 +73,32 @@ class NativeLayers:
         a.post_norm = pointers([layer.post_attention_layernorm.weight for layer in layers])
         projections = [_projections(layer) for layer in layers]
         for name in ("qkv", "o", "gate_up", "down"):
-            setattr(a, f"{name}_w", pointers([p[name].weight if _gguf(p[name]) else p[name].panel for p in projections]))
+            setattr(a, f"{name}_w", pointers([None if _shards(p[name]) else p[name].weight if _gguf(p[name])
+                                              else p[name].panel for p in projections]))
             setattr(a, f"{name}_b", pointers([p[name].bias for p in projections]))
-        gguf = [_gguf(p) for projs in projections for p in projs.values()]
+        flat = [p for projs in projections for p in projs.values()]  # [L * 4], in wtype's order
+        gguf = [_gguf(p) for p in flat]
         self._wtype = torch.tensor([0 if m is None else m.kernel_type for m in gguf], dtype=torch.int32)
         a.wtype = self._wtype.data_ptr()
+        shards = [_shards(p) or [] for p in flat]
+        # [L * 4] shard counts, [L * 4 * max_shards] types and rows (0 past a matmul's shards); None: no merged
+        # matmul of several GGUF types (nshard NULL)
+        self._nshard = self._shard_type = self._shard_rows = None
+        if any(shards):
+            width = ops.load().abi.max_shards
+            padded = [s[i] if i < len(s) else None for s in shards for i in range(width)]
+            self._nshard = torch.tensor([len(s) for s in shards], dtype=torch.int32)
+            self._shard_type = torch.tensor([s[1].kernel_type if s else 0 for s in padded], dtype=torch.int32)
+            self._shard_rows = torch.tensor([s[0].shape[0] if s else 0 for s in padded], dtype=torch.int64)
+            a.nshard, a.shard_type, a.shard_rows = (self._nshard.data_ptr(), self._shard_type.data_ptr(),
+                                                    self._shard_rows.data_ptr())
+            a.shard_w = pointers([s[0] if s else None for s in padded])
+        methods = [m for m in gguf if m is not None] + [m for s in shards for _, m in s]
         # GGUF blocks in the file's layout (a weight whose rows are not a multiple of 16): the C kernel unpacks a
         # block once per 8 rows (16 on its int8 path); over NATIVE_MAX_ROWS the per-layer path (a dequantized weight
         # in torch's GEMM) is quicker. The 16-row interleaved int8 kernels (gguf_r16: every type, K-quants included)
         # are quicker at every row count.
-        self.max_rows = NATIVE_MAX_ROWS if any(m is not None and not m.r16 for m in gguf) else None
+        self.max_rows = NATIVE_MAX_ROWS if any(not m.r16 for m in methods) else None
         a.k_cache = pointers([k for k, _ in kv_caches])
         a.v_cache = pointers([v for _, v in kv_caches])
         self.args = a
@@ -79,14 +109,15 @@ class NativeLayers:
     @staticmethod
     def applies(layers: Sequence[nn.Module], kv_caches: KVCaches) -> bool:
         """Whether these layers and caches can run here: panels (or GGUF blocks the C kernel
-        serves, without bias) on every matmul and the C norms on every norm (the per-layer
-        path's kernels), one dense bf16 cache pair per layer, all of one shape, head_dim even
-        and within the library's ``max_rope_dim``."""
+        serves, without bias, of one type or, for a merged layer, one type per shard) on every
+        matmul and the C norms on every norm (the per-layer path's kernels), one dense bf16
+        cache pair per layer, all of one shape, head_dim even and within the library's
+        ``max_rope_dim``."""
         shape = kv_caches[0][0].shape if kv_caches else None
         head_dim = layers[0].self_attn.head_dim
         return (
             len(kv_caches) == len(layers)
-            and all(getattr(p, "panel", None) is not None or _gguf(p) is not None
+            and all(getattr(p, "panel", None) is not None or _gguf(p) is not None or _shards(p) is not None
                     for layer in layers for p in _projections(layer).values())
             and all(layer.input_layernorm.native and layer.post_attention_layernorm.native for layer in layers)
             and head_dim % 2 == 0 and head_dim <= ops.load().abi.max_rope_dim
