@@ -70,6 +70,25 @@ def kernel_library():
     return lib
 
 
+@pytest.fixture(scope="session")
+def variant_library_path(kernel_library, tmp_path_factory):
+    """``build(flags) -> Path``: the native CPU kernel library built with ``extra_flags=flags``
+    (a variant without some instruction-set extensions), compiled at most once per session for
+    each set of flags (~15 s a build), each into a new directory of its own that holds nothing
+    else (``test_build_caches_by_content`` checks the first build left only the library there).
+    Skips the test without a C compiler (``kernel_library``)."""
+    from kernels.cpu import native
+
+    built: dict[tuple[str, ...], Path] = {}
+
+    def build(flags: tuple[str, ...]) -> Path:
+        if flags not in built:
+            built[flags] = native.build(extra_flags=flags, cache_dir=tmp_path_factory.mktemp("variant"))
+        return built[flags]
+
+    return build
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test by its folder (``MARKER_OF_DIR``)."""
     for item in items:

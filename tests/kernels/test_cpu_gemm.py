@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_builds import NEEDS_KERNEL, build_library, library_params
+from native_builds import NEEDS_KERNEL, NO_AVX512_BF16, build_library, library_params
 
 from kernels.cpu import ops
 
@@ -13,14 +13,14 @@ HAS_AVX512_BF16 = "avx512_bf16" in ops.cpu_flags().split()
 
 @pytest.fixture(scope="module", params=[
     *library_params(("-mno-avx2", "-mno-fma")),
-    pytest.param(("fma", ("-mno-avx512bf16",)), id="fma", marks=pytest.mark.skipif(
+    pytest.param(("fma", NO_AVX512_BF16), id="fma", marks=pytest.mark.skipif(
         not HAS_AVX512_BF16, reason="without AVX512-BF16 the native build is the AVX2 + FMA one")),
 ])
-def lib(request, tmp_path_factory):
+def lib(request):
     """The library as built for this CPU (AVX512-BF16 dot-product tiles where the CPU has them,
     else AVX2 + FMA tiles on x86), a build without AVX512-BF16 on such CPUs (the AVX2 + FMA
     tiles), and a build without AVX2 / FMA (the portable C tiles)."""
-    return build_library(request, tmp_path_factory)
+    return build_library(request)
 
 
 def _pack(w, lib):  # in the layout this library reads

@@ -6,17 +6,17 @@ import random
 
 import pytest
 import torch
-from native_builds import NEEDS_KERNEL, build_library, library_params
+from native_builds import NEEDS_KERNEL, NO_AVX512_BF16, build_library, library_params
 
 from kernels import reference
 from kernels.cpu import ops
 
 
-@pytest.fixture(scope="module", params=library_params(("-mno-avx512bf16",)))
-def lib(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=library_params(NO_AVX512_BF16))
+def lib(request):
     """The library as built for this CPU, and a build without AVX512-BF16 (the portable
     float32 score path every bf16 model takes on CPUs without that extension)."""
-    return build_library(request, tmp_path_factory)
+    return build_library(request)
 
 
 TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}

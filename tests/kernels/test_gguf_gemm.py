@@ -35,15 +35,21 @@ def _portable_kernel(tmp_path) -> ctypes.CDLL:
     return lib
 
 
+@pytest.fixture(scope="module")
+def portable_kernel(tmp_path_factory) -> ctypes.CDLL:
+    """:func:`_portable_kernel`, compiled once for this module's tests."""
+    return _portable_kernel(tmp_path_factory.mktemp("gguf"))
+
+
 @pytest.fixture(scope="module", params=[
     pytest.param("native", id="native"),
     pytest.param("portable", id="portable", marks=pytest.mark.skipif(not X86, reason="-mno-avx512f is x86")),
 ])
-def lib(request, tmp_path_factory):
+def lib(request):
     """The library as built for this CPU (AVX-512 blocks where the CPU has them) and the kernel
     built without AVX-512 (the portable C loop)."""
     session_lib = request.getfixturevalue("kernel_library")
-    return session_lib if request.param == "native" else _portable_kernel(tmp_path_factory.mktemp("gguf"))
+    return session_lib if request.param == "native" else request.getfixturevalue("portable_kernel")
 
 
 def _blocks(fmt: G.BlockFormat, n: int, k: int, seed: int) -> torch.Tensor:  # [n, k / 32 * block_bytes]
@@ -123,10 +129,10 @@ def test_gemm_gguf_bf16_takes_int8_activations(lib, fmt, m, k):
 
 @pytest.mark.skipif(not X86, reason="-mno-avx512f is x86")
 @pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0], ids=lambda f: f.name)
-def test_gemm_gguf_int8_portable_equals_native(kernel_library, tmp_path_factory, fmt):
+def test_gemm_gguf_int8_portable_equals_native(kernel_library, portable_kernel, fmt):
     """The portable C loop and the SIMD (AVX512-VNNI) path: the same integer sums, so outputs equal
     up to the float32 order of scaling and summing them."""
-    portable = _portable_kernel(tmp_path_factory.mktemp("gguf_int8"))
+    portable = portable_kernel
     m, n, k = 17, 29, 1536
     blocks = _blocks(fmt, n, k, seed=3)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).bfloat16()
@@ -290,10 +296,10 @@ def test_gemm_gguf_r16k_int8_equals_exact_sums(lib, fmt, m, n, k):
 
 @pytest.mark.skipif(not X86, reason="-mno-avx512f is x86")
 @pytest.mark.parametrize("fmt", [G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda f: f.name)
-def test_gemm_gguf_r16k_portable_equals_native(kernel_library, tmp_path_factory, fmt):
+def test_gemm_gguf_r16k_portable_equals_native(kernel_library, portable_kernel, fmt):
     """The portable C loop (each group unpacked to the file's rows) and the AVX512-VNNI kernel: the same integer
     sums scaled and added by the same float32 operations in the same order, so the same bits."""
-    portable = _portable_kernel(tmp_path_factory.mktemp("gguf_r16k"))
+    portable = portable_kernel
     m, n, k = 17, 32, 1536
     blocks = random_blocks(fmt, n, k, seed=7, scale=0.05)
     packed, kind = gguf_r16.pack(blocks, fmt.ggml_type), fmt.ggml_type | quant_ops.GGUF_R16

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import structlog
-from native_builds import NEEDS_KERNEL
+from native_builds import NEEDS_KERNEL, NO_AVX512_BF16, X86
 
 from kernels.cpu import native
 
@@ -37,11 +37,18 @@ def test_build_without_a_compiler_fails_clearly(tmp_path):
 
 
 @NEEDS_KERNEL
-def test_build_caches_by_content(tmp_path):
-    first = native.build(cache_dir=tmp_path)
+def test_build_caches_by_content(variant_library_path):
+    """A build into an empty cache directory leaves only the library there, readable by other
+    users; building again finds it (not rebuilt). The first build is the session's portable one
+    (``variant_library_path``: made in a new directory, shared with the kernel tests of that
+    variant), not a third compile of the same sources."""
+    flags = NO_AVX512_BF16 if X86 else ()
+    first = variant_library_path(flags)
+    cache_dir = first.parent
     mtime = first.stat().st_mtime_ns
-    assert native.build(cache_dir=tmp_path) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp files left
+    assert native.build(extra_flags=flags, cache_dir=cache_dir) == first  # found by its content key
+    assert first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert [p.name for p in cache_dir.iterdir()] == [first.name]  # no temp files left
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(first.stat().st_mode) == 0o755 & ~umask  # other users can load a shared cache
