@@ -17,6 +17,29 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _interpret_triton_without_a_gpu() -> None:
+    """Set ``TRITON_INTERPRET=1`` before anything imports triton when the Triton kernel tests
+    (tests/kernels/test_triton_kernels.py, test_fused_moe.py, test_quant_triton.py) will run on
+    the CPU interpreter, as each of those modules does at its top.
+
+    Triton fixes its mode at ``import triton`` (see test_triton_kernels.py's docstring), and
+    collecting an earlier module imports it: transformers' model classes import torch._dynamo,
+    which imports triton. Those modules then found triton compiled-mode, skipped their kernel
+    tests here and ran them again in a fresh ``python -m pytest`` (a new interpreter importing
+    torch and triton, three times a session). Setting it here runs them in this process; with
+    a GPU (or ``PAGEDLLM_KERNEL_TEST_DEVICE=cuda``) nothing changes."""
+    device = os.environ.get("PAGEDLLM_KERNEL_TEST_DEVICE")
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_a_gpu()
+
 TESTS_DIR = Path(__file__).resolve().parent
 MARKER_OF_DIR = {"e2e": "e2e", "kernels": "kernel"}  # first folder under tests/ -> marker
 CACHE_DIR = Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))

@@ -5,7 +5,8 @@ On a machine without a GPU the kernels run under the Triton CPU interpreter. Tri
 jit helpers (``tl.max``, ``tl.sum``, ``tl.zeros``, ``tl.cdiv``...) that is at ``import triton``,
 for ours at ``import kernels.triton.*``; it is not read at launch. So:
 
-* without a GPU the variable is set at the top of this module, before it imports triton;
+* without a GPU the variable is set at the top of this module, before it imports triton (and by
+  ``tests/conftest.py``, before collecting other modules imports triton: transformers does);
 * if triton was already imported in this process without it (another test module, a plugin),
   the in-process kernel tests skip and ``test_kernel_tests_in_fresh_process`` runs them in a
   fresh ``python -m pytest`` with ``TRITON_INTERPRET=1`` instead;
@@ -78,13 +79,14 @@ triton_cache, triton_attention = _kernel_modules()
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
 def test_kernel_tests_in_fresh_process():
-    """Runs this module's in-process tests in a fresh process when this one cannot."""
+    """Runs this module's in-process tests in a fresh process when this one cannot (the
+    benchmark and split-count tests run in this process either way: not again there)."""
     env = dict(
         os.environ, PAGEDLLM_KERNEL_TEST_DEVICE=DEVICE, TRITON_INTERPRET="1" if DEVICE == "cpu" else "0"
     )
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "not fresh_process and not cuda_targets and not benchmark_smoke"],
+         "-k", "not fresh_process and not cuda_targets and not benchmark and not choose_num_splits"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
