@@ -28,9 +28,15 @@ PROMPTS = [
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def hf_load(path: Path) -> tuple:
+    """Hugging Face's tokenizer and float32 model of ``path`` (eval mode)."""
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: Path | tuple, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """HF ``generate`` greedy, exactly ``max_new_tokens`` new tokens (EOS suppressed until then) per
+    prompt; ``path`` is a model directory or :func:`hf_load`'s ``(tokenizer, model)``."""
+    tok, model = hf_load(path) if isinstance(path, Path) else path
     out = []
     with torch.inference_mode():
         for p in prompts:  # one at a time: no padding effects in the reference
@@ -63,10 +69,22 @@ def tiny_model(tmp_path: Path, smollm2_path: Path, config) -> Path:
     return tmp_path
 
 
-def test_smollm2_greedy_parity(smollm2_path):
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2_path) -> tuple:
+    """HF's tokenizer and float32 SmolLM2, loaded once for this module's references."""
+    return hf_load(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2_greedy(hf_smollm2) -> list[list[int]]:
+    """HF's 24 greedy tokens for each of ``PROMPTS`` (computed once: 216 decode steps). EOS is
+    suppressed up to the last, so the first ``n`` of them are HF's answer for ``max_new_tokens=n``."""
+    return hf_greedy(hf_smollm2, PROMPTS, 24)
+
+
+def test_smollm2_greedy_parity(smollm2_path, hf_smollm2_greedy):
     ours = pagedllm_greedy(smollm2_path, PROMPTS, 24)
-    ref = hf_greedy(smollm2_path, PROMPTS, 24)
-    assert ours == ref
+    assert ours == hf_smollm2_greedy
 
 
 @pytest.mark.parametrize(
@@ -123,14 +141,13 @@ def test_gpu_engine_check_script_runs_on_cpu(smollm2_path):
     assert lines[-1] == "engine check: PASS", proc.stdout[-2000:]
 
 
-def test_smollm2_logprobs_match_hugging_face(smollm2_path):
+def test_smollm2_logprobs_match_hugging_face(smollm2_path, hf_smollm2):
     """``logprobs`` equal the log-softmax of Hugging Face's float32 logits at each generated
     token: greedy requests of different lengths batched with a sampled ``n=2`` request (its
     second sample forked from the first's prefill). Each position's dict holds the sampled
     token first, then the other most likely tokens in order, with HF's ranks and token texts.
     The distribution is the raw one, before the sampled request's temperature."""
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    tok, model = hf_smollm2
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     sampled = SamplingParams(temperature=0.7, seed=11, n=2, max_tokens=8, ignore_eos=True, logprobs=2)
     prompts = PROMPTS[:4]
@@ -165,13 +182,12 @@ def test_smollm2_logprobs_match_hugging_face(smollm2_path):
     assert outs[-1].outputs[0].token_ids != outs[-1].outputs[1].token_ids  # two different samples
 
 
-def test_smollm2_repetition_penalty_matches_hugging_face(smollm2_path):
+def test_smollm2_repetition_penalty_matches_hugging_face(smollm2_path, hf_smollm2, hf_smollm2_greedy):
     """Greedy decoding with ``repetition_penalty`` 1.3 (CTRL's rule over the prompt and the
     output, in vLLM and in HF's RepetitionPenaltyLogitsProcessor) gives HF's tokens, batched;
     without the penalty the tokens differ (the test would notice a penalty not applied)."""
     prompts = PROMPTS[:3] + PROMPTS[5:6]
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    tok, model = hf_smollm2
     ref = []
     with torch.inference_mode():
         for p in prompts:
@@ -183,15 +199,14 @@ def test_smollm2_repetition_penalty_matches_hugging_face(smollm2_path):
     with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=64 << 20) as llm:
         ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert ours == ref
-    assert ref != hf_greedy(smollm2_path, prompts, 16)
+    assert ref != [hf_smollm2_greedy[PROMPTS.index(p)][:16] for p in prompts]  # HF's 16 without the penalty
 
 
-def test_smollm2_min_tokens_matches_hugging_face_min_new_tokens(smollm2_path):
+def test_smollm2_min_tokens_matches_hugging_face_min_new_tokens(smollm2_path, hf_smollm2):
     """A chat answer that ends (EOS) after 26 tokens goes on to HF's ``min_new_tokens`` tokens
     with ``min_tokens`` 30: the same greedy tokens, then its own EOS."""
     prompt = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    tok, model = hf_smollm2
     with torch.inference_mode():
         ids = tok(prompt, return_tensors="pt")
         gen = model.generate(**ids, max_new_tokens=60, min_new_tokens=30, do_sample=False, pad_token_id=0)
@@ -205,14 +220,13 @@ def test_smollm2_min_tokens_matches_hugging_face_min_new_tokens(smollm2_path):
     assert 30 < len(held.outputs[0].token_ids) and held.outputs[0].finish_reason == "stop"
 
 
-def test_smollm2_prompt_logprobs_match_hugging_face(smollm2_path):
+def test_smollm2_prompt_logprobs_match_hugging_face(smollm2_path, hf_smollm2):
     """``prompt_logprobs`` equal the log-softmax of HF's float32 logits at every prompt token
     after the first (None), with the prompt prefilled in chunks (a 16-token budget) and asked
     twice: the second time its blocks are in the prefix cache, which a request with
     prompt_logprobs does not use (those positions must be computed). An n=2 request has
     them once, for its prompt."""
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    tok, model = hf_smollm2
     prompt = PROMPTS[7]  # 44 tokens: 3 chunks
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
     with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=64 << 20,
