@@ -196,7 +196,8 @@ async def test_a_group_losing_a_rank_is_dropped_its_requests_recomputed_elsewher
     requests on gb, every output equal to an undisturbed run, no block held. Then with "gc"
     (TP=2, its two ranks started by hand as on two machines: ``--tensor-parallel-rank`` and a
     master port) the only group left, ``kill -9`` of its rank 1 fails every request with the
-    retryable 503 ``no_executor``. No rank process is left behind."""
+    retryable 503 ``no_executor`` once ``executor_wait_timeout_s`` (1 s here) has passed without
+    a group. No rank process is left behind."""
     import asyncio
     import uuid
 
@@ -211,7 +212,7 @@ async def test_a_group_losing_a_rank_is_dropped_its_requests_recomputed_elsewher
     env = clean_env(PAGEDLLM_NATS_URL=nats_url, PAGEDLLM_MODEL=str(smollm2_path), PAGEDLLM_SERVED_MODEL_NAME=model,
                     PAGEDLLM_DTYPE="float32", PAGEDLLM_KV_CACHE_MEMORY_BYTES=str(32 << 20),
                     PAGEDLLM_HEARTBEAT_INTERVAL_S="0.5", PAGEDLLM_HEARTBEAT_TIMEOUT_S="3",
-                    PAGEDLLM_EXECUTOR_WAIT_TIMEOUT_S="3", PAGEDLLM_LOG_LEVEL="WARNING")
+                    PAGEDLLM_EXECUTOR_WAIT_TIMEOUT_S="1", PAGEDLLM_LOG_LEVEL="WARNING")
     procs = {name: _service(name, env) for name in ("scheduler", "tokenizer", "detokenizer")}
     procs["ga"] = _service("executor", env, "ga", tp=2)
     procs["gb"] = _service("executor", env, "gb")
