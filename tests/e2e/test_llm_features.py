@@ -15,8 +15,9 @@ from shared.model_source import ModelNotFoundError
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
     threads_before = set(threading.enumerate())
-    # 96 MiB hold 2,184 float32 tokens, more than max_model_len
-    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=96 << 20, max_model_len=2048) as engine:
+    # 96 MiB hold 2,184 float32 tokens, more than max_model_len; 512, not the model's 8,192: the
+    # test that fills the context prefills ~500 tokens
+    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=96 << 20, max_model_len=512) as engine:
         yield engine
         stats = engine.stats()
         assert all(g.num_free_blocks == g.num_blocks for g in stats.groups)
@@ -77,10 +78,10 @@ def test_token_id_prompts_and_input_order(llm):
 def test_prompt_plus_max_tokens_over_max_model_len_stops_at_max_model_len(llm):
     """As vLLM's LLM (not its OpenAI server): the request runs up to max_model_len and
     finishes with "length"; the others of the batch are unaffected."""
-    ids = [100 + i % 997 for i in range(2040)]
+    ids = [100 + i % 997 for i in range(504)]
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     long, short = llm.generate([ids, "Hello"], params, use_tqdm=False)
-    assert len(long.outputs[0].token_ids) == 2048 - 2040 and long.outputs[0].finish_reason == "length"
+    assert len(long.outputs[0].token_ids) == 512 - 504 and long.outputs[0].finish_reason == "length"
     assert len(short.outputs[0].token_ids) == 100 and short.outputs[0].finish_reason == "length"
     alone = llm.generate([ids], params.model_copy(update={"max_tokens": 8}), use_tqdm=False)[0]
     assert alone.outputs[0].token_ids == long.outputs[0].token_ids
@@ -122,8 +123,8 @@ def test_chat_shows_tools_through_a_given_template(llm, smollm2_path):
 def test_bad_prompts_raise_and_engine_keeps_working(llm):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate("", SamplingParams(max_tokens=4), use_tqdm=False)
-    with pytest.raises(ValueError, match="maximum context length is 2048 tokens. However, you requested 2048"):
-        llm.generate(["Hello", [28] * 2048], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="maximum context length is 512 tokens. However, you requested 512"):
+        llm.generate(["Hello", [28] * 512], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
