@@ -37,6 +37,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,7 +76,11 @@ async def wait_ready(client: httpx.AsyncClient, proc: subprocess.Popen, timeout:
 
 async def measure(url: str, proc: subprocess.Popen, output_len: int, streams: int, repeats: int) -> dict[str, float]:
     """Single-stream decode tokens/s, output tokens/s at ``streams`` concurrent streams, TTFT p50 there."""
-    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+    # No keep-alive: llama-server closes an idle connection, and a reused one then fails with
+    # "Server disconnected without sending a response". A fresh localhost connection per request
+    # costs both servers the same.
+    no_reuse = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=no_reuse) as client:
         await wait_ready(client, proc)
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         await stream_one(client, model, 8)  # warm-up
@@ -96,15 +101,23 @@ async def measure(url: str, proc: subprocess.Popen, output_len: int, streams: in
 
 
 def run_server(cmd: list[str], url: str, args: argparse.Namespace) -> dict[str, float]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        return asyncio.run(measure(url, proc, args.output_len, args.streams, args.repeats))
-    finally:
-        proc.terminate()
+    """Start ``cmd``, measure it, stop it; on a failure print the last lines of its log and re-raise."""
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            return asyncio.run(measure(url, proc, args.output_len, args.streams, args.repeats))
+        except BaseException:
+            log.seek(0)
+            tail = log.read().decode(errors="replace").splitlines()[-30:]
+            print(f"# {Path(cmd[0]).name} failed (exit code {proc.poll()}); its last log lines:", *tail,
+                  sep="\n", file=sys.stderr)
+            raise
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def main() -> None:
