@@ -112,6 +112,16 @@ def variant_library_path(kernel_library, tmp_path_factory):
     return build
 
 
+@pytest.fixture
+def interleaved_gguf(monkeypatch):
+    """GGUF weights of a multiple of 16 rows take the 16-row interleaved layout (``gguf_r16``) on any
+    CPU, as with AVX512-VNNI; without VNNI the loader keeps the file's layout, and the interleaved
+    groups the test asks for are multiplied unpacked by the float32 path."""
+    from kernels.cpu import quant_ops
+
+    monkeypatch.setattr(quant_ops, "gguf_int8_dot", lambda lib=None: True)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test by its folder (``MARKER_OF_DIR``)."""
     for item in items:

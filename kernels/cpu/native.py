@@ -46,7 +46,7 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c
 LINK_FLAGS = ["-shared", "-fopenmp"]
 PROBE_TIMEOUT_S = 60  # the compiler's --version and its predefined macros
 COMPILE_TIMEOUT_S = 600  # one source file, or the link; a timeout is a failed build
-ABI_VERSION = 7  # PAGEDLLM_ABI_VERSION in csrc/pagedllm_abi.h
+ABI_VERSION = 8  # PAGEDLLM_ABI_VERSION in csrc/pagedllm_abi.h
 PANEL = 16  # output columns per packed weight panel (csrc/pagedllm_abi.h): kernels.cpu.ops packs in it
 
 _lock = threading.Lock()
@@ -207,6 +207,8 @@ def bind(path: Path | str) -> ctypes.CDLL:
     gemm.restype = ctypes.c_int
     lib.pagedllm_gemm_bf16_layout.argtypes = []
     lib.pagedllm_gemm_bf16_layout.restype = ctypes.c_int
+    lib.pagedllm_gguf_int8_dot.argtypes = []
+    lib.pagedllm_gguf_int8_dot.restype = ctypes.c_int
     w4 = lib.pagedllm_gemm_w4
     w4.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     w4.restype = ctypes.c_int

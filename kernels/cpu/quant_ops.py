@@ -69,6 +69,15 @@ GGUF_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 
 GGUF_R16 = 0x100  #: flag on any of them: rows interleaved by 16 (services/executor/layers/gguf_r16.py)
 
 
+def gguf_int8_dot(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the native kernels (``lib``, or the loaded library) multiply bf16 activations with
+    GGUF weights as int8 (AVX512-VNNI; ``GGUF_INT8_DOT`` in ``csrc/cpu_gguf_q8.h``), the kernels
+    that the 16-row interleaved layout (``GGUF_R16``) is for. False without a library; without
+    VNNI bf16 activations are widened to float32 instead."""
+    lib = lib or load()
+    return lib is not None and bool(lib.pagedllm_gguf_int8_dot())
+
+
 def gemm_gguf(
     x: torch.Tensor,  # [M, K] bfloat16 or float32, unit stride along K
     blocks: torch.Tensor,  # [N, K / block_size * block_bytes] uint8, dense: each weight row's GGUF blocks
@@ -81,8 +90,8 @@ def gemm_gguf(
 ) -> torch.Tensor:  # [M, N] out_dtype
     """``F.linear(x, dequantize(blocks))`` with the weight kept quantized (``cpu_gguf_gemm.c``:
     each block dequantized in registers, float32 sums, one rounding per output; bf16 ``x`` with
-    Q4_0 / Q4_1 / Q8_0, or any type ``| GGUF_R16``: int8 activations, ``cpu_gguf_q8.c``,
-    ``cpu_gguf_r16.c`` or ``cpu_gguf_r16k.c``). Runs on
+    Q4_0 / Q4_1 / Q8_0, or any type ``| GGUF_R16``, where :func:`gguf_int8_dot`: int8
+    activations, ``cpu_gguf_q8.c``, ``cpu_gguf_r16.c`` or ``cpu_gguf_r16k.c``). Runs on
     ``torch.get_num_threads()`` OpenMP threads.
 
     Raises:

@@ -85,7 +85,7 @@ def test_sharded_method_multiplies_each_shard_in_its_format():
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_native_method_keeps_16_row_groups_interleaved(fmt, kernel_library):
+def test_native_method_keeps_16_row_groups_interleaved(fmt, kernel_library, interleaved_gguf):
     """With the native kernels a weight of a multiple of 16 rows, of any type, is held in gguf_r16's
     layout (same bytes, same size): its dequantized weight and embedding rows are the file's, and
     bf16 activations of more than NATIVE_MAX_ROWS rows take the int8 kernel (Q4_0 / Q4_1 / Q8_0:

@@ -23,7 +23,7 @@ PROMPTS = [[1, 9690, 28, 314, 2234], [1, 504, 3458, 282, 4649, 314, 982, 30, 198
 
 
 @NEEDS_KERNEL
-def test_gguf_blocks_run_in_the_all_layers_c_call(tmp_path, monkeypatch):
+def test_gguf_blocks_run_in_the_all_layers_c_call(tmp_path, monkeypatch, interleaved_gguf):
     monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
     path = prepare_gguf_model(_gguf_path(), tmp_path)
     config = AutoConfig.from_pretrained(path)
@@ -80,7 +80,8 @@ SHARDS_LAYER1_UP = {6: [(G.Q4_K, 512), (G.Q6_K, 512)]}  # intermediate_size 512
     (LAYER0_V, SHARDS_LAYER0_V),
     (LAYER0_V | {"blk.1.ffn_up": G.Q6_K}, SHARDS_LAYER0_V | SHARDS_LAYER1_UP),
 ], ids=["one_format_per_layer", "layer0_v_in_q6_k", "and_layer1_up_in_q6_k"])
-def test_k_quant_blocks_run_in_the_all_layers_c_call(tmp_path, smollm2_path, monkeypatch, overrides, shards):
+def test_k_quant_blocks_run_in_the_all_layers_c_call(tmp_path, smollm2_path, monkeypatch, overrides, shards,
+                                                     interleaved_gguf):
     """A tiny Q4_K / Q5_K / Q6_K GGUF (``tests/gguf_files.py``, one format per merged layer, or
     layer 0's attn_v in Q6_K beside Q5_K attn_q / attn_k as llama.cpp's Q4_K_M files do, and
     layer 1's ffn_up in Q6_K beside a Q4_K ffn_gate: ``GGUFShardedLinearMethod``) in bf16: its

@@ -103,7 +103,8 @@ def test_rank_shares_put_together_are_one_rank_weights(tmp_path, smollm2_path, c
     assert torch.equal(torch.cat(parts["down"], dim=1), _w(mlp.down_proj))
 
 
-def test_native_ranks_interleave_shares_of_a_multiple_of_16_rows(tmp_path, smollm2_path, kernel_library):
+def test_native_ranks_interleave_shares_of_a_multiple_of_16_rows(tmp_path, smollm2_path, kernel_library,
+                                                               interleaved_gguf):
     """With the native kernels ``gguf_r16`` interleaves a rank's share when it has a multiple of 16
     rows (rank 0 of 3: q 96, k and v 32, o_proj 288 rows), not otherwise (342 vocabulary rows);
     either way the rank's weights are the file layout's."""

@@ -32,6 +32,7 @@ def _portable_kernel(tmp_path) -> ctypes.CDLL:
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.pagedllm_gemm_gguf.argtypes = [c_int, p, c_int, p, i64, c_int, p, i64, i64, i64, i64, c_int]
     lib.pagedllm_gemm_gguf.restype = c_int
+    lib.pagedllm_gguf_int8_dot.argtypes, lib.pagedllm_gguf_int8_dot.restype = [], c_int
     return lib
 
 
@@ -46,8 +47,8 @@ def portable_kernel(tmp_path_factory) -> ctypes.CDLL:
     pytest.param("portable", id="portable", marks=pytest.mark.skipif(not X86, reason="-mno-avx512f is x86")),
 ])
 def lib(request):
-    """The library as built for this CPU (AVX-512 blocks where the CPU has them) and the kernel
-    built without AVX-512 (the portable C loop)."""
+    """The library as built for this CPU (AVX-512 blocks where the CPU has them, int8 dot products
+    with VNNI) and the kernel built without AVX-512 (the portable C loop, bf16 activations widened)."""
     session_lib = request.getfixturevalue("kernel_library")
     return session_lib if request.param == "native" else request.getfixturevalue("portable_kernel")
 
@@ -107,13 +108,17 @@ def _int8_reference(x: torch.Tensor, blocks: torch.Tensor, fmt: G.BlockFormat) -
 @pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0], ids=lambda f: f.name)
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 17])  # tiles of 16 rows: partial, full, one more
 @pytest.mark.parametrize("k", [96, 576])  # an odd and an even number of blocks per row
-def test_gemm_gguf_bf16_takes_int8_activations(lib, fmt, m, k):
-    """bf16 activations: the int8 path equals the exact sum of its quantized operands up to float32
-    rounding, and the float32 matmul of the dequantized weight within the quantization's bound."""
+def test_gemm_gguf_bf16_activations(lib, fmt, m, k):
+    """bf16 activations, with VNNI: the int8 path equals the exact sum of its quantized operands up
+    to float32 rounding, and the float32 matmul of the dequantized weight within the quantization's
+    bound; without: the float32 path of the widened activations."""
     n = 37
     blocks = _blocks(fmt, n, k, seed=m + k)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
     x[0, :32] = 0  # a block of zeros: d_a = 0
+    if not quant_ops.gguf_int8_dot(lib):
+        _check_widened(lib, x, blocks, fmt.ggml_type, blocks, fmt)
+        return
     exact = _int8_reference(x, blocks, fmt)
     out32 = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=lib)
     torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
@@ -127,22 +132,43 @@ def test_gemm_gguf_bf16_takes_int8_activations(lib, fmt, m, k):
     assert ((out32.double() - x.double() @ weight.t()).abs() <= bound * (1 + 1e-4) + 1e-5).all()
 
 
+def _check_widened(lib, x: torch.Tensor, weight: torch.Tensor, kind: int, blocks: torch.Tensor,
+                   fmt: G.BlockFormat) -> None:
+    """A library without int8 dot products: bf16 ``x [m, k]`` times ``weight`` (type ``kind``: the file's
+    ``blocks`` or their interleaved rows) is the float32 path of ``x`` widened, bit for bit (float32 out;
+    bf16 out one rounding of it)."""
+    k = x.shape[1]
+    widened = quant_ops.gemm_gguf(x.float(), blocks, fmt.ggml_type, k, torch.float32, lib=lib)
+    assert torch.equal(quant_ops.gemm_gguf(x, weight, kind, k, torch.float32, lib=lib), widened)
+    assert torch.equal(quant_ops.gemm_gguf(x, weight, kind, k, torch.bfloat16, lib=lib), widened.bfloat16())
+
+
 @pytest.mark.skipif(not X86, reason="-mno-avx512f is x86")
-@pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0], ids=lambda f: f.name)
-def test_gemm_gguf_int8_portable_equals_native(kernel_library, portable_kernel, fmt):
-    """The portable C loop and the SIMD (AVX512-VNNI) path: the same integer sums, so outputs equal
-    up to the float32 order of scaling and summing them."""
-    portable = portable_kernel
-    m, n, k = 17, 29, 1536
-    blocks = _blocks(fmt, n, k, seed=3)
+@pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0, G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda f: f.name)
+def test_a_build_without_vnni_widens_bf16_activations(kernel_library, portable_kernel, fmt):
+    """Only a build with AVX512-VNNI multiplies bf16 activations as int8; the portable build (no AVX-512)
+    widens them to float32, in the file's layout and the interleaved one (each group unpacked)."""
+    assert quant_ops.gguf_int8_dot(kernel_library) == ("avx512_vnni" in native.cpu_flags().split())
+    assert not quant_ops.gguf_int8_dot(portable_kernel)
+    m, n, k = 17, 32, 1536
+    blocks = random_blocks(fmt, n, k, seed=7, scale=0.05)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).bfloat16()
-    a = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=kernel_library)
-    b = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=portable)
-    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
-    packed, kind = gguf_r16.pack(blocks[:16], fmt.ggml_type), fmt.ggml_type | quant_ops.GGUF_R16  # interleaved rows
-    a = quant_ops.gemm_gguf(x, packed, kind, k, torch.float32, lib=kernel_library)
-    torch.testing.assert_close(a, b[:, :16], rtol=1e-6, atol=1e-6 * b.abs().max().item())
-    assert torch.equal(quant_ops.gemm_gguf(x, packed, kind, k, torch.float32, lib=portable), b[:, :16])
+    _check_widened(portable_kernel, x, blocks, fmt.ggml_type, blocks, fmt)
+    packed = gguf_r16.pack(blocks, fmt.ggml_type)
+    _check_widened(portable_kernel, x, packed, fmt.ggml_type | quant_ops.GGUF_R16, blocks, fmt)
+
+
+def test_the_layer_interleaves_rows_only_with_int8_dot_products(monkeypatch, kernel_library):
+    """``GGUFLinearMethod`` keeps the file's layout where the library has no int8 dot products (the
+    interleaved layout only pays with VNNI), and interleaves rows by 16 where it has them."""
+    blocks = _blocks(G.Q4_1, 32, 64, seed=1)
+    for int8_dot in (True, False):
+        monkeypatch.setattr(quant_ops, "gguf_int8_dot", lambda lib=None, v=int8_dot: v)
+        layer, method = torch.nn.Module(), G.GGUFLinearMethod(G.Q4_1, torch.bfloat16, native=True)
+        method.install(layer, blocks, 64)
+        assert method.r16 is int8_dot
+        assert torch.equal(layer.weight, gguf_r16.pack(blocks, G.Q4_1.ggml_type) if int8_dot else blocks)
+        assert torch.equal(method.file_blocks(layer), blocks)
 
 
 @pytest.mark.parametrize("fmt", [G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda f: f.name)
@@ -182,8 +208,12 @@ def _check_r16(lib, x: torch.Tensor, blocks: torch.Tensor, packed: torch.Tensor,
                exact: torch.Tensor) -> None:
     """The interleaved ``packed`` (of the file's ``blocks``) times bf16 ``x [m, k]``: the exact sum of the int8
     operands (``exact``, float64) up to float32 rounding; bf16 out one rounding of the float32 out; float32
-    activations: the file layout's float32 path bit for bit (the same code on the unpacked rows)."""
+    activations: the file layout's float32 path bit for bit (the same code on the unpacked rows). A library
+    without int8 dot products: :func:`_check_widened`."""
     (m, k), kind = x.shape, fmt.ggml_type | quant_ops.GGUF_R16
+    if not quant_ops.gguf_int8_dot(lib):
+        _check_widened(lib, x, packed, kind, blocks, fmt)
+        return
     out32 = quant_ops.gemm_gguf(x, packed, kind, k, torch.float32, lib=lib)
     torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
     out = quant_ops.gemm_gguf(x, packed, kind, k, torch.bfloat16, lib=lib)
@@ -213,8 +243,10 @@ def test_gemm_gguf_r16_reads_strided_rows_and_refuses_bad_layouts(lib):
     packed = gguf_r16.pack(blocks, G.Q8_0.ggml_type)
     x = torch.randn(4, 128)[:, 32:96].bfloat16()  # [4, 64], row stride 128
     kind = G.Q8_0.ggml_type | quant_ops.GGUF_R16
+    reference = (_int8_reference(x, blocks, G.Q8_0) if quant_ops.gguf_int8_dot(lib)
+                 else x.double() @ G.dequantize(blocks, G.Q8_0).double().t())
     torch.testing.assert_close(quant_ops.gemm_gguf(x, packed, kind, 64, torch.float32, lib=lib).double(),
-                               _int8_reference(x, blocks, G.Q8_0), rtol=1e-5, atol=1e-5)
+                               reference, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="multiple of 16 rows"):
         quant_ops.gemm_gguf(x, packed[:24], kind, 64, lib=lib)
     with pytest.raises(ValueError, match="ggml_type"):  # interleaved K-quants: super-blocks of 256 too
@@ -292,18 +324,3 @@ def test_gemm_gguf_r16k_int8_equals_exact_sums(lib, fmt, m, n, k):
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
     x[0, :32] = 0  # a block of zeros: d_a = 0
     _check_r16(lib, x, blocks, packed, fmt, _k_int8_reference(x, blocks, fmt))
-
-
-@pytest.mark.skipif(not X86, reason="-mno-avx512f is x86")
-@pytest.mark.parametrize("fmt", [G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda f: f.name)
-def test_gemm_gguf_r16k_portable_equals_native(kernel_library, portable_kernel, fmt):
-    """The portable C loop (each group unpacked to the file's rows) and the AVX512-VNNI kernel: the same integer
-    sums scaled and added by the same float32 operations in the same order, so the same bits."""
-    portable = portable_kernel
-    m, n, k = 17, 32, 1536
-    blocks = random_blocks(fmt, n, k, seed=7, scale=0.05)
-    packed, kind = gguf_r16.pack(blocks, fmt.ggml_type), fmt.ggml_type | quant_ops.GGUF_R16
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).bfloat16()
-    for dtype in (torch.float32, torch.bfloat16):
-        a = quant_ops.gemm_gguf(x, packed, kind, k, dtype, lib=kernel_library)
-        assert torch.equal(a, quant_ops.gemm_gguf(x, packed, kind, k, dtype, lib=portable))

@@ -19,18 +19,19 @@
  *        i = 128 g + 32 s + e (e < 32): low 4 bits ql[64 g + 32 (s % 2) + e] >> 4 (s / 2), high
  *        2 bits qh[32 g + e] >> 2 s;              w = d scales[i / 16] * (q - 32)
  *
- * bf16 activations with Q4_0, Q4_1 or Q8_0 weights take the int8-activation path of cpu_gguf_q8.c
- * (as llama.cpp: the activations quantized to int8 per 32-element block, integer dot products,
- * AVX512-VNNI where compiled for it; its header states the numerics). Weights of any type in the
- * 16-row interleaved layout (type | GGUF_R16) take, with bf16 activations, the int8 path of
- * cpu_gguf_r16.c (Q4_0, Q4_1, Q8_0) or cpu_gguf_r16k.c (Q4_K, Q5_K, Q6_K), and with float32 ones
- * the path below on each group's 16 rows unpacked to the file's layout. Otherwise, the float32
+ * Where the build has int8 dot products (GGUF_INT8_DOT: AVX512-VNNI), bf16 activations with Q4_0,
+ * Q4_1 or Q8_0 weights take the int8-activation path of cpu_gguf_q8.c (as llama.cpp: the
+ * activations quantized to int8 per 32-element block, integer dot products; its header states the
+ * numerics), and weights of any type in the 16-row interleaved layout (type | GGUF_R16) the int8
+ * path of cpu_gguf_r16.c (Q4_0, Q4_1, Q8_0) or cpu_gguf_r16k.c (Q4_K, Q5_K, Q6_K). Interleaved
+ * weights otherwise (float32 activations, or a build without VNNI) take the path below on each
+ * group's 16 rows unpacked to the file's layout. Everything else takes the float32
  * path below: each OpenMP thread owns a contiguous range of output rows n. For each row, the activation rows
  * are taken in tiles of up to MT: every 32 elements of the weight row are dequantized once per tile into
  * two vectors of 16 floats (AVX-512) and multiplied into MT float32 accumulators, so a block's
  * dequantization is shared by the tile's rows; the weights are read at their quantized size
- * (20 bytes per 32 weights for Q4_1 against 64 in bf16). A bf16 A (the K-quants) is first widened
- * to float32 (once per call). Without AVX-512 a portable C loop of the same order serves. Float32 sums;
+ * (20 bytes per 32 weights for Q4_1 against 64 in bf16). A bf16 A (the K-quants; any type
+ * without VNNI) is first widened to float32 (once per call). Without AVX-512 a portable C loop of the same order serves. Float32 sums;
  * the summation order (and the dequantization's fused multiply-adds) differ from torch's
  * dequantize-then-matmul by float32 rounding.
  * Built and loaded by kernels/cpu/native.py, called through kernels/cpu/ops.py: gemm_gguf.
@@ -257,6 +258,8 @@ static void raw_row(int qtype, int bpb, const uint8_t* wr, int64_t nb, const flo
   }
 }
 
+int pagedllm_gguf_int8_dot(void) { return GGUF_INT8_DOT; }
+
 int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, int64_t lda, int out_dtype,
                        void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads) {
   const int r16 = (qtype & GGUF_R16) != 0;
@@ -266,12 +269,14 @@ int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, 
   }
   const int bpb = block_bytes(qtype);
   if (bpb == 0 || K % block_elems(qtype) != 0 || M < 0 || N < 0) return 1;
+#if GGUF_INT8_DOT
   if (a_dtype == 1 && r16 && gguf_r16k_supports(qtype)) /* bf16 A, interleaved K-quant rows: cpu_gguf_r16k.c */
     return gguf_gemm_r16k_q8a(qtype, w, (const uint16_t*)a, lda, out_dtype, out, ldo, M, N, K, num_threads);
   if (a_dtype == 1 && r16) /* bf16 A, interleaved rows: cpu_gguf_r16.c */
     return gguf_gemm_r16_q8a(qtype, w, (const uint16_t*)a, lda, out_dtype, out, ldo, M, N, K, num_threads);
   if (a_dtype == 1 && gguf_q8a_supports(qtype)) /* bf16 A: int8 activations (cpu_gguf_q8.c) */
     return gguf_gemm_q8a(qtype, w, (const uint16_t*)a, lda, out_dtype, out, ldo, M, N, K, num_threads);
+#endif
   const int64_t nb = K / block_elems(qtype);
   const float* af = (const float*)a;
   float* widened = NULL;

@@ -11,19 +11,18 @@
  * amax = 0), s_a = sum(qa); all float32 operations, one rounding each, so a torch reference
  * doing the same (tests/kernels/test_gguf_gemm.py) gets the same int8 blocks bit for bit. The
  * integer dot products are exact: qw are the weight's nibbles 0..15 (Q4_0's -8 subtracted
- * exactly: from the nibbles with SIMD, as -8 s_a in the portable loop) or its int8 (Q8_0). Each block's integer sum is then scaled in float32
+ * exactly from the nibbles) or its int8 (Q8_0). Each block's integer sum is then scaled in float32
  * (d_w * d_a rounded once, then a fused multiply-add into float32 accumulators), so the result
  * differs from the exact sum of the quantized operands by float32 rounding only, and from the
  * float32 path by the activations' int8 quantization (|error| <= d_a / 2 per element).
  *
- * AVX-512 VNNI (vpdpbusd, unsigned bytes times signed bytes summed in fours into int32 lanes):
+ * With AVX-512 VNNI (vpdpbusd, unsigned bytes times signed bytes summed in fours into int32 lanes):
  * a 512-bit vector holds two blocks, 8 int32 lanes each. Q4_1 multiplies the weight's nibbles
  * (unsigned) by qa (signed); Q8_0 and Q4_0 multiply qa + 128 (unsigned: stored as qa XOR 0x80)
  * by the weight's int8 or nibble - 8 (signed), starting from -128 sum(qw), computed once per
  * weight block pair. A weight block pair is unpacked once per tile of up to MTQ
- * activation rows. Without VNNI a portable C loop computes the same integer sums per block.
+ * activation rows. Compiled only where the build has VNNI (GGUF_INT8_DOT in cpu_gguf_q8.h).
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,61 +33,37 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#if GGUF_INT8_DOT
 #include <immintrin.h>
-#define Q8A_VNNI 1
-#define Q8A_SIMD 1
-#else
-#define Q8A_SIMD 0
 #endif
 
 #define QK 32   /* elements per block */
 #define LANES 8 /* int32 lanes of a block in a 512-bit vector (two blocks per vector) */
 #define MTQ 16  /* activation rows per tile */
 
+int gguf_q8a_supports(int qtype) { return qtype == GGUF_Q4_0 || qtype == GGUF_Q4_1 || qtype == GGUF_Q8_0; }
+
+#if GGUF_INT8_DOT
 /* The quantized activations: rows of nbp blocks (nb rounded up to even; the padding block is
  * zeros with d = 0, so it adds nothing). */
 typedef struct {
   int64_t nbp;
-  int8_t* q;      /* [M, nbp * 32] qa (Q4_0 / Q8_0 on VNNI: qa XOR 0x80, i.e. qa + 128 as uint8) */
+  int8_t* q;      /* [M, nbp * 32] qa (Q4_0 / Q8_0: qa XOR 0x80, i.e. qa + 128 as uint8) */
   float* d;       /* [M, nbp * LANES] d_a of each block, repeated in its 8 lanes */
-  int32_t* corr;  /* Q4_0, portable: [M, nbp * LANES] -8 s_a in a block's first lane, 0 in the others */
   float* s;       /* Q4_1: [M, nbp] d_a * s_a of each block */
 } act_q8;
 
-int gguf_q8a_supports(int qtype) { return qtype == GGUF_Q4_0 || qtype == GGUF_Q4_1 || qtype == GGUF_Q8_0; }
-
-static inline float half(const uint8_t* p) { /* fp16 at p -> float */
-#ifdef Q8A_VNNI
-  return _cvtsh_ss(load_u16(p));
-#else
-  return fp16_at(p);
-#endif
-}
+static inline float half(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); } /* fp16 at p -> float */
 
 void gguf_q8_quantize_block(const uint16_t* x, int8_t* q, float* d, int32_t* s) {
-  int32_t sum = 0;
-#ifdef Q8A_VNNI
   const __m512 x0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
   const __m512 x1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + 16))), 16));
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
   const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
-  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+  const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
   _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(i0));
   _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(i1));
-#else
-  float xf[QK], amax = 0.f;
-  for (int e = 0; e < QK; ++e) {
-    xf[e] = bf16_to_f32(x[e]);
-    amax = fabsf(xf[e]) > amax ? fabsf(xf[e]) : amax;
-  }
-  const float id = amax > 0.f ? 127.f / amax : 0.f;
-  for (int e = 0; e < QK; ++e) {
-    q[e] = (int8_t)lrintf(xf[e] * id); /* the default rounding: to nearest, ties to even */
-    sum += q[e];
-  }
-#endif
   *d = amax * (1.0f / 127.0f);
   *s = sum;
 }
@@ -100,18 +75,12 @@ static void quantize_block(int qtype, const uint16_t* x, act_q8* A, int64_t m, i
   float d;
   int32_t sum;
   gguf_q8_quantize_block(x, q, &d, &sum);
-#ifdef Q8A_VNNI
   if (qtype != GGUF_Q4_1) /* qa + 128 as uint8 */
     for (int e = 0; e < QK; ++e) q[e] = (int8_t)((uint8_t)q[e] ^ 0x80);
-#else
-  (void)qtype;
-#endif
   for (int j = 0; j < LANES; ++j) A->d[l + j] = d;
-  if (A->corr) A->corr[l] = -8 * sum; /* the portable loop's Q4_0 */
   if (A->s) A->s[m * A->nbp + b] = d * (float)sum;
 }
 
-#ifdef Q8A_VNNI
 /* 16 bytes of Q4 nibbles (element j low nibble of byte j, j + 16 high) -> 32 bytes 0..15 in order. */
 static inline __m256i nibbles(const uint8_t* p) {
   const __m128i q = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(15);
@@ -179,12 +148,10 @@ static inline __attribute__((always_inline)) void tile_vnni(const int qt, const 
     sums[i] = _mm512_reduce_add_ps(acc[i]);
   }
 }
-#endif
 
 /* sums[i] = dot(W row wr, A row m0 + i) for i < mt; mws [nb] scratch. */
 static void row_tile(int qtype, int bpb, const uint8_t* wr, int64_t nb, const act_q8* A, int64_t m0, int mt,
                      float* mws, float* sums) {
-#ifdef Q8A_VNNI
   switch (qtype * 2 + (mt == 1)) {
     case GGUF_Q4_0 * 2: tile_vnni(GGUF_Q4_0, 0, wr, bpb, nb, A, m0, mt, mws, sums); return;
     case GGUF_Q4_0 * 2 + 1: tile_vnni(GGUF_Q4_0, 1, wr, bpb, nb, A, m0, mt, mws, sums); return;
@@ -193,33 +160,6 @@ static void row_tile(int qtype, int bpb, const uint8_t* wr, int64_t nb, const ac
     case GGUF_Q8_0 * 2: tile_vnni(GGUF_Q8_0, 0, wr, bpb, nb, A, m0, mt, mws, sums); return;
     default: tile_vnni(GGUF_Q8_0, 1, wr, bpb, nb, A, m0, mt, mws, sums); return;
   }
-#else
-  (void)mws;
-  const int64_t ka = A->nbp * QK, kl = A->nbp * LANES;
-  for (int i = 0; i < mt; ++i) sums[i] = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = wr + b * bpb;
-    int32_t qw[QK];
-    if (qtype == GGUF_Q8_0) {
-      for (int e = 0; e < QK; ++e) qw[e] = (int8_t)blk[2 + e];
-    } else {
-      const uint8_t* p = blk + (qtype == GGUF_Q4_1 ? 4 : 2);
-      for (int e = 0; e < QK / 2; ++e) {
-        qw[e] = p[e] & 15;
-        qw[e + QK / 2] = p[e] >> 4;
-      }
-    }
-    const float dw = half(blk), mw = qtype == GGUF_Q4_1 ? half(blk + 2) : 0.f;
-    for (int i = 0; i < mt; ++i) {
-      const int64_t m = m0 + i;
-      const int8_t* qa = A->q + m * ka + b * QK;
-      int32_t dot = qtype == GGUF_Q4_0 ? A->corr[m * kl + b * LANES] : 0;
-      for (int e = 0; e < QK; ++e) dot += qw[e] * qa[e];
-      sums[i] += dw * A->d[m * kl + b * LANES] * (float)dot;
-      if (qtype == GGUF_Q4_1) sums[i] += mw * A->s[m * A->nbp + b];
-    }
-  }
-#endif
 }
 
 int gguf_gemm_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, int out_dtype, void* out, int64_t ldo,
@@ -231,19 +171,14 @@ int gguf_gemm_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, i
   const size_t rows = (size_t)(M > 0 ? M : 1), lanes = rows * (size_t)(A.nbp * LANES);
   A.q = (int8_t*)calloc(rows * (size_t)(A.nbp * QK), 1);
   A.d = (float*)calloc(lanes, sizeof(float));
-#ifndef Q8A_VNNI
-  if (qtype == GGUF_Q4_0) A.corr = (int32_t*)calloc(lanes, sizeof(int32_t));
-#endif
   if (qtype == GGUF_Q4_1) A.s = (float*)calloc(rows * (size_t)A.nbp, sizeof(float));
   int status = 0;
-  if (!A.q || !A.d || (qtype == GGUF_Q4_0 && !A.corr && !Q8A_SIMD) || (qtype == GGUF_Q4_1 && !A.s)) {
+  if (!A.q || !A.d || (qtype == GGUF_Q4_1 && !A.s)) {
     status = 3;
     goto done;
   }
-#ifdef Q8A_VNNI
   if (qtype != GGUF_Q4_1 && nb % 2) /* the padding block: qa = 0 is stored as 0x80 */
     for (int64_t m = 0; m < M; ++m) memset(A.q + m * A.nbp * QK + nb * QK, 0x80, QK);
-#endif
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && (N > 1 || M > 1))
   {
     float mws[qtype == GGUF_Q4_1 ? A.nbp : 1]; /* per thread: K / 32 floats on the stack */
@@ -270,7 +205,7 @@ int gguf_gemm_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, i
 done:
   free(A.q);
   free(A.d);
-  free(A.corr);
   free(A.s);
   return status;
 }
+#endif /* GGUF_INT8_DOT */

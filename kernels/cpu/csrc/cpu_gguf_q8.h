@@ -4,12 +4,23 @@
 #define PAGEDLLM_CPU_GGUF_Q8_H
 #include <stdint.h>
 
+/* 1 where the build has int8 dot products (AVX512-VNNI's vpdpbusd): only then are the int8 paths
+ * below compiled and taken. Elsewhere bf16 activations are widened to float32 and take
+ * cpu_gguf_gemm.c's float32 path, which on the builds without VNNI was measured faster than
+ * int8 sums in C loops (benchmarks/RESULTS.md, session 14). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define GGUF_INT8_DOT 1
+#else
+#define GGUF_INT8_DOT 0
+#endif
+
 /* Whether gguf_gemm_q8a takes GGML type qtype (Q4_0, Q4_1, Q8_0). */
 int gguf_q8a_supports(int qtype);
 
 /* out [M, N] (row stride ldo; float32 for out_dtype 0, else bf16) = A . W^T with A [M, K] bf16
  * (row stride lda) quantized to int8 per 32-element block and W [N, K] in qtype's blocks.
- * Returns 0, 1 for a bad type or size, 3 when out of memory. */
+ * Returns 0, 1 for a bad type or size, 3 when out of memory. Defined where GGUF_INT8_DOT is 1,
+ * like gguf_q8_quantize_block, gguf_gemm_r16_q8a and gguf_gemm_r16k_q8a. */
 int gguf_gemm_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, int out_dtype, void* out, int64_t ldo,
                   int64_t M, int64_t N, int64_t K, int num_threads);
 /* One 32-element block of bf16 activations x -> q[32] int8, its scale d and s = sum q, as the

@@ -22,9 +22,9 @@
  *   Q4_1: acc[r] += m_w[r] * (d_a s_a)
  * Blocks are added in order into one float32 accumulator per output, so the result differs from
  * the exact sum of the quantized operands by float32 rounding only, like cpu_gguf_q8.c's.
- * Without VNNI each group is unpacked to its 16 rows of file blocks (gguf_r16_unpack) and
- * multiplied by cpu_gguf_q8.c's portable loop; float32 activations take cpu_gguf_gemm.c's float32
- * path on the unpacked rows.
+ Compiled only where the build has VNNI (GGUF_INT8_DOT in cpu_gguf_q8.h); elsewhere, and for
+ * float32 activations, cpu_gguf_gemm.c's float32 path serves each group unpacked to its 16 rows of
+ * file blocks (gguf_r16_unpack).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,9 +36,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#if GGUF_INT8_DOT
 #include <immintrin.h>
-#define R16_VNNI 1
 #endif
 
 #define QK 32 /* elements per block */
@@ -69,7 +68,7 @@ void gguf_r16_unpack(int qtype, const uint8_t* group, int64_t nb, uint8_t* rows)
   }
 }
 
-#ifdef R16_VNNI
+#if GGUF_INT8_DOT
 /* The int8 activations: M rows of nb blocks. */
 typedef struct {
   int64_t nb;
@@ -152,14 +151,12 @@ static void group_rows(int qt, const uint8_t* wg, const act_r16* A, int64_t M, i
     }
   }
 }
-#endif
 
 int gguf_gemm_r16_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, int out_dtype, void* out,
                       int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads) {
   if (!gguf_r16_supports(qtype) || K % QK != 0 || N % RG != 0 || M < 0 || N < 0) return 1;
   const int64_t nb = K / QK, groups = N / RG, gbytes = nb * RG * bytes_per_block(qtype);
   const int nt = num_threads > 1 && (groups > 1 || M > 1) ? num_threads : 1;
-#ifdef R16_VNNI
   const size_t rows = (size_t)(M > 0 ? M : 1), cells = rows * (size_t)nb;
   act_r16 A = {.nb = nb, .q = (int8_t*)malloc(cells * QK), .d = (float*)malloc(cells * sizeof(float)),
                .s = (int32_t*)malloc(cells * sizeof(int32_t)), .ds = (float*)malloc(cells * sizeof(float))};
@@ -186,26 +183,5 @@ done:
   free(A.s);
   free(A.ds);
   return status;
-#else /* each group unpacked to file rows, multiplied by cpu_gguf_q8.c's loop */
-  int status = 0;
-#pragma omp parallel num_threads(nt)
-  {
-    uint8_t* raw = (uint8_t*)malloc((size_t)gbytes);
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
-      int s = 3;
-      if (raw) {
-        gguf_r16_unpack(qtype, w + g * gbytes, nb, raw);
-        void* o = out_dtype == 0 ? (void*)((float*)out + g * RG) : (void*)((uint16_t*)out + g * RG);
-        s = gguf_gemm_q8a(qtype, raw, a, lda, out_dtype, o, ldo, M, RG, K, 1);
-      }
-      if (s) {
-#pragma omp atomic write
-        status = s;
-      }
-    }
-    free(raw);
-  }
-  return status;
-#endif
 }
+#endif /* GGUF_INT8_DOT */

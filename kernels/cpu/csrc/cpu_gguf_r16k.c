@@ -33,11 +33,10 @@
  * accumulator per output; out = acc, or acc rounded once to bf16. So the result differs from the
  * exact sum of the quantized operands by float32 rounding only. The 6-bit scales and mins stay
  * packed as in the file, so the layout keeps the file's 144 / 176 / 210 bytes per row and
- * super-block. Without AVX512-VNNI each group's super-blocks are unpacked to the file's rows
- * (gguf_r16k_unpack) and a C loop does the same float32 operations in the same order (the same
- * bits); float32 activations take cpu_gguf_gemm.c's float32 path on the unpacked rows.
+ * super-block. Compiled only where the build has VNNI (GGUF_INT8_DOT in cpu_gguf_q8.h);
+ * elsewhere, and for float32 activations, cpu_gguf_gemm.c's float32 path serves each group's
+ * super-blocks unpacked to the file's rows (gguf_r16k_unpack).
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,9 +47,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#if GGUF_INT8_DOT
 #include <immintrin.h>
-#define R16K_VNNI 1
 #endif
 
 #define QK 32   /* elements per activation block (a sub-block) */
@@ -77,6 +75,7 @@ void gguf_r16k_unpack(int qtype, const uint8_t* group, int64_t ns, uint8_t* rows
   }
 }
 
+#if GGUF_INT8_DOT
 /* The int8 activations: M rows of nb 32-element blocks. */
 typedef struct {
   int64_t nb;
@@ -97,7 +96,6 @@ static void quantize_block(const uint16_t* x, act_k* A, int64_t c) {
   A->hs[2 * c + 1] = 32 * (s - lo);
 }
 
-#ifdef R16K_VNNI
 static inline __m512i bcast4(const int8_t* p) { /* the 4 bytes at p in every lane ({1to16}) */
   int32_t v;
   memcpy(&v, p, 4);
@@ -231,77 +229,6 @@ static void group_rows(int qt, const uint8_t* wg, int64_t ns, const act_k* A, in
     }
   }
 }
-#else
-/* Sub-block j of the file's super-block blk: its 32 unsigned quants q, the scales of its halves
- * (Q4_K / Q5_K: both sc_j) and its min m_j (Q6_K: 0). */
-static void k_ints(int qt, const uint8_t* blk, int j, int32_t* q, int* sc0, int* sc1, int* m) {
-  if (qt == GGUF_Q6_K) {
-    const int h = j / 4, s = j % 4;
-    for (int e = 0; e < QK; ++e)
-      q[e] = ((blk[64 * h + 32 * (s % 2) + e] >> (4 * (s / 2))) & 15) | (((blk[128 + 32 * h + e] >> (2 * s)) & 3) << 4);
-    *sc0 = (int8_t)blk[192 + 2 * j];
-    *sc1 = (int8_t)blk[193 + 2 * j];
-    *m = 0;
-    return;
-  }
-  const uint8_t* sc = blk + 4;
-  if (j < 4) {
-    *sc0 = sc[j] & 63;
-    *m = sc[j + 4] & 63;
-  } else {
-    *sc0 = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
-    *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-  }
-  *sc1 = *sc0;
-  const uint8_t* qs = blk + (qt == GGUF_Q5_K ? 48 : 16) + 32 * (j / 2);
-  for (int e = 0; e < QK; ++e) {
-    q[e] = (qs[e] >> (4 * (j % 2))) & 15;
-    if (qt == GGUF_Q5_K) q[e] |= ((blk[16 + e] >> j) & 1) << 4;
-  }
-}
-
-/* out[:, n0 .. n0 + 15] = A . the group's rows, unpacked to the file's layout at raw [16, ns * bpb];
- * acc [M] scratch. The order of the VNNI kernel's float operations. */
-static void group_portable(int qt, const uint8_t* raw, int64_t ns, const act_k* A, int64_t M, int out_dtype,
-                           void* out, int64_t ldo, int64_t n0, float* acc) {
-  const int bpb = sb_bytes(qt);
-  for (int r = 0; r < RG; ++r) {
-    for (int64_t m = 0; m < M; ++m) acc[m] = 0.f;
-    for (int64_t s = 0; s < ns; ++s) {
-      const uint8_t* blk = raw + (r * ns + s) * bpb;
-      const float d = fp16_at(blk + (qt == GGUF_Q6_K ? 208 : 0)), dmin = qt == GGUF_Q6_K ? 0.f : fp16_at(blk + 2);
-      for (int j = 0; j < 8; ++j) {
-        int32_t q[QK];
-        int sc0, sc1, mn;
-        k_ints(qt, blk, j, q, &sc0, &sc1, &mn);
-        const float dsc = d * (float)sc0, dm = dmin * (float)mn;
-        for (int64_t m = 0; m < M; ++m) {
-          const int64_t ab = m * A->nb + 8 * s + j;
-          const int8_t* qa = A->q + ab * QK;
-          int32_t lo = 0, hi = 0;
-          for (int e = 0; e < QK / 2; ++e) {
-            lo += q[e] * qa[e];
-            hi += q[e + QK / 2] * qa[e + QK / 2];
-          }
-          if (qt == GGUF_Q6_K) {
-            const int32_t isum = sc0 * (lo - A->hs[2 * ab]) + sc1 * (hi - A->hs[2 * ab + 1]);
-            acc[m] = fmaf((float)isum, d * A->d[ab], acc[m]);
-          } else {
-            acc[m] = fmaf((float)(lo + hi), dsc * A->d[ab], acc[m]);
-            acc[m] = fmaf(-dm, A->ds[ab], acc[m]);
-          }
-        }
-      }
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      if (out_dtype == 0)
-        ((float*)out)[m * ldo + n0 + r] = acc[m];
-      else
-        ((uint16_t*)out)[m * ldo + n0 + r] = f32_to_bf16(acc[m]);
-    }
-  }
-}
-#endif
 
 int gguf_gemm_r16k_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t lda, int out_dtype, void* out,
                        int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads) {
@@ -321,25 +248,8 @@ int gguf_gemm_r16k_q8a(int qtype, const uint8_t* w, const uint16_t* a, int64_t l
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < M * nb; ++c) quantize_block(a + (c / nb) * lda + (c % nb) * QK, &A, c);
     /* the implicit barrier: every row is quantized before any is read */
-#ifdef R16K_VNNI
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; ++g) group_rows(qtype, w + g * gbytes, ns, &A, M, out_dtype, out, ldo, g * RG);
-#else
-    uint8_t* raw = (uint8_t*)malloc((size_t)gbytes);
-    float* acc = (float*)malloc((size_t)(M > 0 ? M : 1) * sizeof(float));
-    if (!raw || !acc) {
-#pragma omp atomic write
-      status = 3;
-    }
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
-      if (!raw || !acc) continue;
-      gguf_r16k_unpack(qtype, w + g * gbytes, ns, raw);
-      group_portable(qtype, raw, ns, &A, M, out_dtype, out, ldo, g * RG, acc);
-    }
-    free(raw);
-    free(acc);
-#endif
   }
 done:
   free(A.q);
@@ -348,3 +258,4 @@ done:
   free(A.hs);
   return status;
 }
+#endif /* GGUF_INT8_DOT */

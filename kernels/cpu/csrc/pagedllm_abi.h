@@ -10,7 +10,7 @@
 #define PAGEDLLM_ABI_H
 #include <stdint.h>
 
-#define PAGEDLLM_ABI_VERSION 7
+#define PAGEDLLM_ABI_VERSION 8
 
 #define MAX_GROUP 16     /* query heads per KV head (cpu_paged_attention.c) */
 #define MAX_HEAD_DIM 256 /* head_dim of paged attention (cpu_paged_attention.c) */
@@ -101,5 +101,8 @@ int pagedllm_apply_token_bitmask(float* logits, int64_t ld, const int32_t* mask,
                                  const int64_t* rows, int64_t R, int64_t vocab, int num_threads);
 int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, int64_t lda, int out_dtype,
                        void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int num_threads);
+/* 1 when pagedllm_gemm_gguf multiplies bf16 activations as int8 (GGUF_INT8_DOT, cpu_gguf_q8.h),
+ * so the GGUF_R16 layout pays; 0 when they are widened to float32. */
+int pagedllm_gguf_int8_dot(void);
 
 #endif

@@ -32,12 +32,13 @@ all-layers C call too: ``layers/cpu/native_layers.py``, one GGUF GEMM per shard)
 The layer's ``weight`` is a uint8 parameter ``[N, K / block_size * block_bytes]``: whole rows, so
 merged layers (q | k | v, gate | up) concatenate their shards' rows and rows can be permuted
 without dequantizing (the loader does so before :meth:`GGUFLinearMethod.install`, which, with
-the native kernels, may then interleave the rows by 16: ``gguf_r16``). :meth:`GGUFLinearMethod.apply`
+the native kernels and AVX512-VNNI, may then interleave the rows by 16: ``gguf_r16``). :meth:`GGUFLinearMethod.apply`
 runs the native kernel (``kernels/cpu/csrc/cpu_gguf_gemm.c``: each block dequantized in
 registers, float32 sums) for up to ``NATIVE_MAX_ROWS`` rows, or any row count of bf16
 activations on interleaved rows, on CPU where the native kernels are allowed (numerics: float32
-activations are multiplied as they are; bf16 activations with Q4_0 / Q4_1 / Q8_0 weights, or
-weights of any type in ``gguf_r16``'s interleaved layout, are quantized to int8 per 32-element
+activations are multiplied as they are; where the library has int8 dot products (AVX512-VNNI:
+``quant_ops.gguf_int8_dot``; elsewhere they are widened to float32), bf16 activations with Q4_0 /
+Q4_1 / Q8_0 weights, or weights of any type in ``gguf_r16``'s interleaved layout, are quantized to int8 per 32-element
 block, ``d_a = max|x| / 127``, ``q = round-half-even(x * (127 / max|x|))``, as llama.cpp's Q8_0 /
 Q8_1, and each block's (Q6_K: half-block's) integer dot product is exact, scaled in float32:
 ``cpu_gguf_q8.c``, ``cpu_gguf_r16.c``, ``cpu_gguf_r16k.c``; the error against the unquantized
@@ -148,9 +149,11 @@ class GGUFLinearMethod(LinearMethodBase):
 
     ``fmt``: the blocks' format; ``dtype``: the model's activation dtype (an embedding lookup's
     output); ``native``: the C kernel may serve small row counts on CPU (the native kernels are
-    allowed and the library loads). With ``native``, blocks of any type (Q4_0, Q4_1, Q8_0, Q4_K,
-    Q5_K, Q6_K) of a multiple of 16 rows are kept in ``gguf_r16``'s interleaved layout (``r16``,
-    the file's size), whose int8 kernels serve bf16 activations of any row count. One method per installed layer (the tied LM head shares its
+    allowed and the library loads). With ``native`` and int8 dot products in the library
+    (``quant_ops.gguf_int8_dot``: AVX512-VNNI), blocks of any type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+    Q6_K) of a multiple of 16 rows are kept in ``gguf_r16``'s interleaved layout (``r16``, the
+    file's size), whose int8 kernels serve bf16 activations of any row count; without VNNI the
+    file's layout is kept (its float32 path is faster there). One method per installed layer (the tied LM head shares its
     embedding's). The model keeps this method when the kernels are chosen (``quantized``:
     ``layers/selection.py`` leaves it in place).
     """
@@ -176,7 +179,7 @@ class GGUFLinearMethod(LinearMethodBase):
                 or blocks.shape[1] != input_size // self.fmt.block_size * self.fmt.block_bytes:
             raise ValueError(f"{self.fmt.name} blocks {tuple(blocks.shape)} {blocks.dtype} are not rows of "
                              f"{input_size} elements")
-        self.r16 = self.native and gguf_r16.supports(self.fmt.ggml_type, blocks.shape[0])
+        self.r16 = self.native and gguf_r16.supports(self.fmt.ggml_type, blocks.shape[0]) and quant_ops.gguf_int8_dot()
         if self.r16:
             blocks = gguf_r16.pack(blocks, self.fmt.ggml_type)
         layer.weight = nn.Parameter(blocks.contiguous(), requires_grad=False)
