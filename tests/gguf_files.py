@@ -4,9 +4,11 @@ writes them, for every architecture served from GGUF (:data:`GGUF_ARCH`).
 :func:`write_gguf`: a ``transformers`` config -> its model's parameter names and shapes (built on
 the meta device) -> random values -> GGUF tensors under llama.cpp's names (gguf-py's
 ``TensorNameMap`` for the file's architecture) with the converter's changes (``llama``: q and k
-rows permuted for its RoPE, biases too; ``gemma2`` / ``gemma3``: every norm stored as ``1 + w``),
+rows permuted for its RoPE, biases too; ``gemma2`` / ``gemma3``: every norm stored as ``1 + w``;
+``gpt2``: HF's ``Conv1D`` weights transposed; ``falcon``: ``query_key_value``'s rows per KV group
+stored as q | k | v; MoE experts stacked ``[E, rows, K]``, gate and up apart; ``[1, K]`` squeezed),
 each matrix quantized in its kept format (:data:`MIXED`: Q4_0, Q8_0, Q4_K and Q6_K, merged layers'
-shards in different formats in some layers), norms and biases F32; plus the metadata transformers
+shards in different formats in some layers; MoE routers F32), norms and biases F32; plus the metadata transformers
 reads for the config (``<arch>.context_length``, ..., ``general.name`` "mistral" for a Mistral
 model: transformers' rule) and the tokenizer (SmolLM2's byte-level BPE cut to the first ``vocab``
 tokens and the merges among them; token 1 BOS, 2 EOS, 0 padding).
@@ -27,12 +29,23 @@ from services.executor.layers import gguf as G
 
 #: Hugging Face ``model_type`` -> the ``general.architecture`` llama.cpp writes for it
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "gemma2": "gemma2", "gemma3_text": "gemma3"}
-#: each matrix's format by its GGUF kind (``attn_qkv``, ``ffn_up``: Phi-3's fused q|k|v and gate|up)
+             "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+             "gpt2": "gpt2", "falcon": "falcon"}
+#: unquantized matrices (llama.cpp keeps MoE routers, ``ffn_gate_inp``, in F32)
+F32 = G.BlockFormat("F32", 0, 1, 4)
+F16 = G.BlockFormat("F16", 1, 1, 2)
+#: each matrix's format by its GGUF kind (``attn_qkv``, ``ffn_up``: Phi-3's fused q|k|v and gate|up;
+#: ``*_exps``: MoE experts stacked, the gate and up experts in two formats; ``*_shexp``: Qwen2-MoE's
+#: shared expert)
 MIXED = {"token_embd": G.Q8_0, "output": G.Q6_K, "attn_q": G.Q4_K, "attn_k": G.Q4_K, "attn_v": G.Q4_K,
-         "attn_qkv": G.Q8_0, "attn_output": G.Q4_0, "ffn_gate": G.Q4_K, "ffn_up": G.Q4_K, "ffn_down": G.Q6_K}
-#: single tensors in another format: layer 0's q | k | v and layer 1's gate | up mix formats
-MIXED_OVERRIDES = {"blk.0.attn_v": G.Q6_K, "blk.1.ffn_up": G.Q8_0}
+         "attn_qkv": G.Q8_0, "attn_output": G.Q4_0, "ffn_gate": G.Q4_K, "ffn_up": G.Q4_K, "ffn_down": G.Q6_K,
+         "position_embd": F32, "ffn_gate_inp": F32, "ffn_gate_exps": G.Q4_K, "ffn_up_exps": G.Q8_0,
+         "ffn_down_exps": G.Q8_0, "ffn_gate_shexp": G.Q4_K, "ffn_up_shexp": G.Q4_K, "ffn_down_shexp": G.Q6_K}
+#: single tensors in another format: layer 0's q | k | v and layer 1's gate | up mix formats; layer
+#: 1's down experts Q4_0
+MIXED_OVERRIDES = {"blk.0.attn_v": G.Q6_K, "blk.1.ffn_up": G.Q8_0, "blk.1.ffn_down_exps": G.Q4_0}
+#: GPT-2's matrices held by HF's ``Conv1D`` (``[in, out]``), which llama.cpp's converter transposes
+GPT2_CONV1D = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 
 
 def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:  # [H D, ...] -> [H D, ...]
@@ -67,17 +80,24 @@ def _write_tokenizer(writer, tokenizer_dir: Path, vocab: int) -> None:
 
 
 def _write_hparams(writer, config, arch: str) -> None:
-    """The ``<arch>.*`` keys llama.cpp writes for ``config`` (those transformers reads among them)."""
+    """The ``<arch>.*`` keys llama.cpp's converter writes for ``config`` (those transformers reads among them)."""
     from gguf import RopeScalingType
 
     c = config
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_head_count(c.num_attention_heads)
+    if arch in ("gpt2", "falcon"):  # GPT2Model / FalconModel's keys: LayerNorm, an MLP of 4 hidden
+        writer.add_context_length(c.max_position_embeddings)
+        writer.add_feed_forward_length(4 * c.hidden_size)
+        writer.add_layer_norm_eps(c.layer_norm_epsilon)
+        if arch == "falcon":
+            writer.add_head_count_kv(_falcon_kv_heads(c))
+        return
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3: per layer type
     writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
     writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -85,6 +105,12 @@ def _write_hparams(writer, config, arch: str) -> None:
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(c.sliding_window)
     if arch == "gemma2":
@@ -95,10 +121,31 @@ def _write_hparams(writer, config, arch: str) -> None:
         writer.add_rope_scaling_factor(rope["factor"])
 
 
-def _quantize(w: np.ndarray, fmt: G.BlockFormat) -> np.ndarray:  # [N, K] float32 -> [N, K / bs * bb] uint8
+def _quantize(w: np.ndarray, fmt: G.BlockFormat) -> tuple[np.ndarray, np.ndarray]:
+    """``w [..., N, K]`` float32 -> the stored rows (``[..., N, K / bs * bb]`` uint8 blocks, or
+    F16 / F32 values) and the values they hold (``[..., N, K]`` float32, by ``gguf.quants``)."""
     from gguf import GGMLQuantizationType, quants
 
-    return pack_k(w, fmt) if fmt.block_size == 256 else quants.quantize(w, GGMLQuantizationType(fmt.ggml_type))
+    if fmt.block_size == 1:  # F32 / F16: values
+        raw = w.astype(np.float16 if fmt.ggml_type == 1 else np.float32)
+        return raw, raw.astype(np.float32)
+    rows = w.reshape(-1, w.shape[-1])
+    raw = pack_k(rows, fmt) if fmt.block_size == 256 else quants.quantize(rows, GGMLQuantizationType(fmt.ggml_type))
+    raw = raw.reshape(*w.shape[:-1], -1)
+    return raw, np.array(quants.dequantize(raw, GGMLQuantizationType(fmt.ggml_type)), dtype=np.float32)
+
+
+def falcon_qkv_rows(rows: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:  # [(H + 2 Hkv) D, ...]
+    """llama.cpp's converter's Falcon ``attn_qkv``: Hugging Face's rows per KV group ``[Hkv, H / Hkv
+    + 2, D]`` (the group's queries, its key, its value) stored as q | k | v (whole rows)."""
+    d = rows.shape[0] // (heads + 2 * kv_heads)
+    g = rows.reshape(kv_heads, heads // kv_heads + 2, d, *rows.shape[1:])
+    return np.concatenate((g[:, :-2].reshape(-1, *rows.shape[1:]), g[:, -2].reshape(-1, *rows.shape[1:]),
+                           g[:, -1].reshape(-1, *rows.shape[1:])))
+
+
+def _falcon_kv_heads(config) -> int:  # Hugging Face's: 1 in the old multi-query architecture
+    return config.num_kv_heads if config.new_decoder_architecture else 1
 
 
 def write_gguf(path: Path, config, tokenizer_dir: Path, formats: dict[str, G.BlockFormat] = MIXED,
@@ -113,7 +160,7 @@ def write_gguf(path: Path, config, tokenizer_dir: Path, formats: dict[str, G.Blo
     Returns the Hugging Face state dict the file holds (matrices dequantized by ``gguf.quants``,
     float32; a tied ``lm_head.weight`` is the embedding).
     """
-    from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quants
+    from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
     from transformers import AutoModelForCausalLM
 
     arch = GGUF_ARCH[config.model_type]
@@ -130,34 +177,57 @@ def write_gguf(path: Path, config, tokenizer_dir: Path, formats: dict[str, G.Blo
     embed_std = 0.2 * config.hidden_size**-0.5 if gemma else 1.0
     rng = np.random.default_rng(seed)
     state: dict[str, torch.Tensor] = {}
+
+    def matrix(name: str, w: np.ndarray) -> torch.Tensor:  # w [..., rows, K] f32 in HF's order -> its values
+        fmt = overrides.get(name, formats[name.split(".")[-1]])
+        raw, values = _quantize(w, fmt)  # Hugging Face's row order
+        heads = 0  # llama.cpp permutes llama's q and k rows (weights and biases) for its RoPE
+        if arch == "llama" and name.endswith((".attn_q", ".attn_k")):
+            heads = config.num_attention_heads if name.endswith(".attn_q") else config.num_key_value_heads
+        stored = llama_cpp_permute(raw, heads) if heads else raw
+        if arch == "falcon" and name.endswith(".attn_qkv"):
+            stored = falcon_qkv_rows(stored, config.num_attention_heads, _falcon_kv_heads(config))
+        writer.add_tensor(f"{name}.weight", np.ascontiguousarray(stored),
+                          raw_dtype=None if fmt.block_size == 1 else GGMLQuantizationType(fmt.ggml_type))
+        return torch.from_numpy(values)
+
     for hf, shape in shapes.items():
         if tied and hf == "lm_head.weight":
+            continue
+        if hf.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # [E, rows, K]: stacked per kind
+            layer = int(hf.split(".")[2])
+            w = rng.standard_normal(shape).astype(np.float32) * std
+            if hf.endswith("down_proj"):
+                state[hf] = matrix(f"blk.{layer}.ffn_down_exps", w)
+            else:  # gate rows | up rows of each expert
+                half = shape[1] // 2
+                state[hf] = torch.cat((matrix(f"blk.{layer}.ffn_gate_exps", w[:, :half]),
+                                       matrix(f"blk.{layer}.ffn_up_exps", w[:, half:])), dim=1)
             continue
         module, suffix = hf.rsplit(".", 1)
         name = names.get_name(module)
         assert name is not None, f"gguf-py names no tensor for {hf}"
-        heads = 0  # llama.cpp permutes llama's q and k rows (weights and biases) for its RoPE
-        if arch == "llama" and name.endswith((".attn_q", ".attn_k")):
-            heads = config.num_attention_heads if name.endswith(".attn_q") else config.num_key_value_heads
-        if len(shape) == 1:  # norms and biases: F32
-            norm = "norm" in name
-            w = (rng.standard_normal(shape) * (0.2 if norm else bias_std) + (1.0 if norm and not gemma else 0.0))
-            stored = w.astype(np.float32) + np.float32(1.0 if norm and gemma else 0.0)  # Gemma's as 1 + w
-            state[hf] = torch.from_numpy(stored - np.float32(1.0) if norm and gemma else stored.copy())
-            stored = llama_cpp_permute(stored, heads) if heads else stored
-        else:
-            fmt = overrides.get(name, formats[name.split(".")[-1]])
+        if len(shape) == 2 and shape[0] > 1:  # a matrix
             w = rng.standard_normal(shape).astype(np.float32) * (embed_std if name == "token_embd" else std)
-            raw = _quantize(w, fmt)  # Hugging Face's row order
-            state[hf] = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(fmt.ggml_type)))
-            stored = llama_cpp_permute(raw, heads) if heads else raw
-            writer.add_tensor(f"{name}.{suffix}", np.ascontiguousarray(stored), raw_dtype=GGMLQuantizationType(fmt.ggml_type))
+            if arch == "gpt2" and name.split(".")[-1] in GPT2_CONV1D:  # HF's Conv1D [in, out]: stored transposed
+                state[hf] = matrix(name, np.ascontiguousarray(w.T)).T.contiguous()
+            else:
+                state[hf] = matrix(name, w)
             continue
+        # norms, biases and [1, K] (squeezed by the converter): F32 values
+        norm = "norm" in name and suffix == "weight"
+        w = (rng.standard_normal(shape) * (0.2 if norm else bias_std) + (1.0 if norm and not gemma else 0.0))
+        stored = w.astype(np.float32) + np.float32(1.0 if norm and gemma else 0.0)  # Gemma's as 1 + w
+        state[hf] = torch.from_numpy(stored - np.float32(1.0) if norm and gemma else stored.copy())
+        stored = stored.reshape(-1)
+        if arch == "llama" and name.endswith((".attn_q", ".attn_k")):
+            stored = llama_cpp_permute(stored, config.num_attention_heads if name.endswith(".attn_q")
+                                       else config.num_key_value_heads)
         writer.add_tensor(f"{name}.{suffix}", np.ascontiguousarray(stored))
     for name, values in (extra or {}).items():
         writer.add_tensor(name, values.astype(np.float32))
     if tied:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        state["lm_head.weight"] = state[next(k for k in shapes if names.get_name(k.rsplit(".", 1)[0]) == "token_embd")]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,4 +1,5 @@
-"""Every architecture served from GGUF (``shared/model_source.py``'s ``GGUF_ARCHITECTURES``):
+"""Every architecture served from GGUF (``shared/model_source.py``'s ``GGUF_ARCHITECTURES``; GPT-2,
+Falcon and the Qwen MoEs in ``test_gguf_archs_moe_gpt2_falcon_e2e.py``):
 a tiny random-weight file written as llama.cpp writes it (``tests/gguf_files.py``: its names,
 the llama q/k permutation, Gemma's ``1 + w`` norms, Qwen2's biases, Phi-3's fused q|k|v and
 gate|up; Q4_0, Q8_0, Q4_K and Q6_K matrices, some merged layers' shards in two formats) is
@@ -64,7 +65,9 @@ def _cache(tmp_path):
 
 
 def test_every_served_architecture_is_tested():
-    assert set(CONFIGS) == set(GGUF_ARCHITECTURES)
+    from test_gguf_archs_moe_gpt2_falcon_e2e import CONFIGS as MORE  # GPT-2, Falcon, Qwen2-MoE, Qwen3-MoE
+
+    assert set(CONFIGS) | set(MORE) == set(GGUF_ARCHITECTURES)
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
@@ -107,11 +110,11 @@ def test_gguf_served_directly_gives_the_tokens_of_transformers_reading_of_the_fi
 
 def test_an_architecture_not_served_from_gguf_is_refused_naming_those_that_are(tmp_path):
     """GPT-NeoX and Gemma 1 files (architectures transformers' GGUF support does not read) and a
-    GPT-2 file (one it reads, which this engine serves from Hugging Face directories only) are
-    refused with the list of served architectures."""
+    BLOOM file (one it reads, which this engine does not implement) are refused with the list of
+    served architectures."""
     from gguf import GGUFWriter
 
-    for arch in ("gptneox", "gemma", "gpt2"):
+    for arch in ("gptneox", "gemma", "bloom"):
         path = tmp_path / f"{arch}.gguf"
         writer = GGUFWriter(path, arch)
         writer.add_block_count(1)
@@ -120,7 +123,8 @@ def test_an_architecture_not_served_from_gguf_is_refused_naming_those_that_are(t
         writer.write_tensors_to_file()
         writer.close()
         with pytest.raises(ModelNotFoundError, match=rf"GGUF architecture '{arch}' is not served from GGUF "
-                                                     r"\(supported: gemma2, gemma3_text, llama, mistral, phi3"):
+                                                     r"\(supported: falcon, gemma2, gemma3_text, gpt2, "
+                                                     r"llama, mistral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe\)"):
             prepare_gguf_model(path, tmp_path / "cache")
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_files import TINY_FORMATS, tiny_hf_config, write_gguf
-from transformers import LlamaConfig, Phi3Config, Qwen2Config
+from gguf_files import F32, TINY_FORMATS, tiny_hf_config, write_gguf
+from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
 
 from services.executor.layers import gguf as G
 from services.executor.layers.gguf import GGUFLinearMethod, GGUFShardedLinearMethod
@@ -26,6 +26,14 @@ Q32_FORMATS = {"token_embd": G.Q8_0, "output": G.Q4_1, "attn_q": G.Q4_0, "attn_k
                "attn_qkv": G.Q8_0, "attn_output": G.Q4_0, "ffn_gate": G.Q8_0, "ffn_up": G.Q4_0, "ffn_down": G.Q4_1}
 #: o_proj, down_proj and the embedding in F16: not kept, dequantized at load, then split as values
 F16 = G.BlockFormat("F16", 1, 1, 2)
+#: the same attention, 4 experts of 192 (2 ranks: 96 each, 3 blocks; 3 ranks: 64, 2 blocks) in three
+#: formats, a shared expert of 192, the router F32
+QWEN2_MOE = Qwen2MoeConfig(vocab_size=1024, hidden_size=288, intermediate_size=192, num_hidden_layers=1,
+                           num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=192, shared_expert_intermediate_size=192,
+                           tie_word_embeddings=True, architectures=["Qwen2MoeForCausalLM"])
+MOE_FORMATS = {**Q32_FORMATS, "ffn_gate_inp": F32, "ffn_gate_exps": G.Q4_0, "ffn_up_exps": G.Q8_0,
+               "ffn_down_exps": G.Q4_1, "ffn_gate_shexp": G.Q8_0, "ffn_up_shexp": G.Q4_0, "ffn_down_shexp": G.Q8_0}
 Q32_F16_FORMATS = {**Q32_FORMATS, "token_embd": F16, "attn_output": F16, "ffn_down": F16}
 #: the same sizes as Phi-3: q | k | v and gate | up each one fused file tensor, cut into shards at each rank
 PHI3 = Phi3Config(vocab_size=1024, hidden_size=288, intermediate_size=192, num_hidden_layers=1, num_attention_heads=9,
@@ -130,3 +138,26 @@ def test_a_rank_share_that_cuts_a_block_is_refused_naming_layer_tp_and_block(tmp
     with pytest.raises(ValueError, match=r"blk\.0\.attn_output\.weight: tensor_parallel_size=2 gives rank 0 the "
                                          r"input columns \[0, 128\) of 256, which cut Q4_K's blocks of 256 elements"):
         _load(config, path, 0, 2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_shares_of_moe_experts_put_together_are_one_rank_experts(tmp_path, smollm2_path, world):
+    """Each rank keeps its range of every expert's intermediate size as blocks: the gate and up
+    experts' rows and the down experts' input columns, put together, are one rank's experts; the
+    router (F32) is whole on every rank."""
+    path = tmp_path / "moe.gguf"
+    write_gguf(path, QWEN2_MOE, smollm2_path, MOE_FORMATS, {})
+    whole = _load(QWEN2_MOE, path, 0, 1).model.layers[0].mlp
+    w13, w2 = whole.experts.experts_method.weights(whole.experts)  # [4, 384, 288], [4, 288, 192]
+    gates, ups, downs = [], [], []
+    for rank in range(world):
+        mlp = _load(QWEN2_MOE, path, rank, world).model.layers[0].mlp
+        r13, r2 = mlp.experts.experts_method.weights(mlp.experts)
+        inter = r2.shape[2]
+        assert inter == 192 // world and mlp.experts.experts_method.fmts == (G.Q4_0, G.Q8_0, G.Q4_1)
+        gates.append(r13[:, :inter])
+        ups.append(r13[:, inter:])
+        downs.append(r2)
+        assert torch.equal(mlp.gate.weight, whole.gate.weight)
+    assert torch.equal(torch.cat(gates, dim=1), w13[:, :192]) and torch.equal(torch.cat(ups, dim=1), w13[:, 192:])
+    assert torch.equal(torch.cat(downs, dim=2), w2)

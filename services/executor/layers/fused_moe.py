@@ -13,6 +13,9 @@ rows, as ``MergedColumnParallelLinear``) and ``w2 [E, hidden, I]``, and computes
 a batched torch path (the token copies sorted by expert, two matmuls per expert over its
 tokens, no per-token loop). :func:`fused_moe_reference` is the per-token oracle of the tests.
 
+A method may keep the experts in another form and multiply them itself (``experts_method``:
+``layers/gguf_moe.py``'s GGUF blocks, one GGUF matmul per expert over its tokens).
+
 Tensor parallelism (vLLM's): each rank holds a balanced range of every expert's intermediate
 size (column-parallel ``w13``, row-parallel ``w2``), so its output is a partial sum that the
 layer all-reduces (``reduce_results``; a caller adding another partial sum first, Qwen2-MoE's
@@ -21,6 +24,7 @@ shared expert, reduces once itself).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,18 +74,18 @@ def fused_moe_reference(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torc
     return out
 
 
-def fused_moe_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The experts' weighted sum, batched per expert: the ``T * K`` (token, expert) pairs are
-    sorted by expert, and each expert that has tokens runs ``w13`` and ``w2`` once over all of
-    them (the loop is over experts, not tokens). Each expert's rounding is Hugging Face's
-    ``MixtralExperts``: matmuls and SiLU * up in the model's dtype, the product with the
-    routing weight in the promoted dtype of the two, summed into the output in expert order.
+def experts_weighted_sum(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         num_experts: int, expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden_states[t])``, batched per
+    expert: the ``T * K`` (token, expert) pairs are sorted by expert, and ``expert(e, x [n,
+    hidden]) -> [n, hidden]`` runs once over all of expert ``e``'s tokens (the loop is over
+    experts, not tokens). Each output times its routing weight is in the promoted dtype of the
+    two, summed into the output in expert order (Hugging Face's ``MixtralExperts``).
 
-    Shapes as :func:`fused_moe_reference`; returns ``[T, hidden]`` in ``hidden_states``' dtype.
+    Shapes: ``hidden_states [T, hidden]``, ``topk_weights [T, K]``, ``topk_ids [T, K]`` int64;
+    returns ``[T, hidden]`` in ``hidden_states``' dtype.
     """
-    num_tokens, top_k = topk_ids.shape
-    num_experts, inter = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)  # [T K], pair p = t * K + k
     order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens in order
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
@@ -94,12 +98,27 @@ def fused_moe_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         if n == 0:
             continue
         rows = slice(start, start + n)
-        gate_up = F.linear(x[rows], w13[e])  # [n, 2 I]
-        act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])  # [n, I]
-        y = F.linear(act, w2[e]) * weight_of[rows, None]  # [n, hidden]
+        y = expert(e, x[rows]) * weight_of[rows, None]  # [n, hidden]
         out.index_add_(0, token_of[rows], y.to(out.dtype))
         start += n
     return out
+
+
+def fused_moe_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts' weighted sum, batched per expert (:func:`experts_weighted_sum`). Each
+    expert's rounding is Hugging Face's ``MixtralExperts``: matmuls and SiLU * up in the model's
+    dtype, the product with the routing weight in the promoted dtype of the two.
+
+    Shapes as :func:`fused_moe_reference`; returns ``[T, hidden]`` in ``hidden_states``' dtype.
+    """
+    inter = w2.shape[2]
+
+    def expert(e: int, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        gate_up = F.linear(x, w13[e])  # [n, 2 I]
+        return F.linear(F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]), w2[e])  # [n, I] in between
+
+    return experts_weighted_sum(hidden_states, topk_weights, topk_ids, w13.shape[0], expert)
 
 
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -143,6 +162,7 @@ class FusedMoE(FastModule):
             set_weight_attrs(param, {"weight_loader": self.weight_loader})
         self.register_parameter("w13", w13)
         self.register_parameter("w2", w2)
+        self.experts_method: Any = None  # set by a method keeping the experts in its own form (layers/gguf_moe.py)
 
     @staticmethod
     def expert_params_mapping(num_experts: int, gate: str = "w1", up: str = "w3",
@@ -172,7 +192,10 @@ class FusedMoE(FastModule):
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:  # [T, hidden], [T, K], [T, K] -> [T, hidden]
-        out = fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids)
+        if self.experts_method is not None:  # e.g. GGUF blocks: the method multiplies
+            out = self.experts_method.apply(self, hidden_states, topk_weights, topk_ids)
+        else:
+            out = fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids)
         if self.reduce_results and self.tp.world_size > 1:
             self.tp.all_reduce(out)
         return out

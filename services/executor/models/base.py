@@ -125,8 +125,8 @@ class PagedCausalLM(KernelSwitches, FastModule):
     def load_weights(self, model_dir: Path | str) -> None:
         """Load the Hugging Face safetensors checkpoint (``loader.load_weights``, each tensor
         renamed by :meth:`checkpoint_name`), or the GGUF file the directory is served from
-        (``gguf_loader``: Phi-3 and Gemma 2/3 files, their kept formats' matrices kept
-        quantized), then derive the kernels' weight forms.
+        (``gguf_loader``: Phi-3, Gemma 2/3, GPT-2, Falcon and Qwen2/3-MoE files, their kept
+        formats' matrices, MoE experts included, kept quantized), then derive the kernels' weight forms.
 
         Raises:
             FileNotFoundError: no ``*.safetensors`` in ``model_dir``.

@@ -2,11 +2,19 @@
 quantized (``layers/gguf.py``).
 
 The file's ``general.architecture`` picks the map of its tensors onto our modules
-(``gguf_tensors.py``: llama, qwen2, qwen3, phi3, gemma2, gemma3, served by
-:class:`~services.executor.models.llama.LlamaForCausalLM`, ``phi3.Phi3ForCausalLM`` and
-``gemma.Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``); every decoder layer ``N``'s modules take
-``blk.N``'s tensors, and ``token_embd`` / ``output_norm`` / ``output`` go to ``embed_tokens`` /
-``norm`` / ``lm_head`` (``output`` absent when the embeddings are tied).
+(``gguf_tensors.py``: llama, qwen2, qwen3, phi3, gemma2, gemma3, qwen2moe, qwen3moe, gpt2, falcon,
+served by :class:`~services.executor.models.llama.LlamaForCausalLM`, ``phi3.Phi3ForCausalLM``,
+``gemma.Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``, ``qwen_moe.Qwen2MoeForCausalLM`` /
+``Qwen3MoeForCausalLM``, ``gpt2.GPT2LMHeadModel`` and ``falcon.FalconForCausalLM``); every
+decoder layer ``N``'s modules take ``blk.N``'s tensors, and ``token_embd`` / ``output_norm`` /
+``output`` go to the embedding, the final norm and ``lm_head`` (``output`` absent when the
+embeddings are tied; GPT-2's ``position_embd`` to ``wpe``).
+
+A MoE layer's experts (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, stacked ``[E,
+I, hidden]`` / ``[E, hidden, I]``) stay quantized too: ``layers/gguf_moe.py``'s
+``GGUFMoEMethod`` holds each expert's blocks and multiplies each expert's tokens by the GGUF
+matmul (experts of another type, e.g. F16, are dequantized into ``FusedMoE``'s ``w13`` /
+``w2``). The router (``ffn_gate_inp``, F32 in llama.cpp's files) is loaded as values.
 
 What llama.cpp's converter changed is undone as transformers undoes it: the llama files' q and
 k rows (and biases) are put back in Hugging Face's order (llama.cpp interleaves the two halves of
@@ -18,7 +26,8 @@ Under tensor parallelism (a model built under ``use_tp_group``) each rank keeps 
 every tensor, blocks still kept (``gguf_shards.py``): a column-parallel layer's rows of each
 merged shard (q, k, v by the rank's heads, taken after the q / k rows are put back in order),
 a row-parallel layer's input columns as whole blocks (a share that would cut a block is
-refused), the embedding's and LM head's vocabulary rows; norms whole. Each rank reads the
+refused), the embedding's and LM head's vocabulary rows, a MoE layer's rows of each expert's
+intermediate size (its down's columns as whole blocks); norms and routers whole. Each rank reads the
 file's tensors whole and copies out its share.
 
 A merged layer (q | k | v, gate | up, or Phi-3's fused tensors) whose shards are all of one kept
@@ -38,10 +47,18 @@ import torch
 from torch import nn
 
 from kernels.cpu import ops
+from services.executor.layers.fused_moe import FusedMoE
 from services.executor.layers.gguf import FORMATS, GGUFLinearMethod, GGUFShardedLinearMethod
+from services.executor.layers.gguf_moe import GGUFMoEMethod
 from services.executor.layers.linear import ColumnParallelLinear, RowParallelLinear
-from services.executor.models.gguf_shards import column_shares, is_split, row_share, vocab_share
-from services.executor.models.gguf_tensors import MODEL_TENSORS, GGUFTensorMap, tensor_map
+from services.executor.models.gguf_shards import (
+    column_shares,
+    expert_shares,
+    is_split,
+    row_share,
+    vocab_share,
+)
+from services.executor.models.gguf_tensors import GGUFTensorMap, tensor_map
 
 
 def gguf_file(model_dir: Path | str) -> Path | None:
@@ -86,9 +103,11 @@ class _Tensors:
     def __init__(self, reader, tmap: GGUFTensorMap, model: nn.Module, native: bool, path: Path) -> None:
         self.tensors = {t.name: t for t in reader.tensors}
         self.used: set[str] = set(tmap.ignored)
-        qkv = model.model.layers[0].self_attn.qkv_proj  # the model's heads (not a rank's): whole rows
-        heads = {"q": qkv.output_sizes[0] // qkv.head_size, "kv": qkv.output_sizes[1] // qkv.head_size}
-        self.permuted = {kind: heads[which] for kind, which in tmap.permuted.items()}  # kind -> heads
+        self.permuted: dict[str, int] = {}  # kind -> heads
+        if tmap.permuted:
+            qkv = model.get_submodule(tmap.layers)[0].self_attn.qkv_proj  # the model's heads (not a rank's)
+            heads = {"q": qkv.output_sizes[0] // qkv.head_size, "kv": qkv.output_sizes[1] // qkv.head_size}
+            self.permuted = {kind: heads[which] for kind, which in tmap.permuted.items()}
         self.norm_offset, self.dtype, self.native, self.path = tmap.norm_offset, model.dtype, native, path
 
     def _rows(self, name: str, raw: bool) -> torch.Tensor:  # one tensor's rows in Hugging Face's order
@@ -111,25 +130,33 @@ class _Tensors:
             return [row_share(module, r, f, n) for r, f, n in zip(rows, fmts, names, strict=True)]
         return [vocab_share(module, r) for r in rows]
 
+    def _used(self, names: list[str]) -> list:  # the named file tensors' formats (None: not kept)
+        missing = [n for n in names if n not in self.tensors]
+        if missing:
+            raise ValueError(f"{self.path}: tensors missing: {missing}")
+        self.used.update(names)
+        return [FORMATS.get(int(self.tensors[n].tensor_type)) for n in names]
+
     def load(self, module: nn.Module, stems: list[str]) -> None:
         """``module``'s weight (and bias, if it has one) from the tensors ``<stem>.weight`` (``.bias``),
-        rows concatenated in order.
+        rows concatenated in order (a ``FusedMoE``: :meth:`load_experts`).
 
         Raises:
             ValueError: a tensor is missing, or the tensors' rows do not fit the module.
         """
+        if isinstance(module, FusedMoE):
+            self.load_experts(module, stems)
+            return
         names = [f"{s}.weight" for s in stems]
         bias = getattr(module, "bias", None)
         biases = [f"{s}.bias" for s in stems] if isinstance(bias, torch.Tensor) else []
-        missing = [n for n in names + biases if n not in self.tensors]
-        if missing:
-            raise ValueError(f"{self.path}: tensors missing: {missing}")
-        self.used.update(names + biases)
-        fmts = [FORMATS.get(int(self.tensors[n].tensor_type)) for n in names]
+        fmts = self._used(names + biases)[: len(names)]
         kept = None not in fmts and hasattr(module, "quant_method")
-        rows = self._share(module, [self._rows(n, raw=kept) for n in names], fmts if kept else [None] * len(names),
-                           names)  # each tensor's rows (of this rank)
+        rows = [self._rows(n, raw=kept) for n in names]
         expected = tuple(module.weight.shape)
+        if not kept and len(expected) == 2 and expected[0] == 1 and rows[0].dim() == 1:
+            rows = [r[None] for r in rows]  # llama.cpp's converter squeezes [1, K] (Qwen2-MoE's shared expert gate)
+        rows = self._share(module, rows, fmts if kept else [None] * len(names), names)  # each tensor's (this rank's)
         if sum(r.shape[0] for r in rows) != expected[0] or (not kept and tuple(torch.cat(rows).shape) != expected):
             raise ValueError(f"{names}: GGUF shapes {[tuple(r.shape) for r in rows]} do not fit {expected}")
         if kept and len(set(fmts)) > 1:  # each shard's blocks apart
@@ -146,15 +173,49 @@ class _Tensors:
                 raise ValueError(f"{biases}: GGUF shape {tuple(values.shape)} does not fit {tuple(bias.shape)}")
             bias.data.copy_(values)
 
+    def load_experts(self, moe: FusedMoE, stems: list[str]) -> None:
+        """A MoE layer's stacked experts from ``<gate>``, ``<up>``, ``<down>.weight`` (``[E, I,
+        hidden]``, ``[E, I, hidden]``, ``[E, hidden, I]``): kept as their blocks
+        (``GGUFMoEMethod``) when all three are of kept formats, else dequantized into ``w13`` / ``w2``.
+
+        Raises:
+            ValueError: a tensor is missing or of the wrong shape.
+        """
+        names = [f"{s}.weight" for s in stems]
+        fmts = self._used(names)
+        kept = None not in fmts
+        gate, up, down = expert_shares(moe, *(self._rows(n, raw=kept) for n in names), fmts[2] if kept else None,
+                                       names)  # this rank's part of each
+        if kept:
+            GGUFMoEMethod(tuple(fmts), self.dtype, self.native).install(moe, gate, up, down)
+            return
+        w13, w2 = torch.cat((gate, up), dim=1), down  # [E, 2 I_rank, hidden], [E, hidden, I_rank] float32
+        if w13.shape != moe.w13.shape or w2.shape != moe.w2.shape:
+            raise ValueError(f"{names}: GGUF shapes {tuple(gate.shape)}, {tuple(up.shape)}, {tuple(down.shape)} do "
+                             f"not fit the experts' {tuple(moe.w13.shape)}, {tuple(moe.w2.shape)}")
+        moe.w13.data.copy_(w13)
+        moe.w2.data.copy_(w2)
+
+
+def _submodule(root: nn.Module, path: str) -> nn.Module | None:
+    """``root``'s module at the dotted ``path``, or None where this model has none (Falcon's
+    ``ln_attn`` in its old architecture, a MoE layer's absent shared expert)."""
+    module = root
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if not isinstance(module, nn.Module):
+            return None
+    return module
+
 
 @torch.no_grad()
 def load_gguf_weights(model: nn.Module, path: Path, native: bool) -> None:
     """Load ``model``'s parameters from the GGUF file at ``path``; ``native``: the kept
     formats' matmuls may run in the C kernel (``GGUFLinearMethod``).
 
-    ``model``: a Llama-family, Phi-3 or Gemma 2/3 model (``model.model.layers``,
-    ``embed_tokens``, ``norm``, ``lm_head``, ``tie_word_embeddings``) of the file's architecture,
-    whole or one tensor-parallel rank's part (its layers take their rank's share).
+    ``model``: a model of the file's architecture (its layers at the map's ``layers``, its
+    ``lm_head`` and ``tie_word_embeddings``), whole or one tensor-parallel rank's part (its
+    layers take their rank's share).
 
     Raises:
         ValueError: an architecture not served from GGUF, a tensor missing or of the wrong
@@ -166,15 +227,18 @@ def load_gguf_weights(model: nn.Module, path: Path, native: bool) -> None:
     reader = GGUFReader(path)
     tmap = tensor_map(architecture(reader))
     tensors = _Tensors(reader, tmap, model, native and ops.load() is not None, path)
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(model.get_submodule(tmap.layers)):
         for attr, parts in tmap.layer.items():
-            tensors.load(layer.get_submodule(attr), [f"blk.{i}.{p}" for p in parts])
-    for attr, name in MODEL_TENSORS.items():
+            module = _submodule(layer, attr)
+            if module is not None:
+                tensors.load(module, [f"blk.{i}.{p}" for p in parts])
+    for attr, name in tmap.model.items():
         if attr == "lm_head" and model.tie_word_embeddings:
             continue
         tensors.load(model.get_submodule(attr), [name])
     if model.tie_word_embeddings:
-        embed, head = model.model.embed_tokens, model.lm_head
+        embed = model.get_submodule(next(attr for attr, name in tmap.model.items() if name == "token_embd"))
+        head = model.lm_head
         head.weight, head.quant_method = embed.weight, embed.quant_method
         if embed.quant_method.quantized:
             head.gguf_input_size = embed.gguf_input_size

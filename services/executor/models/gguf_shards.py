@@ -15,7 +15,10 @@ checkpoint (vLLM's semantics), read off the layer built under the rank's group:
   ``VocabParallelEmbedding.forward`` already shifts the ids to the rank's rows and zeroes the
   others, and ``ParallelLMHead.compute_logits`` gathers each rank's logits, so the GGUF
   method's ``embed`` / ``apply_logits`` need nothing more;
-- anything else (norms) is whole on every rank.
+- a MoE layer's stacked experts (``FusedMoE``) take the rows ``moe.intermediate_range`` of every
+  expert's gate and up and the same input columns (whole blocks, as a row-parallel layer's) of
+  every expert's down;
+- anything else (norms, a MoE router) is whole on every rank.
 
 A GGUF block row is whole runs of blocks (``[N, K / block_size * block_bytes]`` uint8), so rows
 are sliced as any tensor's and a column range of ``c`` elements is ``c / block_size *
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from services.executor.layers.embedding import VocabParallelEmbedding
+from services.executor.layers.fused_moe import FusedMoE
 from services.executor.layers.gguf import BlockFormat
 from services.executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -59,6 +63,19 @@ def column_shares(layer: ColumnParallelLinear, parts: list[torch.Tensor], names:
                      f"shards of {sizes} rows")
 
 
+def _columns(t: torch.Tensor, fmt: BlockFormat | None, start: int, size: int, whole: int, name: str,
+             tp_size: int, tp_rank: int) -> torch.Tensor:
+    """The input columns ``[start, start + size)`` of ``t``'s last dimension: block rows (``fmt``) or values."""
+    if fmt is None:
+        return _copy(t.narrow(-1, start, size))
+    bs = fmt.block_size
+    if start % bs or size % bs:
+        raise ValueError(f"{name}: tensor_parallel_size={tp_size} gives rank {tp_rank} the input columns "
+                         f"[{start}, {start + size}) of {whole}, which cut {fmt.name}'s blocks of "
+                         f"{bs} elements (each rank's share must be whole blocks: a multiple of {bs})")
+    return _copy(t.narrow(-1, start // bs * fmt.block_bytes, size // bs * fmt.block_bytes))
+
+
 def row_share(layer: RowParallelLinear, rows: torch.Tensor, fmt: BlockFormat | None, name: str) -> torch.Tensor:
     """This rank's input columns ``layer.input_range`` of ``rows``: block rows
     ``[N, K / block_size * block_bytes]`` uint8 of ``fmt``, or values ``[N, K]`` (``fmt`` None).
@@ -68,14 +85,24 @@ def row_share(layer: RowParallelLinear, rows: torch.Tensor, fmt: BlockFormat | N
             ``name``, the tensor-parallel size and the block size named).
     """
     start, size = layer.input_range
-    if fmt is None:
-        return _copy(rows.narrow(1, start, size))
-    bs = fmt.block_size
-    if start % bs or size % bs:
-        raise ValueError(f"{name}: tensor_parallel_size={layer.tp_size} gives rank {layer.tp_rank} the input columns "
-                         f"[{start}, {start + size}) of {layer.full_input_size}, which cut {fmt.name}'s blocks of "
-                         f"{bs} elements (each rank's share must be whole blocks: a multiple of {bs})")
-    return _copy(rows.narrow(1, start // bs * fmt.block_bytes, size // bs * fmt.block_bytes))
+    return _columns(rows, fmt, start, size, layer.full_input_size, name, layer.tp_size, layer.tp_rank)
+
+
+def expert_shares(moe: FusedMoE, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                  down_fmt: BlockFormat, names: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's part of a MoE layer's stacked experts (``FusedMoE``'s balanced range
+    ``moe.intermediate_range`` of each expert's intermediate size): the rows of every expert's
+    ``gate`` / ``up`` (``[E, I, ...]``) and the input columns of every expert's ``down`` (``[E,
+    hidden, I / block_size * block_bytes]`` blocks of ``down_fmt``). All of them at one rank.
+
+    Raises:
+        ValueError: the rank's columns of ``down`` cut its blocks (``names[2]`` named).
+    """
+    if moe.tp.world_size == 1:
+        return gate, up, down
+    start, size = moe.intermediate_range
+    return (_copy(gate.narrow(1, start, size)), _copy(up.narrow(1, start, size)),
+            _columns(down, down_fmt, start, size, moe.intermediate_size, names[2], moe.tp.world_size, moe.tp.rank))
 
 
 def vocab_share(layer: VocabParallelEmbedding, rows: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 
 Keyed by the file's ``general.architecture``; the names are llama.cpp's (gguf-py's
 ``TENSOR_NAMES``), those of decoder layer ``N`` under ``blk.N.``. Our module (under
-``model.layers.N``) takes its GGUF tensors' ``.weight`` rows in the order listed (a merged layer:
-q | k | v, gate | up) and, where the module has a bias, their ``.bias`` likewise.
+``model.layers.N``; GPT-2's and Falcon's under ``transformer.h.N``) takes its GGUF tensors'
+``.weight`` rows in the order listed (a merged layer: q | k | v, gate | up) and, where the
+module has a bias, their ``.bias`` likewise.
 
 =======  =========================  ========================================================================
 file     served as (``config``)     differences from ``llama``'s map
@@ -22,7 +23,28 @@ gemma2   Gemma 2                    no permutation; ``post_attention_norm``, ``f
                                     RMSNorm applies), loaded as the stored value minus 1 in float32, as
                                     transformers' ``Gemma2TensorProcessor`` does
 gemma3   Gemma 3 text               gemma2's, plus ``attn_q_norm`` / ``attn_k_norm`` (also ``1 + w``)
+qwen2moe Qwen2-MoE                  qwen2's attention; ``ffn_gate_inp`` (the router, F32) -> ``mlp.gate``; the
+                                    experts stacked ``[E, I, hidden]`` (``ffn_gate_exps``, ``ffn_up_exps``) and
+                                    ``[E, hidden, I]`` (``ffn_down_exps``) -> ``mlp.experts``; the shared
+                                    expert's ``ffn_gate_shexp`` | ``ffn_up_shexp``, ``ffn_down_shexp``, and its
+                                    gate ``ffn_gate_inp_shexp`` (``[hidden]``: the converter squeezes ``[1,
+                                    hidden]``)
+qwen3moe Qwen3-MoE                  qwen3's attention (q / k norms), qwen2moe's router and experts, no shared
+                                    expert
+gpt2     GPT-2                      under ``transformer``: ``position_embd`` -> ``wpe``; LayerNorms with
+                                    biases; ``attn_qkv`` (rows q | k | v), ``attn_output``, ``ffn_up``,
+                                    ``ffn_down`` with biases, stored as ``nn.Linear`` rows (the converter
+                                    transposed HF's ``Conv1D`` ``[in, out]``): our layers' rows as they are
+falcon   Falcon                     under ``transformer``: ``attn_qkv`` rows q | k | v (the converter
+                                    de-interleaved HF's per-KV-group ``query_key_value``: our layer's own
+                                    order); ``attn_norm`` is ``input_layernorm`` or (the new decoder
+                                    architecture) ``ln_mlp``, ``attn_norm_2`` ``ln_attn``; no biases
 =======  =========================  ========================================================================
+
+Only llama.cpp's ``llama`` converter permutes q / k rows: qwen2moe, qwen3moe and falcon use
+NeoX-style RoPE, stored in Hugging Face's order; gpt2 has no RoPE. A module of the map that
+this model does not have (Falcon's ``ln_attn`` in the old architecture, Qwen3-MoE's shared
+expert) is skipped; a file tensor nothing read is an error.
 
 Phi-3 files with ``rope_factors_long`` / ``rope_factors_short`` (LongRoPE) are not served: the
 factors are tensors transformers does not read into the config, so the model would rotate
@@ -33,25 +55,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: our module (from the model's root) -> its GGUF tensor, for the ``model.layers`` architectures
+MODEL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
 
 @dataclass(frozen=True)
 class GGUFTensorMap:
     """One GGUF architecture's tensors -> our modules.
 
-    ``layer``: our module under ``model.layers.N`` -> its GGUF tensors under ``blk.N`` in row
-    order; ``permuted``: the tensor kinds whose rows llama.cpp permuted for its RoPE, with the
+    ``layer``: our module under ``<layers>.N`` -> its GGUF tensors under ``blk.N`` in row
+    order (a :class:`~services.executor.layers.fused_moe.FusedMoE`: gate, up, down experts);
+    ``model``: our modules from the model's root -> their GGUF tensor (the embedding's is
+    ``token_embd``, the LM head's ``output``); ``layers``: the decoder layers' list from the
+    root; ``permuted``: the tensor kinds whose rows llama.cpp permuted for its RoPE, with the
     attention's head count that permutes them (``"q"`` or ``"kv"``); ``norm_offset``: what the
     file adds to every norm weight; ``ignored``: tensors that are read by nothing.
     """
 
     layer: dict[str, tuple[str, ...]]
+    model: dict[str, str] = field(default_factory=lambda: dict(MODEL_TENSORS))
+    layers: str = "model.layers"
     permuted: dict[str, str] = field(default_factory=dict)
     norm_offset: float = 0.0
     ignored: tuple[str, ...] = ()
 
-
-#: our module (from the model's root) -> its GGUF tensor, the same for every architecture
-MODEL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 _LLAMA_LAYER = {
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
@@ -69,6 +96,23 @@ _GEMMA2_LAYER = {
     "post_feedforward_layernorm": ("post_ffw_norm",),
 }
 
+_ATTENTION = {k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("mlp.")}
+_MOE = {"mlp.gate": ("ffn_gate_inp",), "mlp.experts": ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+_SHARED_EXPERT = {
+    "mlp.shared_expert.gate_up_proj": ("ffn_gate_shexp", "ffn_up_shexp"),
+    "mlp.shared_expert.down_proj": ("ffn_down_shexp",),
+    "mlp.shared_expert_gate": ("ffn_gate_inp_shexp",),
+}
+_GPT2_LAYER = {"ln_1": ("attn_norm",), "attn.c_attn": ("attn_qkv",), "attn.c_proj": ("attn_output",),
+               "ln_2": ("ffn_norm",), "mlp.c_fc": ("ffn_up",), "mlp.c_proj": ("ffn_down",)}
+_FALCON_LAYER = {
+    "self_attention.query_key_value": ("attn_qkv",), "self_attention.dense": ("attn_output",),
+    "mlp.dense_h_to_4h": ("ffn_up",), "mlp.dense_4h_to_h": ("ffn_down",),
+    "input_layernorm": ("attn_norm",),  # the old architecture, or the new one with one norm
+    "ln_mlp": ("attn_norm",), "ln_attn": ("attn_norm_2",),  # the new architecture's two norms
+}
+_TRANSFORMER = {"transformer.ln_f": "output_norm", "lm_head": "output"}
+
 GGUF_TENSOR_MAPS: dict[str, GGUFTensorMap] = {
     "llama": GGUFTensorMap(_LLAMA_LAYER, permuted={"attn_q": "q", "attn_k": "kv"}, ignored=("rope_freqs.weight",)),
     "qwen2": GGUFTensorMap(_LLAMA_LAYER),
@@ -76,6 +120,12 @@ GGUF_TENSOR_MAPS: dict[str, GGUFTensorMap] = {
     "phi3": GGUFTensorMap({**_LLAMA_LAYER, "self_attn.qkv_proj": ("attn_qkv",), "mlp.gate_up_proj": ("ffn_up",)}),
     "gemma2": GGUFTensorMap(_GEMMA2_LAYER, norm_offset=1.0),
     "gemma3": GGUFTensorMap({**_GEMMA2_LAYER, **_QK_NORMS}, norm_offset=1.0),
+    "qwen2moe": GGUFTensorMap({**_ATTENTION, **_MOE, **_SHARED_EXPERT}),
+    "qwen3moe": GGUFTensorMap({**_ATTENTION, **_QK_NORMS, **_MOE}),
+    "gpt2": GGUFTensorMap(_GPT2_LAYER, {"transformer.wte": "token_embd", "transformer.wpe": "position_embd",
+                                        **_TRANSFORMER}, layers="transformer.h"),
+    "falcon": GGUFTensorMap(_FALCON_LAYER, {"transformer.word_embeddings": "token_embd", **_TRANSFORMER},
+                            layers="transformer.h"),
 }
 
 

@@ -1,0 +1,140 @@
+"""GPT-2, Falcon, Qwen2-MoE and Qwen3-MoE served from GGUF files (``tests/gguf_files.py`` writes
+them as llama.cpp's converter does: GPT-2's ``Conv1D`` weights transposed, Falcon's fused
+q | k | v de-interleaved, the MoE experts stacked ``[E, rows, K]``), every matrix kept in its
+blocks but the MoE routers (F32 in llama.cpp's files), the experts too (``layers/gguf_moe.py``:
+one GGUF matmul per expert); greedy tokens in float32 equal Hugging Face's ``generate`` on the
+model transformers loads from the same file.
+
+Where transformers' reading of a file leaves what it states to the config class's defaults
+(``shared/gguf_config.py``: Falcon's new decoder architecture, Qwen-MoE expert sizes other than
+Qwen1.5-MoE-A2.7B's and Qwen3-30B-A3B's), transformers cannot load the file's tensors into its
+model; the reference is then Hugging Face's model of the original config holding the weights
+the file holds (the writer's state dict).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_files import write_gguf
+from greedy import hf_greedy, paged_greedy
+from test_gguf_archs_e2e import PROMPTS, _cache
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    FalconConfig,
+    GPT2Config,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+
+from pagedllm import LLM, SamplingParams
+from services.executor.layers import gguf as G
+from services.executor.layers.embedding import VocabParallelEmbedding
+from services.executor.layers.gguf_moe import GGUFMoEMethod
+from services.executor.layers.linear import LinearBase
+from services.executor.models import get_model_class
+from shared.model_source import prepare_gguf_model
+
+NO_IDS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+#: 2 layers, hidden 256 (the K-quants' super-block), 4 heads; 4 experts, 2 per token
+_MOE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, num_experts=4, num_experts_per_tok=2, **NO_IDS)
+CONFIGS = {
+    # an output matrix of its own: llama.cpp's older GPT-2 conversions wrote the tied wte again
+    "gpt2": lambda: GPT2Config(vocab_size=1024, n_embd=256, n_layer=2, n_head=4, n_positions=1024,
+                               tie_word_embeddings=False, **NO_IDS),
+    # Falcon-7B's form: multi-query, one norm, parallel attention (transformers reads every file so)
+    "falcon": lambda: FalconConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   **NO_IDS),
+    # the expert sizes transformers' reading leaves at Qwen2MoeConfig's defaults (Qwen1.5-MoE-A2.7B's):
+    # 1408 (down experts in 32-element blocks), shared 5632
+    "qwen2_moe": lambda: Qwen2MoeConfig(**_MOE),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**_MOE, norm_topk_prob=True),  # experts of 768 (the default)
+}
+
+
+def _check_kept(model, model_type: str) -> None:
+    """Every matrix in its blocks but the routers; merged shards and experts in the file's formats."""
+    routers = {m for layer in getattr(model, "model", model).modules() for name, m in layer.named_children()
+               if name in ("gate", "shared_expert_gate") and model_type.endswith("moe")}
+    layers = [m for m in model.modules() if isinstance(m, LinearBase | VocabParallelEmbedding) and m not in routers]
+    assert all(m.quant_method.quantized for m in layers)  # nothing dequantized
+    assert all(not r.quant_method.quantized for r in routers)  # F32 in the file
+    if model_type == "gpt2":
+        block = model.transformer.h[0]
+        assert [block.attn.c_attn.quant_method.fmt, block.attn.c_proj.quant_method.fmt, block.mlp.c_fc.quant_method.fmt,
+                model.lm_head.quant_method.fmt] == [G.Q8_0, G.Q4_0, G.Q4_K, G.Q6_K]
+    elif model_type == "falcon":
+        attn = model.transformer.h[0].self_attention
+        assert [attn.query_key_value.quant_method.fmt, attn.dense.quant_method.fmt] == [G.Q8_0, G.Q4_0]
+    else:
+        for i, down in enumerate((G.Q8_0, G.Q4_0)):  # layer 1's down experts Q4_0
+            experts = model.model.layers[i].mlp.experts
+            assert isinstance(experts.experts_method, GGUFMoEMethod) and experts.w13.numel() == 0
+            assert experts.experts_method.fmts == (G.Q4_K, G.Q8_0, down)
+            assert [p.fmt for p in experts.gguf_experts[0].gate_up.quant_method.parts] == [G.Q4_K, G.Q8_0]
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_gguf_served_directly_gives_the_tokens_of_transformers_reading_of_the_file(model_type, tmp_path,
+                                                                                  smollm2_path):
+    path = tmp_path / f"tiny-{model_type}.gguf"
+    state = write_gguf(path, CONFIGS[model_type](), smollm2_path)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=8 << 20, cache_dir=str(_cache(tmp_path))) as llm:
+        served = llm.model_info.path
+        ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                             use_tqdm=False)]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    assert hf.config.model_type == model_type
+    loaded = hf.state_dict()
+    assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[k], v) for k, v in state.items())
+    hf.eval().generation_config.eos_token_id = None  # ours ignores EOS: so does the reference
+    ref = [hf_greedy(hf, p, 6)[0] for p in PROMPTS]
+    assert ours == ref
+    assert len({tuple(t) for t in ref}) > 1
+
+    config = AutoConfig.from_pretrained(served)  # the served directory's config, as the executor reads it
+    model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+    model.load_weights(served)
+    _check_kept(model, model_type)
+
+
+#: files whose config transformers' reading gets wrong (``shared/gguf_config.py`` completes it)
+COMPLETED = {
+    # Falcon-40B's form: 2 KV groups of 2 query heads, ln_attn and ln_mlp, an untied LM head
+    "falcon-new-architecture": lambda: FalconConfig(
+        vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True,
+        num_kv_heads=2, tie_word_embeddings=False, layer_norm_epsilon=2**-10, **NO_IDS),  # exact in float32
+    # Falcon 2's: the new architecture with one norm
+    "falcon2-one-norm": lambda: FalconConfig(
+        vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True,
+        num_kv_heads=2, num_ln_in_parallel_attn=1, **NO_IDS),
+    # experts of 256 and a shared expert of 512: not Qwen2MoeConfig's defaults
+    "qwen2-moe-expert-sizes": lambda: Qwen2MoeConfig(**_MOE, moe_intermediate_size=256,
+                                                     shared_expert_intermediate_size=512),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPLETED))
+def test_the_served_config_takes_the_architecture_the_file_states(name, tmp_path, smollm2_path):
+    """The served directory's config is the original model's where transformers' reading is not,
+    so the served model gives the greedy tokens of Hugging Face's model of the original config on
+    the weights the file holds."""
+    original = COMPLETED[name]()
+    path = tmp_path / f"{name}.gguf"
+    state = write_gguf(path, original, smollm2_path)
+    served = prepare_gguf_model(path, tmp_path / "cache")
+    config = AutoConfig.from_pretrained(served)
+    keys = (("new_decoder_architecture", "num_kv_heads", "num_ln_in_parallel_attn", "layer_norm_epsilon",
+             "tie_word_embeddings") if name.startswith("falcon") else
+            ("moe_intermediate_size", "shared_expert_intermediate_size"))
+    assert [getattr(config, k) for k in keys] == pytest.approx([getattr(original, k) for k in keys], rel=1e-7)
+    model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+    model.load_weights(served)
+    hf = AutoModelForCausalLM.from_config(original, dtype=torch.float32)
+    hf.load_state_dict(state)
+    hf.eval()
+    prompts = [[1, 2, 3, 400, 500, 700], list(range(300, 340))]
+    assert paged_greedy(model, prompts, 6)[0] == [hf_greedy(hf, p, 6)[0] for p in prompts]
