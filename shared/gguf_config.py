@@ -9,6 +9,15 @@ config class's defaults, which for several architectures are not the file's mode
 file        completed from the file
 ==========  ===========================================================================================
 any         ``head_dim`` from ``<arch>.attention.key_length`` (Qwen3Config's default is 128)
+llama       Llama 3.1's RoPE scaling from ``rope_freqs.weight`` (``[head_dim / 2]`` float32: each
+            frequency's divisor, as llama.cpp's converter computes it from the ``llama3`` scaling
+            and llama.cpp applies it), served as a ``longrope`` scaling with those divisors as both
+            factor lists and ``attention_factor`` 1 (LongRoPE's frequencies are ``1 / (factor_i
+            theta ** (2i / d))``: llama.cpp's; transformers' reading drops the tensor, and with it
+            the scaling of the low frequencies at every position)
+phi3        LongRoPE (Phi-3 128k) from ``rope_factors_long`` / ``rope_factors_short`` (``[head_dim / 2]``
+            float32 tensors), ``phi3.rope.scaling.original_context_length`` and
+            ``phi3.rope.scaling.attn_factor``: a ``longrope`` scaling (transformers' reading drops it)
 gemma3      the full-attention layers' linear RoPE scaling (``gemma3.rope.scaling.type`` / ``.factor``)
 qwen2moe    ``moe_intermediate_size`` from ``expert_feed_forward_length`` and
             ``shared_expert_intermediate_size`` from ``expert_shared_feed_forward_length`` (unmapped:
@@ -35,6 +44,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 class GGUFConfigError(ValueError):
     """The file is of a form that is not served from GGUF (the message says why)."""
@@ -56,9 +67,9 @@ def complete_gguf_config(config: dict, reader: Any, gguf: Path) -> None:
     (read by ``reader``, a ``GGUFReader``) with what the file states (the module docstring's table).
 
     Raises:
-        GGUFConfigError: a Phi-3 file with LongRoPE factors (``rope_factors_long`` /
-            ``rope_factors_short``: tensors transformers does not read into the config, so the
-            served model would rotate otherwise than its checkpoint).
+        GGUFConfigError: RoPE factors (``rope_freqs``, ``rope_factors_*``) that are not one
+            positive value per rotated pair, LongRoPE factors in a file other than phi3's or
+            without their original context length.
     """
     arch = gguf_value(reader, "general.architecture")
     head_dim = gguf_value(reader, f"{arch}.attention.key_length")
@@ -79,10 +90,68 @@ def complete_gguf_config(config: dict, reader: Any, gguf: Path) -> None:
         config["n_inner"] = _rows(reader, "blk.0.ffn_up.weight") or config.get("n_inner")
     if arch == "falcon":
         _complete_falcon(config, reader)
+    if arch == "llama" and any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        _rope_freqs(config, reader, gguf)
     if any(t.name.startswith("rope_factors_") for t in reader.tensors):
-        raise GGUFConfigError(f"{gguf}: {arch} GGUF files with LongRoPE factors (rope_factors_long / short) are "
-                              "not served from GGUF (transformers reads no LongRoPE from them); convert it to a "
-                              "Hugging Face directory")
+        _longrope(config, reader, gguf, arch)
+
+
+def _factors(config: dict, reader: Any, gguf: Path, name: str) -> list[float]:
+    """The float32 tensor ``name``: one positive RoPE factor per rotated pair of a head's dimensions.
+
+    Raises:
+        GGUFConfigError: it is missing, or not one positive value per pair.
+    """
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    factors = [] if tensor is None else [float(v) for v in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    pairs = int(head_dim * config.get("partial_rotary_factor", 1.0)) // 2
+    if len(factors) != pairs or min(factors) <= 0:
+        raise GGUFConfigError(f"{gguf}: {name} holds {len(factors)} values (smallest {min(factors, default=0):g}); "
+                              f"a head rotating {2 * pairs} dimensions needs {pairs}, each positive")
+    return factors
+
+
+def _rope_freqs(config: dict, reader: Any, gguf: Path) -> None:
+    """Llama 3.1's frequency divisors (``rope_freqs.weight``) as a ``longrope`` scaling (the module
+    docstring's table).
+
+    Raises:
+        GGUFConfigError: not one positive divisor per rotated pair of dimensions.
+    """
+    factors = _factors(config, reader, gguf, "rope_freqs.weight")
+    rope = config.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    config["rope_parameters"] = {
+        "rope_type": "longrope", "rope_theta": theta, "short_factor": factors, "long_factor": factors,
+        "factor": 1.0, "attention_factor": 1.0,  # one list for every length: no long-context switch
+    }
+
+
+def _longrope(config: dict, reader: Any, gguf: Path, arch: str) -> None:
+    """Phi-3's LongRoPE as llama.cpp's converter stores it (the module docstring's table).
+
+    Raises:
+        GGUFConfigError: another architecture than phi3, factors that do not fit the heads, or no
+            ``<arch>.rope.scaling.original_context_length``.
+    """
+    if arch != "phi3":
+        raise GGUFConfigError(f"{gguf}: LongRoPE factors (rope_factors_long / short) are served from phi3 GGUF "
+                              f"files only, not {arch}")
+    original = gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise GGUFConfigError(f"{gguf}: LongRoPE factors without {arch}.rope.scaling.original_context_length")
+    rope = config.get("rope_parameters") or {}
+    config["rope_parameters"] = {
+        "rope_type": "longrope", "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+        "short_factor": _factors(config, reader, gguf, "rope_factors_short.weight"),
+        "long_factor": _factors(config, reader, gguf, "rope_factors_long.weight"),
+        "original_max_position_embeddings": int(original),
+    }
+    config["original_max_position_embeddings"] = int(original)
+    attention_factor = gguf_value(reader, f"{arch}.rope.scaling.attn_factor")
+    if attention_factor is not None:
+        config["rope_parameters"]["attention_factor"] = float(attention_factor)
 
 
 def _complete_falcon(config: dict, reader: Any) -> None:

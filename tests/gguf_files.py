@@ -19,6 +19,7 @@ tokens and the merges among them; token 1 BOS, 2 EOS, 0 padding).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +120,32 @@ def _write_hparams(writer, config, arch: str) -> None:
     if arch == "gemma3" and rope.get("rope_type") == "linear":  # the full-attention layers' scaling
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "phi3" and rope.get("rope_type") == "longrope":  # the factors are tensors (write_gguf)
+        original = rope["original_max_position_embeddings"]
+        scale = c.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+
+
+def llama3_rope_freqs(config) -> np.ndarray:  # [head_dim / 2] float32
+    """llama.cpp's converter's ``rope_freqs`` for a ``llama3`` RoPE scaling (Llama 3.1): each
+    frequency's divisor, 1 for wavelengths below ``original / high_freq_factor``, ``factor`` above
+    ``original / low_freq_factor``, ``1 / ((1 - smooth) / factor + smooth)`` between."""
+    rope = config.rope_parameters
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelen < old / high:
+            divisors.append(1.0)
+        elif wavelen > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
 
 
 def _quantize(w: np.ndarray, fmt: G.BlockFormat) -> tuple[np.ndarray, np.ndarray]:
@@ -224,6 +251,12 @@ def write_gguf(path: Path, config, tokenizer_dir: Path, formats: dict[str, G.Blo
             stored = llama_cpp_permute(stored, config.num_attention_heads if name.endswith(".attn_q")
                                        else config.num_key_value_heads)
         writer.add_tensor(f"{name}.{suffix}", np.ascontiguousarray(stored))
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type")
+    if rope_type == "llama3":
+        extra = {"rope_freqs.weight": llama3_rope_freqs(config), **(extra or {})}
+    if rope_type == "longrope" and arch == "phi3":
+        extra = {f"rope_factors_{k}.weight": np.array(config.rope_parameters[f"{k}_factor"], dtype=np.float32)
+                 for k in ("long", "short")} | (extra or {})
     for name, values in (extra or {}).items():
         writer.add_tensor(name, values.astype(np.float32))
     if tied:

@@ -15,10 +15,12 @@ dict: for every other architecture it equals transformers' reading, checked here
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
-from gguf_files import write_gguf
+from gguf_files import llama3_rope_freqs, write_gguf
 from greedy import hf_greedy
 from transformers import (
     AutoConfig,
@@ -138,6 +140,16 @@ COMPLETED = {
         **{**TINY, "num_hidden_layers": 6}, head_dim=64, sliding_window=16,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}),
+    # Llama 3.1's scaling, stored as rope_freqs.weight (one divisor per rotated pair); with a context of 256
+    # the 32 pairs of a 64-dimension head fall in all three bands: kept, smoothed, divided by 8
+    "llama3-rope-freqs": lambda: LlamaConfig(**TINY, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256, "rope_theta": 10000.0}),
+    # Phi-3 128k's LongRoPE, stored as rope_factors_long / _short tensors and phi3.rope.scaling.* keys: the 6-token
+    # prompt rotates by the short factors, the 40-token one (over the original 32) by the long ones
+    "phi3-longrope": lambda: Phi3Config(**TINY, original_max_position_embeddings=32, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1 + i / 64 for i in range(32)],
+        "long_factor": [1 + i / 6 for i in range(32)]}),
 }
 
 
@@ -157,6 +169,20 @@ def test_the_served_config_takes_what_the_file_states_beyond_transformers_readin
     config = AutoConfig.from_pretrained(served)
     if name.startswith("qwen3"):
         assert (read["head_dim"], config.head_dim) == (128, 64)
+    elif name.startswith("llama3"):  # served as LongRoPE: 1 / (divisor_i theta^(2i / d)), one list at every length
+        freqs = llama3_rope_freqs(original).tolist()
+        assert read["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+        assert sorted(set(freqs))[0] == 1.0 and max(freqs) == 8.0 and len(set(freqs)) > 3
+        assert config.rope_parameters == {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": freqs,
+                                          "long_factor": freqs, "factor": 1.0, "attention_factor": 1.0,
+                                          "original_max_position_embeddings": 512}  # transformers adds it
+    elif name.startswith("phi3"):
+        assert read["rope_parameters"]["rope_type"] == "default"
+        rope, want = config.rope_parameters, original.rope_parameters
+        for key in ("short_factor", "long_factor"):
+            assert rope[key] == torch.tensor(want[key], dtype=torch.float32).tolist()
+        assert (rope["original_max_position_embeddings"], config.original_max_position_embeddings) == (32, 32)
+        assert rope["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(512 / 32) / math.log(32)), rel=1e-6)
     else:
         assert read["rope_parameters"]["full_attention"] == {"rope_type": "default", "rope_theta": 1000000.0}
         assert config.rope_parameters["full_attention"] == original.rope_parameters["full_attention"]
@@ -167,14 +193,26 @@ def test_the_served_config_takes_what_the_file_states_beyond_transformers_readin
     hf.load_state_dict(state)
     hf.eval()
     prompts = [[1, 2, 3, 400, 500, 700], list(range(300, 340))]
-    assert paged_greedy(model, prompts, 6)[0] == [hf_greedy(hf, p, 6)[0] for p in prompts]
+    ours, logits = paged_greedy(model, prompts, 6)
+    refs = [hf_greedy(hf, p, 6) for p in prompts]
+    assert ours == [tokens for tokens, _ in refs]
+    if name[:6] in ("llama3", "phi3-l"):  # the scaling matters here: without it (transformers' reading) other logits
+        torch.testing.assert_close(logits[1], refs[1][1], rtol=1e-4, atol=1e-4)
+        unscaled = AutoModelForCausalLM.from_config(type(original)(**TINY), dtype=torch.float32)
+        unscaled.load_state_dict(state)
+        assert (hf_greedy(unscaled.eval(), prompts[1], 1)[1] - refs[1][1]).abs().max() > 0.05
 
 
-def test_a_phi3_file_with_longrope_factors_is_refused(tmp_path, smollm2_path):
-    """LongRoPE's factors are tensors of the file, which transformers does not read into the config."""
-    path = tmp_path / "phi3-longrope.gguf"
+def test_rope_factors_that_do_not_fit_are_refused(tmp_path, smollm2_path):
+    """LongRoPE factors are served from phi3 files only, one positive factor per rotated pair."""
     head = TINY["hidden_size"] // TINY["num_attention_heads"]
-    write_gguf(path, Phi3Config(**TINY), smollm2_path, extra={"rope_factors_long.weight": np.ones(head // 2),
-                                                              "rope_factors_short.weight": np.ones(head // 2)})
-    with pytest.raises(ModelNotFoundError, match="phi3 GGUF files with LongRoPE factors .* are not served"):
-        prepare_gguf_model(path, tmp_path / "cache")
+    cases = [(LlamaConfig(**TINY), {"rope_factors_long.weight": np.ones(head // 2), "rope_factors_short.weight":
+                                    np.ones(head // 2)}, "served from phi3 GGUF files only, not llama"),
+             (COMPLETED["phi3-longrope"](), {"rope_factors_long.weight": np.ones(head)},
+              f"rope_factors_long.weight holds {head} values .* needs {head // 2}"),
+             (LlamaConfig(**TINY), {"rope_freqs.weight": np.zeros(head // 2)}, "smallest 0")]
+    for i, (config, extra, message) in enumerate(cases):
+        path = tmp_path / f"bad-{i}.gguf"
+        write_gguf(path, config, smollm2_path, extra=extra)
+        with pytest.raises(ModelNotFoundError, match=message):
+            prepare_gguf_model(path, tmp_path / "cache")

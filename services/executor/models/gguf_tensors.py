@@ -11,8 +11,9 @@ module has a bias, their ``.bias`` likewise.
 file     served as (``config``)     differences from ``llama``'s map
 =======  =========================  ========================================================================
 llama    Llama, Mistral             (the base) q and k rows, biases too, stored permuted for llama.cpp's RoPE
-                                    (pairs of a head's rows interleaved); ``rope_freqs`` (Llama 3's RoPE
-                                    factors) not read, as transformers does not read them
+                                    (pairs of a head's rows interleaved); ``rope_freqs`` (Llama 3.1's RoPE
+                                    divisors) is no weight: ``shared/gguf_config.py`` serves it as the
+                                    config's RoPE scaling
 qwen2    Qwen2                      no permutation; ``attn_q`` / ``attn_k`` / ``attn_v.bias`` ->
                                     ``qkv_proj.bias``
 qwen3    Qwen3                      no permutation; ``attn_q_norm`` / ``attn_k_norm`` -> per-head q / k norms
@@ -46,9 +47,9 @@ NeoX-style RoPE, stored in Hugging Face's order; gpt2 has no RoPE. A module of t
 this model does not have (Falcon's ``ln_attn`` in the old architecture, Qwen3-MoE's shared
 expert) is skipped; a file tensor nothing read is an error.
 
-Phi-3 files with ``rope_factors_long`` / ``rope_factors_short`` (LongRoPE) are not served: the
-factors are tensors transformers does not read into the config, so the model would rotate
-differently from its checkpoint.
+RoPE factors stored as tensors (Llama 3.1's ``rope_freqs``, Phi-3's LongRoPE ``rope_factors_long``
+/ ``rope_factors_short``) are no weights: ``shared/gguf_config.py`` puts them in the served
+config's RoPE scaling.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ GGUF_TENSOR_MAPS: dict[str, GGUFTensorMap] = {
     "llama": GGUFTensorMap(_LLAMA_LAYER, permuted={"attn_q": "q", "attn_k": "kv"}, ignored=("rope_freqs.weight",)),
     "qwen2": GGUFTensorMap(_LLAMA_LAYER),
     "qwen3": GGUFTensorMap({**_LLAMA_LAYER, **_QK_NORMS}),
-    "phi3": GGUFTensorMap({**_LLAMA_LAYER, "self_attn.qkv_proj": ("attn_qkv",), "mlp.gate_up_proj": ("ffn_up",)}),
+    "phi3": GGUFTensorMap({**_LLAMA_LAYER, "self_attn.qkv_proj": ("attn_qkv",), "mlp.gate_up_proj": ("ffn_up",)},
+                          ignored=("rope_factors_long.weight", "rope_factors_short.weight")),
     "gemma2": GGUFTensorMap(_GEMMA2_LAYER, norm_offset=1.0),
     "gemma3": GGUFTensorMap({**_GEMMA2_LAYER, **_QK_NORMS}, norm_offset=1.0),
     "qwen2moe": GGUFTensorMap({**_ATTENTION, **_MOE, **_SHARED_EXPERT}),
