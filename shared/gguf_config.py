@@ -18,6 +18,10 @@ llama       Llama 3.1's RoPE scaling from ``rope_freqs.weight`` (``[head_dim / 2
 phi3        LongRoPE (Phi-3 128k) from ``rope_factors_long`` / ``rope_factors_short`` (``[head_dim / 2]``
             float32 tensors), ``phi3.rope.scaling.original_context_length`` and
             ``phi3.rope.scaling.attn_factor``: a ``longrope`` scaling (transformers' reading drops it)
+gemma2,     ``query_pre_attn_scalar`` (the softmax scale's square), which no key states: ``head_dim``,
+gemma3      and ``hidden_size / num_attention_heads`` for the 27B models (46 layers for Gemma 2, 62 for
+            Gemma 3), as llama.cpp decides it (transformers keeps the config class's 256: right for
+            Gemma 2 2B / 9B and Gemma 3 up to 12B, not for the 27B ones, 144 and 168)
 gemma3      the full-attention layers' linear RoPE scaling (``gemma3.rope.scaling.type`` / ``.factor``)
 qwen2moe    ``moe_intermediate_size`` from ``expert_feed_forward_length`` and
             ``shared_expert_intermediate_size`` from ``expert_shared_feed_forward_length`` (unmapped:
@@ -76,6 +80,10 @@ def complete_gguf_config(config: dict, reader: Any, gguf: Path) -> None:
     if head_dim is not None:
         config["head_dim"] = int(head_dim)
     scaling, factor = gguf_value(reader, f"{arch}.rope.scaling.type"), gguf_value(reader, f"{arch}.rope.scaling.factor")
+    if arch in ("gemma2", "gemma3"):
+        big = config.get("num_hidden_layers") == {"gemma2": 46, "gemma3": 62}[arch]
+        config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if big
+                                           else config.get("head_dim", 256))
     if arch == "gemma3" and scaling == "linear" and factor is not None:
         full = config["rope_parameters"]["full_attention"]
         config["rope_parameters"]["full_attention"] = {**full, "rope_type": "linear", "factor": float(factor)}

@@ -53,8 +53,10 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=128),  # q/k norms; head_dim != hidden / heads
     "phi3": lambda: Phi3Config(**TINY),  # fused q|k|v (Q8_0), gate|up (Q4_K; layer 1 Q8_0)
     # layer 0 windowed (16 tokens: the 40-token prompt reaches past it), layer 1 full; soft caps
-    "gemma2": lambda: Gemma2Config(**TINY, head_dim=64, sliding_window=16),
-    "gemma3_text": lambda: Gemma3TextConfig(**TINY, head_dim=64, sliding_window=16),  # both layers windowed
+    # head_dim 256, as Gemma 2 2B / 9B and Gemma 3 up to 12B: query_pre_attn_scalar, which no key states, is
+    # head_dim as transformers reads it (its default, 256)
+    "gemma2": lambda: Gemma2Config(**TINY, head_dim=256, sliding_window=16),
+    "gemma3_text": lambda: Gemma3TextConfig(**TINY, head_dim=256, sliding_window=16),  # both layers windowed
 }
 PROMPTS = [[1, 2, 3, 400, 500, 700], [900, 17, 31], list(range(300, 340))]
 
@@ -137,7 +139,7 @@ COMPLETED = {
     # Gemma 3 4B and larger: linear RoPE scaling on the full-attention layers (gemma3.rope.scaling.*)
     # (6 layers: Gemma 3's pattern makes the last one full attention)
     "gemma3-linear-rope": lambda: Gemma3TextConfig(
-        **{**TINY, "num_hidden_layers": 6}, head_dim=64, sliding_window=16,
+        **{**TINY, "num_hidden_layers": 6}, head_dim=64, sliding_window=16, query_pre_attn_scalar=64,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}),
     # Llama 3.1's scaling, stored as rope_freqs.weight (one divisor per rotated pair); with a context of 256
@@ -187,6 +189,7 @@ def test_the_served_config_takes_what_the_file_states_beyond_transformers_readin
         assert read["rope_parameters"]["full_attention"] == {"rope_type": "default", "rope_theta": 1000000.0}
         assert config.rope_parameters["full_attention"] == original.rope_parameters["full_attention"]
         assert config.layer_types == original.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+        assert (read["query_pre_attn_scalar"], config.query_pre_attn_scalar) == (256, 64)  # head_dim
     model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
     model.load_weights(served)
     hf = AutoModelForCausalLM.from_config(original, dtype=torch.float32)
