@@ -23,9 +23,11 @@ import ctypes
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -69,10 +71,23 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     Raises:
         RuntimeError: it ran longer than ``timeout`` seconds (killed).
     """
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{' '.join(cmd)} timed out after {timeout} s") from None
+    # its own process group: a timeout kills the compiler driver's children too (cc1 would
+    # otherwise go on compiling, orphaned)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise RuntimeError(f"{' '.join(cmd)} timed out after {timeout} s") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _check(cmd: list[str], proc: subprocess.CompletedProcess) -> None:
+    """Raises RuntimeError with the end of its stderr when ``cmd`` failed."""
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
 
 
 def find_compiler() -> str | None:
@@ -113,10 +128,14 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (), cache_
         objs = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
         lib = Path(tmp) / "kernels.so"
         cmds = [[cc, *compile_flags, str(src), "-o", obj] for src, obj in zip(SOURCES, objs, strict=True)]
-        for cmd in [*cmds, [cc, *LINK_FLAGS, *objs, "-o", str(lib), "-lm"]]:
-            proc = _run(cmd, COMPILE_TIMEOUT_S)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        # the sources compile at once, one per core (cpu_paged_attention.c alone takes about
+        # half of a serial build); the link waits for all of them
+        with ThreadPoolExecutor(max_workers=min(len(cmds), os.cpu_count() or 1)) as pool:
+            procs = list(pool.map(lambda cmd: _run(cmd, COMPILE_TIMEOUT_S), cmds))
+        link = [cc, *LINK_FLAGS, *objs, "-o", str(lib), "-lm"]
+        for cmd, proc in zip(cmds, procs, strict=True):
+            _check(cmd, proc)
+        _check(link, _run(link, COMPILE_TIMEOUT_S))
         umask = os.umask(0)
         os.umask(umask)
         lib.chmod(0o755 & ~umask)  # readable by every user of a shared cache directory
