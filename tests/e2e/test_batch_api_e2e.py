@@ -146,9 +146,9 @@ def test_bad_input_fails_validation_naming_lines_and_oversized_files_are_413(ser
 
 @pytest.mark.timeout(900)
 def test_a_batch_survives_kill_9_of_the_batch_service_and_executor_and_a_nats_restart(smollm2_path, tmp_path):
-    """A 600-line batch on real processes and a nats-server with a file store: the batch
+    """A 300-line batch on real processes and a nats-server with a file store: the batch
     service and the executor are killed with -9 and started again, and nats-server is
-    restarted, while it runs (after 100, 300 and 500 lines: ~100 lines, three times the 32 in
+    restarted, while it runs (after 50, 150 and 250 lines: ~50 lines, three times the 16 in
     flight, are left after the last); it completes with every custom_id exactly once, each
     line's greedy body equal to the same request sent directly."""
     nats_port, http_port = free_port(), free_port()
@@ -157,7 +157,7 @@ def test_a_batch_survives_kill_9_of_the_batch_service_and_executor_and_a_nats_re
     env = clean_env(PAGEDLLM_NATS_URL=server.url, PAGEDLLM_MODEL=str(smollm2_path), PAGEDLLM_DTYPE="float32",
                     PAGEDLLM_KV_CACHE_MEMORY_BYTES=str(64 << 20), PAGEDLLM_PORT=str(http_port),
                     PAGEDLLM_LOG_LEVEL="WARNING", PAGEDLLM_BATCH_MONITOR_INTERVAL_S="0.3",
-                    PAGEDLLM_BATCH_ACK_WAIT_S="6", PAGEDLLM_BATCH_MAX_IN_FLIGHT="32",
+                    PAGEDLLM_BATCH_ACK_WAIT_S="6", PAGEDLLM_BATCH_MAX_IN_FLIGHT="16",
                     PAGEDLLM_HEARTBEAT_INTERVAL_S="0.5", PAGEDLLM_HEARTBEAT_TIMEOUT_S="3")
     names = ("scheduler", "tokenizer", "detokenizer", "executor", "gateway", "batch")
     procs = {name: start_service(name, env) for name in names}
@@ -172,8 +172,8 @@ def test_a_batch_survives_kill_9_of_the_batch_service_and_executor_and_a_nats_re
                 pass
             assert time.monotonic() < deadline, "the stack did not start"
             time.sleep(0.5)
-        lines = [chat_line(f"id-{i}", QUESTIONS[i % len(QUESTIONS)] + f" ({i})", max_tokens=4) for i in range(600)]
-        file = client.files.create(file=("six-hundred.jsonl", jsonl(lines)), purpose="batch")
+        lines = [chat_line(f"id-{i}", QUESTIONS[i % len(QUESTIONS)] + f" ({i})", max_tokens=4) for i in range(300)]
+        file = client.files.create(file=("three-hundred.jsonl", jsonl(lines)), purpose="batch")
         batch = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
 
         def progress(at_least: int) -> None:
@@ -182,15 +182,15 @@ def test_a_batch_survives_kill_9_of_the_batch_service_and_executor_and_a_nats_re
                 assert time.monotonic() < deadline, client.batches.retrieve(batch.id)
                 time.sleep(0.2)
 
-        progress(100)
+        progress(50)
         procs["batch"].send_signal(signal.SIGKILL)  # lines it held are delivered again
         procs["batch"].wait(10)
         procs["batch"] = start_service("batch", env)
-        progress(300)
+        progress(150)
         procs["executor"].send_signal(signal.SIGKILL)  # running lines: 503, retried
         procs["executor"].wait(10)
         procs["executor"] = start_service("executor", env)
-        progress(500)
+        progress(250)
         assert client.batches.retrieve(batch.id).status == "in_progress"  # the restart comes mid-batch
         server.stop()  # nats-server restarts on its file store (store_dir is kept)
         time.sleep(1.0)
@@ -198,11 +198,11 @@ def test_a_batch_survives_kill_9_of_the_batch_service_and_executor_and_a_nats_re
         batch = wait_for(client, batch.id, ("completed", "failed"), 600)
         assert batch.status == "completed", batch
         assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == \
-            (600, 600, 0)
+            (300, 300, 0)
         out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
-        assert [o["custom_id"] for o in out] == [f"id-{i}" for i in range(600)]  # each once, in input order
+        assert [o["custom_id"] for o in out] == [f"id-{i}" for i in range(300)]  # each once, in input order
         assert batch.error_file_id is None
-        for i in (0, 1, 499, 599):
+        for i in (0, 1, 249, 299):
             direct = client.chat.completions.create(**lines[i]["body"]).model_dump(mode="json", exclude_unset=True)
             assert comparable(out[i]["response"]["body"]) == comparable(direct)
     finally:
