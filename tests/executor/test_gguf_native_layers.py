@@ -23,9 +23,11 @@ PROMPTS = [[1, 9690, 28, 314, 2234], [1, 504, 3458, 282, 4649, 314, 982, 30, 198
 
 
 @NEEDS_KERNEL
-def test_gguf_blocks_run_in_the_all_layers_c_call(tmp_path, monkeypatch, interleaved_gguf):
+def test_gguf_blocks_run_in_the_all_layers_c_call(smollm2_path, monkeypatch, interleaved_gguf):
     monkeypatch.setattr(ops, "prefer_native_gemm", lambda: True)
-    path = prepare_gguf_model(_gguf_path(), tmp_path)
+    # the bundled file's serving directory in the session's cache, as LLM and serve of it prepare
+    # it (tests/e2e/test_gguf_e2e.py): written once (~10 s: transformers reads the whole file), not per test
+    path = prepare_gguf_model(_gguf_path(), smollm2_path.parent)
     config = AutoConfig.from_pretrained(path)
     model = get_model_class(config)(config, dtype=torch.bfloat16, device="cpu", native_cpu_kernels=True)
     model.load_weights(path)
