@@ -82,9 +82,21 @@ def hf_smollm2_greedy(hf_smollm2) -> list[list[int]]:
     return hf_greedy(hf_smollm2, PROMPTS, 24)
 
 
-def test_smollm2_greedy_parity(smollm2_path, hf_smollm2_greedy):
-    ours = pagedllm_greedy(smollm2_path, PROMPTS, 24)
-    assert ours == hf_smollm2_greedy
+@pytest.fixture(scope="module")
+def smollm2_llm(smollm2_path):
+    """One float32 SmolLM2 engine (64 MiB of KV cache) for this module's tests that only
+    generate with it; none leaks a KV block (checked at the end)."""
+    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=64 << 20) as llm:
+        yield llm
+        assert all(g.num_free_blocks == g.num_blocks for g in llm.stats().groups)
+
+
+def test_smollm2_greedy_parity(smollm2_llm, hf_smollm2_greedy):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = smollm2_llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(g.num_free_blocks == g.num_blocks for g in smollm2_llm.stats().groups)  # nothing leaked
+    assert [o.prompt for o in outs] == PROMPTS
+    assert [o.outputs[0].token_ids for o in outs] == hf_smollm2_greedy
 
 
 @pytest.mark.parametrize(
@@ -141,7 +153,7 @@ def test_gpu_engine_check_script_runs_on_cpu(smollm2_path):
     assert lines[-1] == "engine check: PASS", proc.stdout[-2000:]
 
 
-def test_smollm2_logprobs_match_hugging_face(smollm2_path, hf_smollm2):
+def test_smollm2_logprobs_match_hugging_face(smollm2_llm, hf_smollm2):
     """``logprobs`` equal the log-softmax of Hugging Face's float32 logits at each generated
     token: greedy requests of different lengths batched with a sampled ``n=2`` request (its
     second sample forked from the first's prefill). Each position's dict holds the sampled
@@ -151,8 +163,7 @@ def test_smollm2_logprobs_match_hugging_face(smollm2_path, hf_smollm2):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     sampled = SamplingParams(temperature=0.7, seed=11, n=2, max_tokens=8, ignore_eos=True, logprobs=2)
     prompts = PROMPTS[:4]
-    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=64 << 20) as llm:
-        outs = llm.generate(prompts + [PROMPTS[1]], [greedy] * len(prompts) + [sampled], use_tqdm=False)
+    outs = smollm2_llm.generate(prompts + [PROMPTS[1]], [greedy] * len(prompts) + [sampled], use_tqdm=False)
     checked = 0
     for out, params in zip(outs, [greedy] * len(prompts) + [sampled], strict=True):
         assert len(out.outputs) == params.n
@@ -182,7 +193,7 @@ def test_smollm2_logprobs_match_hugging_face(smollm2_path, hf_smollm2):
     assert outs[-1].outputs[0].token_ids != outs[-1].outputs[1].token_ids  # two different samples
 
 
-def test_smollm2_repetition_penalty_matches_hugging_face(smollm2_path, hf_smollm2, hf_smollm2_greedy):
+def test_smollm2_repetition_penalty_matches_hugging_face(smollm2_llm, hf_smollm2, hf_smollm2_greedy):
     """Greedy decoding with ``repetition_penalty`` 1.3 (CTRL's rule over the prompt and the
     output, in vLLM and in HF's RepetitionPenaltyLogitsProcessor) gives HF's tokens, batched;
     without the penalty the tokens differ (the test would notice a penalty not applied)."""
@@ -196,13 +207,12 @@ def test_smollm2_repetition_penalty_matches_hugging_face(smollm2_path, hf_smollm
                                  repetition_penalty=1.3)
             ref.append(gen[0, ids["input_ids"].shape[1]:].tolist())
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)
-    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=64 << 20) as llm:
-        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    ours = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
     assert ours == ref
     assert ref != [hf_smollm2_greedy[PROMPTS.index(p)][:16] for p in prompts]  # HF's 16 without the penalty
 
 
-def test_smollm2_min_tokens_matches_hugging_face_min_new_tokens(smollm2_path, hf_smollm2):
+def test_smollm2_min_tokens_matches_hugging_face_min_new_tokens(smollm2_llm, hf_smollm2):
     """A chat answer that ends (EOS) after 26 tokens goes on to HF's ``min_new_tokens`` tokens
     with ``min_tokens`` 30: the same greedy tokens, then its own EOS."""
     prompt = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
@@ -211,10 +221,9 @@ def test_smollm2_min_tokens_matches_hugging_face_min_new_tokens(smollm2_path, hf
         ids = tok(prompt, return_tensors="pt")
         gen = model.generate(**ids, max_new_tokens=60, min_new_tokens=30, do_sample=False, pad_token_id=0)
     ref = gen[0, ids["input_ids"].shape[1]:].tolist()
-    with LLM(model=str(smollm2_path), dtype="float32", kv_cache_memory_bytes=64 << 20) as llm:
-        free, held = llm.generate([prompt] * 2, [SamplingParams(temperature=0, max_tokens=60),
-                                                 SamplingParams(temperature=0, max_tokens=60, min_tokens=30)],
-                                  use_tqdm=False)
+    free, held = smollm2_llm.generate([prompt] * 2, [SamplingParams(temperature=0, max_tokens=60),
+                                                     SamplingParams(temperature=0, max_tokens=60, min_tokens=30)],
+                                      use_tqdm=False)
     assert len(free.outputs[0].token_ids) < 30 and free.outputs[0].finish_reason == "stop"
     assert held.outputs[0].token_ids == ref[: len(held.outputs[0].token_ids)]
     assert 30 < len(held.outputs[0].token_ids) and held.outputs[0].finish_reason == "stop"
