@@ -79,10 +79,10 @@ def test_prompt_plus_max_tokens_over_max_model_len_stops_at_max_model_len(llm):
     """As vLLM's LLM (not its OpenAI server): the request runs up to max_model_len and
     finishes with "length"; the others of the batch are unaffected."""
     ids = [100 + i % 997 for i in range(504)]
-    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)  # 504 + 24 > 512
     long, short = llm.generate([ids, "Hello"], params, use_tqdm=False)
     assert len(long.outputs[0].token_ids) == 512 - 504 and long.outputs[0].finish_reason == "length"
-    assert len(short.outputs[0].token_ids) == 100 and short.outputs[0].finish_reason == "length"
+    assert len(short.outputs[0].token_ids) == 24 and short.outputs[0].finish_reason == "length"
     alone = llm.generate([ids], params.model_copy(update={"max_tokens": 8}), use_tqdm=False)[0]
     assert alone.outputs[0].token_ids == long.outputs[0].token_ids
 
