@@ -25,16 +25,16 @@
  * numerics), and weights of any type in the 16-row interleaved layout (type | GGUF_R16) the int8
  * path of cpu_gguf_r16.c (Q4_0, Q4_1, Q8_0) or cpu_gguf_r16k.c (Q4_K, Q5_K, Q6_K). Interleaved
  * weights otherwise (float32 activations, or a build without VNNI) take the path below on each
- * group's 16 rows unpacked to the file's layout. Everything else takes the float32
- * path below: each OpenMP thread owns a contiguous range of output rows n. For each row, the activation rows
- * are taken in tiles of up to MT: every 32 elements of the weight row are dequantized once per tile into
- * two vectors of 16 floats (AVX-512) and multiplied into MT float32 accumulators, so a block's
- * dequantization is shared by the tile's rows; the weights are read at their quantized size
- * (20 bytes per 32 weights for Q4_1 against 64 in bf16). A bf16 A (the K-quants; any type
- * without VNNI) is first widened to float32 (once per call). Without AVX-512 a portable C loop of the same order serves. Float32 sums;
- * the summation order (and the dequantization's fused multiply-adds) differ from torch's
- * dequantize-then-matmul by float32 rounding.
- * Built and loaded by kernels/cpu/native.py, called through kernels/cpu/ops.py: gemm_gguf.
+ * group's 16 rows unpacked to the file's layout. Everything else takes the float32 path below:
+ * each OpenMP thread owns a contiguous range of output rows n. For each row, the activation rows
+ * are taken in tiles of up to MT: every 32 elements of the weight row are dequantized once per
+ * tile into two vectors of 16 floats (AVX-512) and multiplied into MT float32 accumulators, so a
+ * block's dequantization is shared by the tile's rows; the weights are read at their quantized
+ * size (20 bytes per 32 weights for Q4_1 against 64 in bf16). A bf16 A (the K-quants; any type
+ * without VNNI) is first widened to float32 (once per call). Without AVX-512 a portable C loop
+ * of the same order serves. Float32 sums; the summation order (and the dequantization's fused
+ * multiply-adds) differ from torch's dequantize-then-matmul by float32 rounding.
+ * Built and loaded by kernels/cpu/native.py, called through kernels/cpu/quant_ops.py: gemm_gguf.
  */
 #include <stdint.h>
 #include <stdlib.h>
