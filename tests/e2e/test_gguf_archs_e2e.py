@@ -68,6 +68,38 @@ def _cache(tmp_path):
     return tmp_path / "cache"
 
 
+def served_greedy(path, tmp_path, max_tokens: int) -> tuple[list[list[int]], str]:
+    """``LLM(model=path)``'s greedy tokens of :data:`PROMPTS` in float32 (EOS ignored), and the served directory."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=8 << 20, cache_dir=str(_cache(tmp_path))) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs], llm.model_info.path
+
+
+def transformers_reading(path, state: dict[str, torch.Tensor]):
+    """The float32 model transformers loads from the GGUF file ``path``, checked to hold the writer's ``state``."""
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    loaded = hf.state_dict()
+    assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[k], v) for k, v in state.items())
+    return hf
+
+
+def reference_greedy(hf, max_tokens: int) -> list[list[int]]:
+    """Hugging Face ``generate``'s greedy tokens of :data:`PROMPTS` (EOS ignored, as ours), not all alike."""
+    hf.eval().generation_config.eos_token_id = None
+    ref = [hf_greedy(hf, p, max_tokens)[0] for p in PROMPTS]
+    assert len({tuple(t) for t in ref}) > 1
+    return ref
+
+
+def served_model(served):
+    """The served directory's model, as the executor reads its config and weights (float32, CPU)."""
+    config = AutoConfig.from_pretrained(served)
+    model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+    model.load_weights(served)
+    return model
+
+
 def test_every_served_architecture_is_tested():
     from test_gguf_archs_moe_gpt2_falcon_e2e import CONFIGS as MORE  # GPT-2, Falcon, Qwen2-MoE, Qwen3-MoE
 
@@ -79,28 +111,17 @@ def test_gguf_served_directly_gives_the_tokens_of_transformers_reading_of_the_fi
                                                                                   smollm2_path):
     path = tmp_path / f"tiny-{model_type}.gguf"
     state = write_gguf(path, CONFIGS[model_type](), smollm2_path)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=8 << 20, cache_dir=str(_cache(tmp_path))) as llm:
-        served = llm.model_info.path
-        ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
-                                                             use_tqdm=False)]
+    ours, served = served_greedy(path, tmp_path, 8)
     config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
     assert config.model_type == model_type
     if model_type == "mistral":
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         hf.load_state_dict(state)
     else:
-        hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
-        loaded = hf.state_dict()
-        assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[k], v) for k, v in state.items())
-    hf.eval().generation_config.eos_token_id = None  # ours ignores EOS: so does the reference
-    ref = [hf_greedy(hf, p, 8)[0] for p in PROMPTS]
-    assert ours == ref
-    assert len({tuple(t) for t in ref}) > 1
+        hf = transformers_reading(path, state)
+    assert ours == reference_greedy(hf, 8)
 
-    config = AutoConfig.from_pretrained(served)  # the served directory's config, as the executor reads it
-    model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
-    model.load_weights(served)
+    model = served_model(served)
     layers = [m for m in model.modules() if isinstance(m, LinearBase | VocabParallelEmbedding)]
     assert all(m.quant_method.quantized for m in layers)  # nothing dequantized
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[1].mlp

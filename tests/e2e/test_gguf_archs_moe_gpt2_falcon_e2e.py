@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf_files import write_gguf
 from greedy import hf_greedy, paged_greedy
-from test_gguf_archs_e2e import PROMPTS, _cache
+from test_gguf_archs_e2e import reference_greedy, served_greedy, served_model, transformers_reading
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -28,7 +28,6 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from pagedllm import LLM, SamplingParams
 from services.executor.layers import gguf as G
 from services.executor.layers.embedding import VocabParallelEmbedding
 from services.executor.layers.gguf_moe import GGUFMoEMethod
@@ -81,24 +80,11 @@ def test_gguf_served_directly_gives_the_tokens_of_transformers_reading_of_the_fi
                                                                                   smollm2_path):
     path = tmp_path / f"tiny-{model_type}.gguf"
     state = write_gguf(path, CONFIGS[model_type](), smollm2_path)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    with LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=8 << 20, cache_dir=str(_cache(tmp_path))) as llm:
-        served = llm.model_info.path
-        ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
-                                                             use_tqdm=False)]
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    ours, served = served_greedy(path, tmp_path, 6)
+    hf = transformers_reading(path, state)
     assert hf.config.model_type == model_type
-    loaded = hf.state_dict()
-    assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[k], v) for k, v in state.items())
-    hf.eval().generation_config.eos_token_id = None  # ours ignores EOS: so does the reference
-    ref = [hf_greedy(hf, p, 6)[0] for p in PROMPTS]
-    assert ours == ref
-    assert len({tuple(t) for t in ref}) > 1
-
-    config = AutoConfig.from_pretrained(served)  # the served directory's config, as the executor reads it
-    model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
-    model.load_weights(served)
-    _check_kept(model, model_type)
+    assert ours == reference_greedy(hf, 6)
+    _check_kept(served_model(served), model_type)
 
 
 #: files whose config transformers' reading gets wrong (``shared/gguf_config.py`` completes it)
