@@ -15,6 +15,8 @@ llama       Llama 3.1's RoPE scaling from ``rope_freqs.weight`` (``[head_dim / 2
             factor lists and ``attention_factor`` 1 (LongRoPE's frequencies are ``1 / (factor_i
             theta ** (2i / d))``: llama.cpp's; transformers' reading drops the tensor, and with it
             the scaling of the low frequencies at every position)
+phi3        the share of each head rotated, ``partial_rotary_factor``, from ``phi3.rope.dimension_count``
+            (Phi-4-mini rotates 96 of 128 dimensions; transformers' mapping drops the key)
 phi3        LongRoPE (Phi-3 128k) from ``rope_factors_long`` / ``rope_factors_short`` (``[head_dim / 2]``
             float32 tensors), ``phi3.rope.scaling.original_context_length`` and
             ``phi3.rope.scaling.attn_factor``: a ``longrope`` scaling (transformers' reading drops it)
@@ -98,10 +100,22 @@ def complete_gguf_config(config: dict, reader: Any, gguf: Path) -> None:
         config["n_inner"] = _rows(reader, "blk.0.ffn_up.weight") or config.get("n_inner")
     if arch == "falcon":
         _complete_falcon(config, reader)
+    if arch == "phi3":
+        _partial_rotary(config, reader)
     if arch == "llama" and any(t.name == "rope_freqs.weight" for t in reader.tensors):
         _rope_freqs(config, reader, gguf)
     if any(t.name.startswith("rope_factors_") for t in reader.tensors):
         _longrope(config, reader, gguf, arch)
+
+
+def _partial_rotary(config: dict, reader: Any) -> None:
+    """Phi-3's share of each head rotated from ``phi3.rope.dimension_count`` (Phi-4-mini: 96 of 128)."""
+    rotated = gguf_value(reader, "phi3.rope.dimension_count")
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if rotated is not None and 0 < int(rotated) < head:
+        share = int(rotated) / head
+        config["partial_rotary_factor"] = share
+        config["rope_parameters"] = {**(config.get("rope_parameters") or {}), "partial_rotary_factor": share}
 
 
 def _factors(config: dict, reader: Any, gguf: Path, name: str) -> list[float]:
@@ -113,7 +127,8 @@ def _factors(config: dict, reader: Any, gguf: Path, name: str) -> list[float]:
     tensor = next((t for t in reader.tensors if t.name == name), None)
     factors = [] if tensor is None else [float(v) for v in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    pairs = int(head_dim * config.get("partial_rotary_factor", 1.0)) // 2
+    partial = (config.get("rope_parameters") or {}).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    pairs = int(head_dim * partial) // 2
     if len(factors) != pairs or min(factors) <= 0:
         raise GGUFConfigError(f"{gguf}: {name} holds {len(factors)} values (smallest {min(factors, default=0):g}); "
                               f"a head rotating {2 * pairs} dimensions needs {pairs}, each positive")
@@ -131,7 +146,7 @@ def _rope_freqs(config: dict, reader: Any, gguf: Path) -> None:
     rope = config.get("rope_parameters") or {}
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     config["rope_parameters"] = {
-        "rope_type": "longrope", "rope_theta": theta, "short_factor": factors, "long_factor": factors,
+        **rope, "rope_type": "longrope", "rope_theta": theta, "short_factor": factors, "long_factor": factors,
         "factor": 1.0, "attention_factor": 1.0,  # one list for every length: no long-context switch
     }
 
@@ -151,7 +166,7 @@ def _longrope(config: dict, reader: Any, gguf: Path, arch: str) -> None:
         raise GGUFConfigError(f"{gguf}: LongRoPE factors without {arch}.rope.scaling.original_context_length")
     rope = config.get("rope_parameters") or {}
     config["rope_parameters"] = {
-        "rope_type": "longrope", "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+        **rope, "rope_type": "longrope", "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0)),
         "short_factor": _factors(config, reader, gguf, "rope_factors_short.weight"),
         "long_factor": _factors(config, reader, gguf, "rope_factors_long.weight"),
         "original_max_position_embeddings": int(original),

@@ -14,7 +14,7 @@ a directory with what the services read (``config.json`` and the tokenizer files
 metadata by transformers' GGUF support, completed by ``shared/gguf_config.py``) and a link
 ``model.gguf`` to the file; no weight is converted. Served architectures (the file's
 ``general.architecture``): llama (Llama, and Mistral where transformers reads it so), qwen2,
-qwen3, phi3 (without LongRoPE), gemma2, gemma3, qwen2moe, qwen3moe, gpt2 and falcon
+qwen3, phi3 (LongRoPE included), gemma2, gemma3, qwen2moe, qwen3moe, gpt2 and falcon
 (:data:`GGUF_ARCHITECTURES`); their tensors' map is ``services/executor/models/gguf_tensors.py``.
 """
 
@@ -39,7 +39,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERSION_VERSION = 2  # bump when the converted directory changes
 CONVERSION_MARKER = ".pagedllm-conversion"
 DEFAULT_MODEL_ALIASES = (None, DEFAULT_MODEL_NAME, "HuggingFaceTB/" + DEFAULT_MODEL_NAME)
-GGUF_SERVING_VERSION = 2  # bump when the directory prepare_gguf_model writes changes
+GGUF_SERVING_VERSION = 3  # bump when the directory prepare_gguf_model writes changes
 #: the model_type transformers reads from a GGUF file -> the class serving it (the file's
 #: general.architecture: llama for Llama and Mistral, qwen2, qwen3, phi3, gemma2, gemma3,
 #: qwen2moe, qwen3moe, gpt2, falcon)
@@ -126,7 +126,8 @@ def prepare_gguf_model(gguf: Path, cache_dir: Path) -> Path:
 
     Raises:
         ModelNotFoundError: the file's architecture is not served from GGUF (the message lists
-            those that are: :data:`GGUF_ARCHITECTURES`), or it is a Phi-3 file with LongRoPE.
+            those that are: :data:`GGUF_ARCHITECTURES`), or its RoPE factors do not fit
+            (``shared/gguf_config.GGUFConfigError``'s message).
     """
     gguf = gguf.resolve()
     stat = gguf.stat()

@@ -71,17 +71,24 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     Raises:
         RuntimeError: it ran longer than ``timeout`` seconds (killed).
     """
-    # its own process group: a timeout kills the compiler driver's children too (cc1 would
-    # otherwise go on compiling, orphaned)
+    # its own process group: a timeout (or an interrupt of the caller) kills the compiler
+    # driver's children too (cc1 would otherwise go on compiling, orphaned)
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException as error:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            raise RuntimeError(f"{' '.join(cmd)} timed out after {timeout} s") from None
+            if isinstance(error, subprocess.TimeoutExpired):
+                raise RuntimeError(f"{' '.join(cmd)} timed out after {timeout} s") from None
+            raise
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _check(cmd: list[str], proc: subprocess.CompletedProcess) -> None:
@@ -130,7 +137,7 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (), cache_
         cmds = [[cc, *compile_flags, str(src), "-o", obj] for src, obj in zip(SOURCES, objs, strict=True)]
         # the sources compile at once, one per core (cpu_paged_attention.c alone takes about
         # half of a serial build); the link waits for all of them
-        with ThreadPoolExecutor(max_workers=min(len(cmds), os.cpu_count() or 1)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(cmds), _usable_cores())) as pool:
             procs = list(pool.map(lambda cmd: _run(cmd, COMPILE_TIMEOUT_S), cmds))
         link = [cc, *LINK_FLAGS, *objs, "-o", str(lib), "-lm"]
         for cmd, proc in zip(cmds, procs, strict=True):

@@ -283,13 +283,14 @@ int pagedllm_gemm_gguf(int qtype, const uint8_t* w, int a_dtype, const void* a, 
   if (a_dtype == 1) { /* bf16 A: widened once */
     widened = (float*)malloc((size_t)(M * K > 0 ? M * K : 1) * sizeof(float));
     if (!widened) return 3;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && M * K > 65536)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) widened[m * K + k] = bf16_to_f32(((const uint16_t*)a)[m * lda + k]);
     af = widened;
     lda = K;
   }
   int status = 0;
-  if (r16) { /* float32 A: each group of 16 rows unpacked to the file's blocks */
+  if (r16) { /* float32 A (or bf16 widened without VNNI): each group of 16 rows unpacked to the file's blocks */
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && N > 16)
     {
       uint8_t* raw = (uint8_t*)malloc((size_t)(16 * nb * bpb));

@@ -22,7 +22,7 @@
  *   Q4_1: acc[r] += m_w[r] * (d_a s_a)
  * Blocks are added in order into one float32 accumulator per output, so the result differs from
  * the exact sum of the quantized operands by float32 rounding only, like cpu_gguf_q8.c's.
- Compiled only where the build has VNNI (GGUF_INT8_DOT in cpu_gguf_q8.h); elsewhere, and for
+ * Compiled only where the build has VNNI (GGUF_INT8_DOT in cpu_gguf_q8.h); elsewhere, and for
  * float32 activations, cpu_gguf_gemm.c's float32 path serves each group unpacked to its 16 rows of
  * file blocks (gguf_r16_unpack).
  */

@@ -34,8 +34,6 @@ class GGUFMoEMethod:
     ``native``: the C kernels may serve small row counts on CPU (as ``GGUFLinearMethod``).
     """
 
-    quantized = True
-
     def __init__(self, fmts: tuple[BlockFormat, BlockFormat, BlockFormat], dtype: torch.dtype,
                  native: bool = False) -> None:
         self.fmts, self.dtype, self.native = fmts, dtype, native
@@ -73,7 +71,8 @@ class GGUFMoEMethod:
         moe.experts_method = self
 
     def weights(self, moe: FusedMoE, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts dequantized: ``w13 [E, 2 I_rank, hidden]`` and ``w2 [E, hidden, I_rank]`` in ``dtype``."""
+        """The experts dequantized: ``w13 [E, 2 I_rank, hidden]`` and ``w2 [E, hidden, I_rank]`` in ``dtype``
+        (for checks: serving multiplies the blocks)."""
         return (torch.stack([_dequantized(e.gate_up, dtype) for e in moe.gguf_experts]),
                 torch.stack([_dequantized(e.down, dtype) for e in moe.gguf_experts]))
 

@@ -89,7 +89,7 @@ def row_share(layer: RowParallelLinear, rows: torch.Tensor, fmt: BlockFormat | N
 
 
 def expert_shares(moe: FusedMoE, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                  down_fmt: BlockFormat, names: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  down_fmt: BlockFormat | None, names: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's part of a MoE layer's stacked experts (``FusedMoE``'s balanced range
     ``moe.intermediate_range`` of each expert's intermediate size): the rows of every expert's
     ``gate`` / ``up`` (``[E, I, ...]``) and the input columns of every expert's ``down`` (``[E,
