@@ -19,13 +19,13 @@ from services.executor.layers import gguf as G
 from services.executor.layers import gguf_r16
 
 
-def _portable_kernel(tmp_path) -> ctypes.CDLL:
+def _portable_kernel(tmp_path, flag: str = "-mno-avx512f") -> ctypes.CDLL:
     """``cpu_gguf_gemm.c``, ``cpu_gguf_q8.c``, ``cpu_gguf_r16.c`` and ``cpu_gguf_r16k.c`` alone, compiled without
     AVX-512 (the portable C loops): a second build of the whole library would cost ~20 s; these files alone, about
     one."""
     so = tmp_path / "gguf_portable.so"
     sources = [str(native.CSRC / f) for f in ("cpu_gguf_gemm.c", "cpu_gguf_q8.c", "cpu_gguf_r16.c", "cpu_gguf_r16k.c")]
-    cmd = [native.find_compiler(), "-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-ffast-math", "-fPIC",
+    cmd = [native.find_compiler(), "-O3", "-march=native", flag, "-fopenmp", "-ffast-math", "-fPIC",
            "-shared", *sources, "-o", str(so)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     lib = ctypes.CDLL(str(so))
@@ -40,6 +40,12 @@ def _portable_kernel(tmp_path) -> ctypes.CDLL:
 def portable_kernel(tmp_path_factory) -> ctypes.CDLL:
     """:func:`_portable_kernel`, compiled once for this module's tests."""
     return _portable_kernel(tmp_path_factory.mktemp("gguf"))
+
+
+@pytest.fixture(scope="module")
+def no_vnni_kernel(tmp_path_factory) -> ctypes.CDLL:
+    """The same files with AVX-512 but without VNNI (Skylake-SP's set), compiled once."""
+    return _portable_kernel(tmp_path_factory.mktemp("gguf"), "-mno-avx512vnni")
 
 
 @pytest.fixture(scope="module", params=[
@@ -144,18 +150,21 @@ def _check_widened(lib, x: torch.Tensor, weight: torch.Tensor, kind: int, blocks
 
 
 @pytest.mark.skipif(not X86, reason="-mno-avx512f is x86")
+@pytest.mark.parametrize("build", ["portable_kernel", "no_vnni_kernel"])
 @pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0, G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda f: f.name)
-def test_a_build_without_vnni_widens_bf16_activations(kernel_library, portable_kernel, fmt):
-    """Only a build with AVX512-VNNI multiplies bf16 activations as int8; the portable build (no AVX-512)
-    widens them to float32, in the file's layout and the interleaved one (each group unpacked)."""
+def test_a_build_without_vnni_widens_bf16_activations(kernel_library, request, build, fmt):
+    """Only a build with AVX512-VNNI multiplies bf16 activations as int8; the portable build (no AVX-512) and
+    one with AVX-512 but no VNNI widen them to float32, in the file's layout and the interleaved one (each group
+    unpacked)."""
     assert quant_ops.gguf_int8_dot(kernel_library) == ("avx512_vnni" in native.cpu_flags().split())
-    assert not quant_ops.gguf_int8_dot(portable_kernel)
+    lib = request.getfixturevalue(build)
+    assert not quant_ops.gguf_int8_dot(lib)
     m, n, k = 17, 32, 1536
     blocks = random_blocks(fmt, n, k, seed=7, scale=0.05)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).bfloat16()
-    _check_widened(portable_kernel, x, blocks, fmt.ggml_type, blocks, fmt)
+    _check_widened(lib, x, blocks, fmt.ggml_type, blocks, fmt)
     packed = gguf_r16.pack(blocks, fmt.ggml_type)
-    _check_widened(portable_kernel, x, packed, fmt.ggml_type | quant_ops.GGUF_R16, blocks, fmt)
+    _check_widened(lib, x, packed, fmt.ggml_type | quant_ops.GGUF_R16, blocks, fmt)
 
 
 def test_the_layer_interleaves_rows_only_with_int8_dot_products(monkeypatch, kernel_library):
