@@ -135,21 +135,16 @@ def test_a_service_still_connecting_to_nats_stops_on_sigterm(smollm2_path):
          f"nats://127.0.0.1:{free_port()}", "--log-level", "WARNING"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    seen: list[str] = []
     try:
-        # imports done, its first attempt failed (logged), then a few more (one per 0.5 s)
-        while not seen or "nats_connection_error" not in seen[-1]:
-            seen.append(proc.stderr.readline())
-            assert seen[-1], "exited before its first connection attempt"
-        time.sleep(1.5)
+        time.sleep(4)  # imports done, retrying the connection
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    # several attempts failed; the first is one short line, the rest are quiet
-    stderr = "".join(seen) + proc.stderr.read()
+    # several attempts failed (one per 0.5 s); the first is one short line, the rest are quiet
+    stderr = proc.stderr.read()
     assert "Traceback" not in stderr and "nats: encountered error" not in stderr, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if "nats_connection_error" in line]
     assert len(lines) == 1 and "errors=1" in lines[0] and "level='warning'" in lines[0], stderr[-3000:]
