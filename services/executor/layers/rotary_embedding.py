@@ -106,6 +106,8 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
         self.attention_scaling = attention_factor
         self.original_max_position = original_max_position
         self.short_factor, self.long_factor = list(short_factor), list(long_factor)
+        # one list at every length (a GGUF file's Llama 3.1 rope_freqs): no per-step selection
+        self.one_list = self.short_factor == self.long_factor
         super().__init__(head_size, base, dtype, device, rotary_dim)
         self.long_inv_freq = self._scaled_inv_freq(self.long_factor).to(device)  # [R/2] float32
 
@@ -123,12 +125,15 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
         """cos and sign-folded sin ``[T, 1, R]`` for ``positions [T]``; ``seq_lens [T]``: the
         length of each token's sequence, which picks its factors (long above
         ``original_max_position``); default: the largest position + 1, for every token."""
-        if seq_lens is None:
-            longest = int(positions.max()) + 1 if positions.numel() else 0
-            long = torch.full(positions.shape, longest > self.original_max_position, device=positions.device)
+        if self.one_list:
+            inv_freq = self.inv_freq.unsqueeze(0)  # [1, R/2]
         else:
-            long = seq_lens > self.original_max_position  # [T] bool
-        inv_freq = torch.where(long.unsqueeze(1), self.long_inv_freq.unsqueeze(0), self.inv_freq.unsqueeze(0))
+            if seq_lens is None:
+                longest = int(positions.max()) + 1 if positions.numel() else 0
+                long = torch.full(positions.shape, longest > self.original_max_position, device=positions.device)
+            else:
+                long = seq_lens > self.original_max_position  # [T] bool
+            inv_freq = torch.where(long.unsqueeze(1), self.long_inv_freq.unsqueeze(0), self.inv_freq.unsqueeze(0))
         freqs = positions.float().unsqueeze(1) * inv_freq  # [T, R/2] float32
         cos = torch.cat((freqs, freqs), dim=-1).cos() * self.attention_scaling  # [T, R]
         sin = freqs.sin()
