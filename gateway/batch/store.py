@@ -117,7 +117,7 @@ class BatchStore:
     async def list_files(self, purpose: str | None = None) -> list[FileObject]:
         """Every file (of ``purpose``), newest first."""
         files = []
-        for key in await self._keys(self.files):
+        for key in await self._keys(FILES_BUCKET):
             try:
                 files.append(await self.get_file(key))
             except NotFound:  # deleted meanwhile
@@ -176,7 +176,7 @@ class BatchStore:
     async def list_batches(self) -> list[Batch]:
         """Every batch, newest first."""
         batches = []
-        for key in await self._keys(self.batches):
+        for key in await self._keys(BATCHES_BUCKET):
             try:
                 batches.append((await self.get_batch(key))[0])
             except NotFound:
@@ -233,9 +233,14 @@ class BatchStore:
         ordered = sorted(lines.values(), key=lambda x: x[0])
         return [o for _, ok, o in ordered if ok], [o for _, ok, o in ordered if not ok]
 
-    @staticmethod
-    async def _keys(kv) -> list[str]:
-        try:
-            return await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
+    async def _keys(self, bucket: str) -> list[str]:
+        """The keys of the key-value ``bucket``'s entries, deleted ones included (the callers skip
+        those: ``NotFound``), from the server's per-subject counts of the bucket's stream.
+
+        Not ``KeyValue.keys()``: nats-py 2.x's watcher behind it may signal its end before the
+        messages already in flight are handled (a consumer info of 0 pending, none delivered
+        yet), so under load it returned some keys only. The server lists up to 100,000 subjects.
+        """
+        prefix = f"$KV.{bucket}."
+        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+        return [subject[len(prefix):] for subject in info.state.subjects or {}]
