@@ -7,11 +7,12 @@ the meta device) -> random values -> GGUF tensors under llama.cpp's names (gguf-
 rows permuted for its RoPE, biases too; ``gemma2`` / ``gemma3``: every norm stored as ``1 + w``;
 ``gpt2``: HF's ``Conv1D`` weights transposed; ``falcon``: ``query_key_value``'s rows per KV group
 stored as q | k | v; MoE experts stacked ``[E, rows, K]``, gate and up apart; ``[1, K]`` squeezed),
-each matrix quantized in its kept format (:data:`MIXED`: Q4_0, Q8_0, Q4_K and Q6_K, merged layers'
-shards in different formats in some layers; MoE routers F32), norms and biases F32; plus the metadata transformers
-reads for the config (``<arch>.context_length``, ..., ``general.name`` "mistral" for a Mistral
-model: transformers' rule) and the tokenizer (SmolLM2's byte-level BPE cut to the first ``vocab``
-tokens and the merges among them; token 1 BOS, 2 EOS, 0 padding).
+each matrix quantized in its format (:data:`MIXED`: Q4_0, Q8_0, Q4_K and Q6_K, merged layers'
+shards in different formats in some layers; MoE routers F32; or formats not kept: F16, F32,
+:data:`Q5_0`), norms and biases F32; plus the metadata transformers reads for the config
+(``<arch>.context_length``, ..., ``general.name`` "mistral" for a Mistral model: transformers'
+rule) and the tokenizer (SmolLM2's byte-level BPE cut to the first ``vocab`` tokens and the
+merges among them; token 1 BOS, 2 EOS, 0 padding).
 
 :func:`write_tiny_gguf`: the tiny Llama file of the K-quant tests (Q5_K / Q4_K / Q6_K).
 """
@@ -35,6 +36,8 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "q
 #: unquantized matrices (llama.cpp keeps MoE routers, ``ffn_gate_inp``, in F32)
 F32 = G.BlockFormat("F32", 0, 1, 4)
 F16 = G.BlockFormat("F16", 1, 1, 2)
+#: a quantization the engine does not keep (dequantized at load); gguf-py quantizes it
+Q5_0 = G.BlockFormat("Q5_0", 6, 32, 22)
 #: each matrix's format by its GGUF kind (``attn_qkv``, ``ffn_up``: Phi-3's fused q|k|v and gate|up;
 #: ``*_exps``: MoE experts stacked, the gate and up experts in two formats; ``*_shexp``: Qwen2-MoE's
 #: shared expert)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_files import write_gguf
+from gguf_files import F16, MIXED, Q5_0, write_gguf
 from greedy import hf_greedy, paged_greedy
-from test_gguf_archs_e2e import reference_greedy, served_greedy, served_model, transformers_reading
+from test_gguf_archs_e2e import PROMPTS, reference_greedy, served_greedy, served_model, transformers_reading
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -31,7 +31,7 @@ from transformers import (
 from services.executor.layers import gguf as G
 from services.executor.layers.embedding import VocabParallelEmbedding
 from services.executor.layers.gguf_moe import GGUFMoEMethod
-from services.executor.layers.linear import LinearBase
+from services.executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from services.executor.models import get_model_class
 from shared.model_source import prepare_gguf_model
 
@@ -72,7 +72,27 @@ def _check_kept(model, model_type: str) -> None:
             experts = model.model.layers[i].mlp.experts
             assert isinstance(experts.experts_method, GGUFMoEMethod) and experts.w13.numel() == 0
             assert experts.experts_method.fmts == (G.Q4_K, G.Q8_0, down)
+            assert expert_matmuls(experts, torch.float32) == ("blocks", "blocks")
             assert [p.fmt for p in experts.gguf_experts[0].gate_up.quant_method.parts] == [G.Q4_K, G.Q8_0]
+
+
+def expert_matmuls(experts, dtype: torch.dtype) -> tuple[str, str]:
+    """How a ``FusedMoE`` holds its experts' gate | up and down matmuls, every expert alike:
+    ``"blocks"`` (a GGUF linear method), ``"dense"`` (``F.linear`` on values in ``dtype`` beside the
+    other matmul's blocks), or ``FusedMoE``'s own ``"w13"`` / ``"w2"`` (``dtype``)."""
+    if experts.experts_method is None:
+        assert experts.w13.dtype == experts.w2.dtype == dtype and experts.w13.numel() > 0 and experts.w2.numel() > 0
+        return "w13", "w2"
+    held = []
+    for name in ("gate_up", "down"):
+        layers = [getattr(e, name) for e in experts.gguf_experts]
+        if all(layer.quant_method.quantized for layer in layers):
+            held.append("blocks")
+        else:
+            assert all(type(layer.quant_method) is UnquantizedLinearMethod and layer.weight.dtype == dtype
+                       for layer in layers)
+            held.append("dense")
+    return held[0], held[1]
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
@@ -124,3 +144,44 @@ def test_the_served_config_takes_the_architecture_the_file_states(name, tmp_path
     hf.eval()
     prompts = [[1, 2, 3, 400, 500, 700], list(range(300, 340))]
     assert paged_greedy(model, prompts, 6)[0] == [hf_greedy(hf, p, 6)[0] for p in prompts]
+
+
+#: MoE files whose experts are kept matmul by matmul (``gguf_moe.kept_formats``): the model, the
+#: experts' formats (by kind, then by tensor) and each layer's gate | up and down as held
+EXPERTS = {
+    # layer 0 as llama.cpp's Q4_K_M files of Qwen1.5-MoE: Q4_K gate and up kept, Q5_0 down dense;
+    # layer 1: an F16 gate beside a Q4_K up (the pair dense), Q8_0 down kept
+    "down-q5_0": ("qwen2_moe", {"ffn_gate_exps": G.Q4_K, "ffn_up_exps": G.Q4_K, "ffn_down_exps": Q5_0},
+                  {"blk.1.ffn_gate_exps": F16, "blk.1.ffn_down_exps": G.Q8_0},
+                  [(G.Q4_K, G.Q4_K, None), (None, None, G.Q8_0)], [("blocks", "dense"), ("dense", "blocks")]),
+    # neither matmul kept in either layer: FusedMoE's dense w13 / w2 (the fused MoE kernels)
+    "none-kept": ("qwen3_moe", {"ffn_gate_exps": Q5_0, "ffn_up_exps": F16, "ffn_down_exps": Q5_0}, {},
+                  [None, None], [("w13", "w2")] * 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPERTS))
+def test_moe_experts_are_kept_matmul_by_matmul(name, tmp_path, smollm2_path):
+    """Each expert matmul whose formats are kept holds its blocks, the other its values dequantized
+    (exactly the file's); greedy tokens are those of transformers' reading of the file, and the
+    prompt logits within float32 rounding of its."""
+    assert Q5_0.ggml_type not in G.FORMATS and F16.ggml_type not in G.FORMATS
+    model_type, formats, overrides, fmts, held = EXPERTS[name]
+    path = tmp_path / f"{name}.gguf"
+    state = write_gguf(path, CONFIGS[model_type](), smollm2_path, MIXED | formats, overrides)
+    ours, served = served_greedy(path, tmp_path, 6)
+    hf = transformers_reading(path, state)
+    assert ours == reference_greedy(hf, 6)
+    model = served_model(served)
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        assert expert_matmuls(experts, torch.float32) == held[i]
+        method = experts.experts_method
+        assert (method.fmts if method else None) == fmts[i]
+        w13, w2 = method.weights(experts) if method else (experts.w13, experts.w2)  # [E, 2 I, hidden], [E, hidden, I]
+        assert torch.equal(w13, state[f"model.layers.{i}.mlp.experts.gate_up_proj"])
+        assert torch.equal(w2, state[f"model.layers.{i}.mlp.experts.down_proj"])
+    _, logits = paged_greedy(model, PROMPTS, 1)
+    for prompt, ours_logits in zip(PROMPTS, logits, strict=True):
+        torch.testing.assert_close(ours_logits, hf_greedy(hf, prompt, 1)[1], rtol=1e-4, atol=1e-4)
+

@@ -117,3 +117,16 @@ def test_native_method_keeps_16_row_groups_interleaved(fmt, kernel_library, inte
     plain = G.GGUFLinearMethod(fmt, torch.bfloat16, native=True)
     plain.install(other, blocks[:24], k)
     assert not plain.r16 and torch.equal(other.weight, blocks[:24])
+
+
+def test_moe_experts_keep_gate_up_only_with_both_formats_kept_and_down_on_its_own():
+    """``kept_formats``: gate | up is one matmul, kept only when gate and up both are; down apart.
+    ``GGUFMoEMethod`` refuses formats that keep half of gate | up, or nothing (dense ``w13`` / ``w2``)."""
+    from services.executor.layers.gguf_moe import GGUFMoEMethod, kept_formats
+
+    assert kept_formats((G.Q4_K, G.Q8_0, None)) == (G.Q4_K, G.Q8_0, None)
+    assert kept_formats((G.Q4_K, None, G.Q6_K)) == (None, None, G.Q6_K)
+    assert kept_formats((None, G.Q4_K, None)) == (None, None, None)
+    for fmts in ((G.Q4_K, None, G.Q6_K), (None, None, None)):
+        with pytest.raises(ValueError, match=r"each of gate \| up and down is kept whole or not, and one of them must be"):
+            GGUFMoEMethod(fmts, torch.float32)

@@ -1,5 +1,5 @@
 """A mixture of experts whose experts are GGUF blocks (llama.cpp's ``ffn_gate_exps`` /
-``ffn_up_exps`` / ``ffn_down_exps``), kept quantized: :class:`GGUFMoEMethod`.
+``ffn_up_exps`` / ``ffn_down_exps``), kept quantized matmul by matmul: :class:`GGUFMoEMethod`.
 
 llama.cpp stores a MoE layer's experts stacked: gate and up ``[E, I, hidden]``, down ``[E,
 hidden, I]`` (rows = output features, each row whole blocks of its input, as a linear layer's).
@@ -11,8 +11,15 @@ when gate and up come in different formats), SiLU(gate) * up, then down. The tok
 by expert as ``fused_moe_cpu`` groups them (:func:`~services.executor.layers.fused_moe.experts_weighted_sum`),
 so the loop is over the experts that have tokens, with the same rounding as the unquantized path.
 
+Each of the two matmuls is kept on its own (:func:`kept_formats`): gate | up when the gate and up
+tensors are both of formats ``layers/gguf.py`` keeps, down when its tensor is. A matmul not kept
+(llama.cpp's Q4_K_M files of Qwen1.5-MoE write Q5_0 ``ffn_down_exps`` beside Q4_K gate and up)
+holds its weight dequantized into the model's dtype and is multiplied by ``F.linear``
+(:class:`~services.executor.layers.linear.UnquantizedLinearMethod`). Experts with neither matmul
+kept are no business of this method: the loader dequantizes them into ``FusedMoE``'s ``w13`` / ``w2``.
+
 The fused Triton MoE kernel (``kernels/triton/fused_moe.py``) takes dense ``w13`` / ``w2`` only:
-on CUDA the GGUF experts run as that loop of per-expert GGUF matmuls.
+on CUDA the GGUF experts run as that loop of per-expert matmuls.
 """
 
 from __future__ import annotations
@@ -23,56 +30,90 @@ from torch import nn
 
 from services.executor.layers.fused_moe import FusedMoE, experts_weighted_sum
 from services.executor.layers.gguf import BlockFormat, GGUFLinearMethod, GGUFShardedLinearMethod
+from services.executor.layers.linear import UnquantizedLinearMethod
+
+Formats = tuple[BlockFormat | None, BlockFormat | None, BlockFormat | None]
+
+
+def kept_formats(fmts: Formats) -> Formats:
+    """The gate, up and down tensors' formats (``None``: a format not kept) as the experts keep
+    them: gate and up both ``None`` unless both are kept (they are one matmul), down as it is."""
+    gate, up, down = fmts
+    return (gate, up, down) if gate is not None and up is not None else (None, None, down)
 
 
 class GGUFMoEMethod:
-    """A :class:`FusedMoE`'s experts as GGUF blocks: each expert ``e`` is the sub-module
-    ``moe.gguf_experts[e]`` with ``gate_up`` (rows gate | up, ``[2 I_rank, hidden]`` as blocks)
-    and ``down`` (``[hidden, I_rank]`` as blocks), each holding its GGUF linear method.
+    """A :class:`FusedMoE`'s experts, each matmul as GGUF blocks where its formats are kept: each
+    expert ``e`` is the sub-module ``moe.gguf_experts[e]`` with ``gate_up`` (rows gate | up,
+    ``[2 I_rank, hidden]``) and ``down`` (``[hidden, I_rank]``), each holding its weight and the
+    method that multiplies by it (``quant_method``): the blocks with their GGUF linear method, or
+    dense values in the model's dtype with ``UnquantizedLinearMethod``.
 
-    ``fmts``: the gate, up and down tensors' formats; ``dtype``: the model's activation dtype;
+    ``fmts``: the gate, up and down tensors' formats as :func:`kept_formats` gives them (``None``:
+    that matmul is dense); ``dtype``: the model's activation dtype (and the dense weights');
     ``native``: the C kernels may serve small row counts on CPU (as ``GGUFLinearMethod``).
+
+    Raises:
+        ValueError: ``fmts`` keeps neither matmul, or gate | up only in part.
     """
 
-    def __init__(self, fmts: tuple[BlockFormat, BlockFormat, BlockFormat], dtype: torch.dtype,
-                 native: bool = False) -> None:
-        self.fmts, self.dtype, self.native = fmts, dtype, native
+    def __init__(self, fmts: Formats, dtype: torch.dtype, native: bool = False) -> None:
+        if kept_formats(fmts) != tuple(fmts) or all(f is None for f in fmts):
+            raise ValueError(f"GGUF experts of formats {[f and f.name for f in fmts]}: each of gate | up and down "
+                             f"is kept whole or not, and one of them must be (else dense w13 / w2)")
+        self.fmts, self.dtype, self.native = tuple(fmts), dtype, native
 
     def install(self, moe: FusedMoE, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        """Make the blocks ``moe``'s experts, replacing its dense ``w13`` / ``w2`` (left empty).
+        """Make the tensors ``moe``'s experts, replacing its dense ``w13`` / ``w2`` (left empty).
 
         Args:
-            gate / up: ``[E, I_rank, hidden / block_size * block_bytes]`` uint8 (this rank's rows).
-            down: ``[E, hidden, I_rank / block_size * block_bytes]`` uint8 (this rank's columns).
+            gate / up: this rank's rows, ``[E, I_rank, hidden / block_size * block_bytes]`` uint8
+                blocks, or (gate | up dense) ``[E, I_rank, hidden]`` values.
+            down: this rank's columns, ``[E, hidden, I_rank / block_size * block_bytes]`` uint8
+                blocks, or (down dense) ``[E, hidden, I_rank]`` values.
 
         Raises:
             ValueError: a tensor that is not ``E`` experts of whole rows of the expected sizes.
         """
-        experts, inter = moe.num_experts, moe.intermediate_range[1]
-        for name, t, rows in (("gate", gate, inter), ("up", up, inter), ("down", down, moe.hidden_size)):
+        experts, inter, hidden = moe.num_experts, moe.intermediate_range[1], moe.hidden_size
+        for name, t, rows in (("gate", gate, inter), ("up", up, inter), ("down", down, hidden)):
             if t.dim() != 3 or t.shape[0] != experts or t.shape[1] != rows:
                 raise ValueError(f"GGUF {name} experts {tuple(t.shape)} are not {experts} experts of {rows} rows")
         gate_fmt, up_fmt, down_fmt = self.fmts
+        # the dense matmuls' weights: [E, 2 I_rank, hidden], [E, hidden, I_rank] in the model's dtype
+        w13 = self._dense(torch.cat((gate, up), dim=1), hidden, "gate | up") if gate_fmt is None else None
+        w2 = self._dense(down, inter, "down") if down_fmt is None else None
         moe.gguf_experts = nn.ModuleList()
         for e in range(experts):
             expert = nn.Module()
             expert.gate_up, expert.down = nn.Module(), nn.Module()
-            if gate_fmt == up_fmt:
+            if w13 is not None:
+                _install_dense(expert.gate_up, w13[e])
+            elif gate_fmt == up_fmt:
                 blocks = torch.cat((gate[e], up[e]))  # [2 I_rank, ...]: gate rows | up rows
-                GGUFLinearMethod(gate_fmt, self.dtype, self.native).install(expert.gate_up, blocks, moe.hidden_size)
+                GGUFLinearMethod(gate_fmt, self.dtype, self.native).install(expert.gate_up, blocks, hidden)
             else:
                 GGUFShardedLinearMethod([gate_fmt, up_fmt], self.dtype, self.native).install(
-                    expert.gate_up, [gate[e].clone(), up[e].clone()], moe.hidden_size)
-            GGUFLinearMethod(down_fmt, self.dtype, self.native).install(expert.down, down[e].clone(), inter)
+                    expert.gate_up, [gate[e].clone(), up[e].clone()], hidden)
+            if w2 is not None:
+                _install_dense(expert.down, w2[e])
+            else:
+                GGUFLinearMethod(down_fmt, self.dtype, self.native).install(expert.down, down[e].clone(), inter)
             moe.gguf_experts.append(expert)
         empty = torch.empty(0, dtype=moe.w13.dtype)
         moe.w13 = nn.Parameter(empty, requires_grad=False)
         moe.w2 = nn.Parameter(empty.clone(), requires_grad=False)
         moe.experts_method = self
 
+    def _dense(self, values: torch.Tensor, columns: int, name: str) -> torch.Tensor:  # [E, rows, columns] dtype
+        if not values.is_floating_point() or values.shape[2] != columns:
+            raise ValueError(f"dense GGUF {name} experts {tuple(values.shape)} {values.dtype} are not rows of "
+                             f"{columns} values")
+        return values.to(self.dtype)
+
     def weights(self, moe: FusedMoE, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts dequantized: ``w13 [E, 2 I_rank, hidden]`` and ``w2 [E, hidden, I_rank]`` in ``dtype``
-        (for checks: serving multiplies the blocks)."""
+        """The experts dequantized (the dense ones as held): ``w13 [E, 2 I_rank, hidden]`` and ``w2
+        [E, hidden, I_rank]`` in ``dtype`` (for checks: serving multiplies the blocks)."""
         return (torch.stack([_dequantized(e.gate_up, dtype) for e in moe.gguf_experts]),
                 torch.stack([_dequantized(e.down, dtype) for e in moe.gguf_experts]))
 
@@ -92,8 +133,15 @@ class GGUFMoEMethod:
         return experts_weighted_sum(hidden_states, topk_weights, topk_ids, moe.num_experts, expert)
 
 
+def _install_dense(layer: nn.Module, weight: torch.Tensor) -> None:  # weight [N, K] in the model's dtype
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.quant_method = UnquantizedLinearMethod()
+
+
 def _dequantized(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:  # [N, K] dtype
     method = layer.quant_method
     if isinstance(method, GGUFShardedLinearMethod):
         return torch.cat([m.weight(part, dtype) for m, part in zip(method.parts, layer.gguf_shards, strict=True)])
-    return method.weight(layer, dtype)
+    if isinstance(method, GGUFLinearMethod):
+        return method.weight(layer, dtype)
+    return layer.weight.to(dtype)  # dense

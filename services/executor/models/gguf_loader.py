@@ -11,10 +11,13 @@ decoder layer ``N``'s modules take ``blk.N``'s tensors, and ``token_embd`` / ``o
 embeddings are tied; GPT-2's ``position_embd`` to ``wpe``).
 
 A MoE layer's experts (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, stacked ``[E,
-I, hidden]`` / ``[E, hidden, I]``) stay quantized too: ``layers/gguf_moe.py``'s
-``GGUFMoEMethod`` holds each expert's blocks and multiplies each expert's tokens by the GGUF
-matmul (experts of another type, e.g. F16, are dequantized into ``FusedMoE``'s ``w13`` /
-``w2``). The router (``ffn_gate_inp``, F32 in llama.cpp's files) is loaded as values.
+I, hidden]`` / ``[E, hidden, I]``) stay quantized too, matmul by matmul: ``layers/gguf_moe.py``'s
+``GGUFMoEMethod`` holds each expert's gate | up blocks when gate and up are both of kept formats
+and its down blocks when down is, the other matmul (e.g. Q5_0 down experts beside Q4_K gate and
+up, as in llama.cpp's Q4_K_M files of Qwen1.5-MoE) dequantized into the model's dtype, and
+multiplies each expert's tokens; experts with neither matmul kept are dequantized into
+``FusedMoE``'s ``w13`` / ``w2``. The router (``ffn_gate_inp``, F32 in llama.cpp's files) is
+loaded as values.
 
 What llama.cpp's converter changed is undone as transformers undoes it: the llama files' q and
 k rows (and biases) are put back in Hugging Face's order (llama.cpp interleaves the two halves of
@@ -49,7 +52,7 @@ from torch import nn
 from kernels.cpu import ops
 from services.executor.layers.fused_moe import FusedMoE
 from services.executor.layers.gguf import FORMATS, GGUFLinearMethod, GGUFShardedLinearMethod
-from services.executor.layers.gguf_moe import GGUFMoEMethod
+from services.executor.layers.gguf_moe import GGUFMoEMethod, kept_formats
 from services.executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from services.executor.models.gguf_shards import (
     column_shares,
@@ -175,19 +178,21 @@ class _Tensors:
 
     def load_experts(self, moe: FusedMoE, stems: list[str]) -> None:
         """A MoE layer's stacked experts from ``<gate>``, ``<up>``, ``<down>.weight`` (``[E, I,
-        hidden]``, ``[E, I, hidden]``, ``[E, hidden, I]``): kept as their blocks
-        (``GGUFMoEMethod``) when all three are of kept formats, else dequantized into ``w13`` / ``w2``.
+        hidden]``, ``[E, I, hidden]``, ``[E, hidden, I]``), each matmul on its own: gate | up kept
+        as blocks when both tensors are of kept formats, down when its tensor is
+        (``gguf_moe.kept_formats``); a matmul not kept is dequantized into the model's dtype and
+        served dense beside the other's blocks (``GGUFMoEMethod``); neither kept, all three are
+        dequantized into ``w13`` / ``w2`` (the fused MoE kernels).
 
         Raises:
             ValueError: a tensor is missing or of the wrong shape.
         """
         names = [f"{s}.weight" for s in stems]
-        fmts = self._used(names)
-        kept = None not in fmts
-        gate, up, down = expert_shares(moe, *(self._rows(n, raw=kept) for n in names), fmts[2] if kept else None,
-                                       names)  # this rank's part of each
-        if kept:
-            GGUFMoEMethod(tuple(fmts), self.dtype, self.native).install(moe, gate, up, down)
+        fmts = kept_formats(tuple(self._used(names)))
+        rows = [self._rows(n, raw=f is not None) for n, f in zip(names, fmts, strict=True)]  # blocks or float32
+        gate, up, down = expert_shares(moe, *rows, fmts[2], names)  # this rank's part of each
+        if any(f is not None for f in fmts):
+            GGUFMoEMethod(fmts, self.dtype, self.native).install(moe, gate, up, down)
             return
         w13, w2 = torch.cat((gate, up), dim=1), down  # [E, 2 I_rank, hidden], [E, hidden, I_rank] float32
         if w13.shape != moe.w13.shape or w2.shape != moe.w2.shape:

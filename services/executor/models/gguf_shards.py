@@ -16,8 +16,8 @@ checkpoint (vLLM's semantics), read off the layer built under the rank's group:
   others, and ``ParallelLMHead.compute_logits`` gathers each rank's logits, so the GGUF
   method's ``embed`` / ``apply_logits`` need nothing more;
 - a MoE layer's stacked experts (``FusedMoE``) take the rows ``moe.intermediate_range`` of every
-  expert's gate and up and the same input columns (whole blocks, as a row-parallel layer's) of
-  every expert's down;
+  expert's gate and up and the same input columns of every expert's down (whole blocks, as a
+  row-parallel layer's, or values where down is dequantized: each matmul is kept on its own);
 - anything else (norms, a MoE router) is whole on every rank.
 
 A GGUF block row is whole runs of blocks (``[N, K / block_size * block_bytes]`` uint8), so rows
@@ -92,8 +92,9 @@ def expert_shares(moe: FusedMoE, gate: torch.Tensor, up: torch.Tensor, down: tor
                   down_fmt: BlockFormat | None, names: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's part of a MoE layer's stacked experts (``FusedMoE``'s balanced range
     ``moe.intermediate_range`` of each expert's intermediate size): the rows of every expert's
-    ``gate`` / ``up`` (``[E, I, ...]``) and the input columns of every expert's ``down`` (``[E,
-    hidden, I / block_size * block_bytes]`` blocks of ``down_fmt``). All of them at one rank.
+    ``gate`` / ``up`` (``[E, I, ...]``: blocks or values alike) and the input columns of every
+    expert's ``down`` (``[E, hidden, I / block_size * block_bytes]`` blocks of ``down_fmt``, or
+    ``[E, hidden, I]`` values where ``down_fmt`` is ``None``). All of them at one rank.
 
     Raises:
         ValueError: the rank's columns of ``down`` cut its blocks (``names[2]`` named).
