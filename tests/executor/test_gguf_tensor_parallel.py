@@ -13,7 +13,9 @@ from gguf_files import F32, TINY_FORMATS, tiny_hf_config, write_gguf
 from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
 
 from services.executor.layers import gguf as G
+from services.executor.layers.fused_moe import fused_moe_reference, topk_softmax
 from services.executor.layers.gguf import GGUFLinearMethod, GGUFShardedLinearMethod
+from services.executor.layers.linear import UnquantizedLinearMethod
 from services.executor.models import get_model_class, gguf_loader
 from services.executor.parallel.group import TensorParallelGroup, use_tp_group
 
@@ -161,3 +163,34 @@ def test_rank_shares_of_moe_experts_put_together_are_one_rank_experts(tmp_path, 
         assert torch.equal(mlp.gate.weight, whole.gate.weight)
     assert torch.equal(torch.cat(gates, dim=1), w13[:, :192]) and torch.equal(torch.cat(ups, dim=1), w13[:, 192:])
     assert torch.equal(torch.cat(downs, dim=2), w2)
+
+
+@pytest.mark.parametrize(("experts", "methods"), [
+    ({}, (GGUFShardedLinearMethod, GGUFLinearMethod)),  # Q4_0 gate, Q8_0 up, Q4_1 down
+    ({"ffn_down_exps": F16}, (GGUFShardedLinearMethod, UnquantizedLinearMethod)),  # down cut as values
+    ({"ffn_gate_exps": F16}, (UnquantizedLinearMethod, GGUFLinearMethod)),  # gate | up dense, rows cut as values
+], ids=["all-kept", "down-dense", "gate-up-dense"])
+def test_rank_partial_outputs_of_moe_experts_sum_to_the_layer_output(tmp_path, smollm2_path, experts, methods):
+    """Each rank's ``GGUFMoEMethod.apply`` on its share of the experts (2 ranks: 96 of the 192
+    intermediate rows, 3 blocks of down's columns; 3 ranks: 64, 2 blocks) gives its partial sum,
+    the all-reduce's input: summed over the ranks it is the whole layer's output (float32 rounding
+    apart), which is the per-token oracle's on the dequantized experts; no rank's part alone is."""
+    path = tmp_path / "moe.gguf"
+    write_gguf(path, QWEN2_MOE, smollm2_path, MOE_FORMATS | experts, {})
+    whole = _load(QWEN2_MOE, path, 0, 1).model.layers[0].mlp
+    x = torch.randn(12, 288, generator=torch.Generator().manual_seed(0))  # [T, hidden]
+    weights, ids = topk_softmax(whole.gate(x), 2, renormalize=False)  # [T, 2] each
+    assert ids.unique().tolist() == [0, 1, 2, 3]  # every expert has tokens
+    out = whole.experts.experts_method.apply(whole.experts, x, weights, ids)  # [T, hidden]
+    torch.testing.assert_close(out, fused_moe_reference(x, *whole.experts.experts_method.weights(whole.experts),
+                                                        weights, ids), rtol=1e-4, atol=1e-4)
+    scale = out.abs().max().item()
+    for world in (2, 3):
+        parts = []
+        for rank in range(world):
+            moe = _load(QWEN2_MOE, path, rank, world).model.layers[0].mlp.experts
+            assert moe.intermediate_range[1] == 192 // world
+            assert tuple(type(getattr(moe.gguf_experts[0], m).quant_method) for m in ("gate_up", "down")) == methods
+            parts.append(moe.experts_method.apply(moe, x, weights, ids))
+            assert (parts[-1] - out).abs().max() > 0.1 * scale
+        torch.testing.assert_close(sum(parts), out, rtol=1e-5, atol=1e-5 * scale)
