@@ -185,3 +185,22 @@ def test_moe_experts_are_kept_matmul_by_matmul(name, tmp_path, smollm2_path):
     for prompt, ours_logits in zip(PROMPTS, logits, strict=True):
         torch.testing.assert_close(ours_logits, hf_greedy(hf, prompt, 1)[1], rtol=1e-4, atol=1e-4)
 
+
+def test_a_tied_gpt2_file_without_an_output_tensor_gives_the_tokens_of_transformers_reading(tmp_path, smollm2_path):
+    """llama.cpp's converter today writes no ``output.weight`` for GPT-2 (its head is ``token_embd``):
+    the served model ties its LM head to the embedding's blocks."""
+    from gguf import GGUFReader
+
+    path = tmp_path / "tiny-gpt2-tied.gguf"
+    state = write_gguf(path, GPT2Config(vocab_size=1024, n_embd=256, n_layer=2, n_head=4, n_positions=1024,
+                                        tie_word_embeddings=True, **NO_IDS), smollm2_path)
+    names = {t.name for t in GGUFReader(path).tensors}
+    assert "token_embd.weight" in names and "output.weight" not in names
+    ours, served = served_greedy(path, tmp_path, 6)
+    hf = transformers_reading(path, state)
+    assert hf.config.tie_word_embeddings
+    assert ours == reference_greedy(hf, 6)
+    model = served_model(served)
+    assert model.tie_word_embeddings and model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.quant_method.fmt == G.Q8_0  # the embedding's blocks
+
