@@ -18,6 +18,7 @@ import pytest
 import torch
 from gguf_files import F16, MIXED, Q5_0, write_gguf
 from greedy import hf_greedy, paged_greedy
+from native_builds import NEEDS_KERNEL
 from test_gguf_archs_e2e import PROMPTS, reference_greedy, served_greedy, served_model, transformers_reading
 from transformers import (
     AutoConfig,
@@ -204,3 +205,33 @@ def test_a_tied_gpt2_file_without_an_output_tensor_gives_the_tokens_of_transform
     assert model.tie_word_embeddings and model.lm_head.weight is model.transformer.wte.weight
     assert model.lm_head.quant_method.fmt == G.Q8_0  # the embedding's blocks
 
+
+@NEEDS_KERNEL
+def test_moe_experts_kept_matmul_by_matmul_in_bf16_follow_float32(tmp_path, smollm2_path):
+    """The ``down-q5_0`` experts (blocks beside dense values, both ways) served in bf16 with the
+    native kernels, as on CPU by default: the dense weights held in bf16, the first greedy tokens
+    of float32's and the prompt logits within bf16's error of float32's.
+
+    The tolerance, 5% of the largest float32 logit (that of ``test_gguf_native_layers``' bf16
+    GGUF check): bf16 rounds every activation to 8 significant bits (2**-9 relative) and the
+    native GGUF kernels quantize bf16 activations to int8 per 32 elements (up to max|x| / 254, as
+    llama.cpp's Q8_0), about 0.5% per matmul, over two layers' matmuls and residual sums. Weights
+    of std 0.05 (not 0.15) keep the router's top-2 far enough apart that bf16 picks float32's
+    experts: errors up to 0.08 of logits up to 3.6, where the experts move the logits by over 1."""
+    model_type, formats, overrides, _, held = EXPERTS["down-q5_0"]
+    path = tmp_path / "down-q5_0.gguf"
+    write_gguf(path, CONFIGS[model_type](), smollm2_path, MIXED | formats, overrides, std=0.05)
+    served = prepare_gguf_model(path, tmp_path / "cache")
+    config = AutoConfig.from_pretrained(served)
+    prompts = [[1, 2, 3, 400, 500, 700], [900, 17, 31], [5, 60, 7, 80, 9, 100, 11, 120], list(range(300, 340))]
+    runs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model = get_model_class(config)(config, dtype=dtype, device="cpu", native_cpu_kernels=True)
+        model.load_weights(served)
+        assert [expert_matmuls(layer.mlp.experts, dtype) for layer in model.model.layers] == held
+        runs[dtype] = paged_greedy(model, prompts, 1)
+    # the short prompts' float32 first tokens lead the runner-up by 0.3 to 1.0: more than bf16 moves them
+    # (the 40-token prompt's by 0.09: its logits only)
+    assert runs[torch.bfloat16][0][:3] == runs[torch.float32][0][:3]
+    for bf16, f32 in zip(runs[torch.bfloat16][1], runs[torch.float32][1], strict=True):
+        torch.testing.assert_close(bf16.float(), f32, atol=0.05 * f32.abs().max().item(), rtol=0)
