@@ -338,8 +338,8 @@ async def test_the_peer_watch_survives_a_failed_round(nats_url, monkeypatch):
     try:
         await bus.subscribe(subjects.gateway_ping("gw"), Ping, pong)
         await bus.flush()
-        monkeypatch.setattr(svc, "_send_error", broken_send_error)
-        monkeypatch.setattr(svc, "_release_detokenizer", None)  # a bug in the round: TypeError
+        monkeypatch.setattr(svc, "send_error", broken_send_error)
+        monkeypatch.setattr(svc, "release_detokenizer", None)  # a bug in the round: TypeError
         await submit(svc, "r0")  # no detokenizer at all
         await until(lambda: "r0" not in svc.scheduler.requests, timeout=10)
         monkeypatch.undo()
