@@ -36,7 +36,7 @@ from shared.config import Settings
 from shared.engine_client import EngineClient
 from shared.logging import get_logger
 from shared.model_source import ModelInfo
-from shared.service import NO_EXECUTOR_GROUP, engine_missing
+from shared.pings import NO_EXECUTOR_GROUP, engine_missing
 
 log = get_logger(__name__)
 

@@ -40,7 +40,8 @@ from shared.messages import (
     SubmitRequest,
 )
 from shared.model_source import ModelInfo
-from shared.service import FatalServiceError, answer_pings
+from shared.pings import answer_pings
+from shared.service import FatalServiceError
 
 
 @pytest.fixture
