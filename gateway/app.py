@@ -12,8 +12,9 @@ HTTP endpoints (shapes of the OpenAI API reference and of vLLM's OpenAI server):
 
 Every error body is OpenAI-shaped (``gateway/errors.py``): invalid bodies are 400 (never
 FastAPI's 422), an unknown model is 404, an engine failure keeps its status (500 when
-unknown). The request logic behind the routes is ``gateway/serving.py``. With ``api_key`` set,
-``/v1`` needs a bearer key (``gateway/auth.py``).
+unknown). The request logic behind the routes is ``gateway/serving.py``, answered over HTTP by
+``gateway/http_handler.py``. With ``api_key`` set, ``/v1`` needs a bearer key
+(``gateway/auth.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.auth import APIKeyMiddleware, parse_api_keys
 from gateway.batch.routes import router as batch_router
 from gateway.errors import APIError, validation_error
+from gateway.http_handler import handle_http
 from gateway.metrics import CONTENT_TYPE
 from gateway.protocol.requests import ChatCompletionRequest, CompletionRequest
 from gateway.protocol.responses import ModelCard, ModelList
@@ -36,7 +38,7 @@ from shared.config import Settings
 from shared.engine_client import EngineClient
 from shared.logging import get_logger
 from shared.model_source import ModelInfo
-from shared.service import NO_EXECUTOR_GROUP, engine_missing
+from shared.pings import NO_EXECUTOR_GROUP, engine_missing
 
 log = get_logger(__name__)
 
@@ -115,12 +117,12 @@ def create_app(settings: Settings, model_info: ModelInfo, client: EngineClient) 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         """OpenAI ``POST /v1/completions`` (JSON, or SSE with ``stream``)."""
-        return await serving.handle_http(body, request)
+        return await handle_http(serving, body, request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI ``POST /v1/chat/completions`` (JSON, or SSE with ``stream``)."""
-        return await serving.handle_http(body, request)
+        return await handle_http(serving, body, request)
 
     @app.websocket("/v1/stream")
     async def stream(ws: WebSocket) -> None:

@@ -1,7 +1,8 @@
 """``OpenAIServing``: the request logic behind the endpoints, shared by HTTP, SSE and
 WebSocket: validate a request, submit it to the engine (one engine request per prompt),
-feed its deltas to its ``Generation`` (``gateway/generation.py``), send what that makes, and
-abort what the client no longer waits for.
+feed its deltas to its ``Generation`` (``gateway/generation.py``), make its chunks or its
+response, and abort what the client no longer waits for (``finish``). The transports send
+what it makes: ``gateway/http_handler.py`` (JSON or SSE) and ``gateway/websocket.py``.
 
 A streaming request is answered ``200`` only once the scheduler can no longer refuse it
 (it is submitted with ``notify_accepted``), so a refusal is a plain 400. A client that
@@ -11,18 +12,14 @@ disconnects before its request finished has the request aborted.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import nats.errors
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.types import Receive, Scope, Send
 
 from gateway.chat import ChatGeneration
 from gateway.completion import CompletionGeneration
@@ -41,8 +38,6 @@ from shared.messages import RequestDelta, SamplingParams, TokenizeReply
 from shared.model_source import ModelInfo
 
 log = get_logger(__name__)
-T = TypeVar("T")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass
@@ -276,76 +271,3 @@ class OpenAIServing:
             async for delta in deltas:
                 served.gen.update(delta)
         return served.gen.response()
-
-    async def sse(self, served: ServedRequest) -> AsyncIterator[str]:
-        """Server-Sent Events: ``data: {chunk}`` lines, an error event if any, ``data: [DONE]``."""
-        try:
-            async for chunk in self.events(served):
-                yield f"data: {served.gen.dump_json(chunk)}\n\n"
-        except APIError as exc:
-            yield f"data: {json.dumps(exc.body())}\n\n"
-        except Exception:
-            log.exception("stream_failed", request_id=served.gen.request_id)
-            yield f"data: {json.dumps(APIError.of(500, 'internal error while streaming').body())}\n\n"
-        yield "data: [DONE]\n\n"
-
-    async def handle_http(self, body: AnyRequest, request: Request) -> Response:
-        """One HTTP request: JSON, or SSE when ``body.stream``; aborted if the client leaves."""
-        served = await self.begin(body)
-        headers = {"X-Request-Id": served.gen.request_id}
-        if body.stream:
-            return _AbortingStreamingResponse(
-                self.sse(served),
-                on_close=lambda: self.finish(served),
-                media_type="text/event-stream",
-                headers={**SSE_HEADERS, **headers},
-            )
-        try:
-            response = await _unless_disconnected(request, self.collect(served))
-        finally:
-            self.finish(served)
-        if response is None:
-            log.info("client_disconnected", request_id=served.gen.request_id)
-            return Response(status_code=499)
-        return JSONResponse(response.model_dump(mode="json"), headers=headers)
-
-
-class _AbortingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that calls ``on_close`` however the response ends."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """``await work``, or None (work cancelled) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task.done() and not task.cancelled():
-        return task.result()
-    return None
-
-
-async def _wait_disconnect(request: Request) -> None:
-    """Return when the HTTP client disconnects (the body has already been read)."""
-    try:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-            await asyncio.sleep(0.1)  # a server that repeats body messages: do not spin
-    except Exception:  # cannot tell: never report a disconnect
-        await asyncio.Future()

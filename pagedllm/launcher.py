@@ -146,7 +146,8 @@ def run_one_service(name: str, settings: Settings) -> None:
             (``FatalServiceError``: the scheduler refused the executor's group).
     """
     from shared.logging import configure_logging
-    from shared.service import FatalServiceError, ServiceConflictError, run_service
+    from shared.pings import ServiceConflictError
+    from shared.service import FatalServiceError, run_service
 
     prefix = f"pagedllm service {name}"
     configure_logging(settings.log_level, service=name)

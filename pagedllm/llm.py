@@ -32,7 +32,7 @@ from shared.logging import configure_logging
 from shared.messages import SamplingParams, SchedulerStats, StatsQuery
 from shared.model_source import load_model_info
 from shared.nats_server import EmbeddedNats
-from shared.service import wait_engine_ready
+from shared.pings import wait_engine_ready
 from shared.subjects import Subjects
 
 ENGINE_SERVICES = ("scheduler", "tokenizer", "detokenizer", "executor")

@@ -7,8 +7,9 @@ blocks the plan names.
 
 With ``tensor_parallel_size`` N > 1 it is rank 0 of the group: it starts ranks 1..N-1 as child
 processes (unless ``tensor_parallel_rank`` says the ranks are started by hand), drives them
-(``parallel/ranks.py``) and ends when one of them does: a group missing a rank cannot run a
-step, so the scheduler is told the group stops and recomputes its requests elsewhere.
+(``parallel/ranks.py``) and ends when one of them does (``parallel/rank_zero.py``: forming,
+watching and stopping the ranks): a group missing a rank cannot run a step, so the scheduler
+is told the group stops and recomputes its requests elsewhere.
 """
 
 from __future__ import annotations
@@ -18,20 +19,13 @@ import enum
 import os
 import re
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import nats.errors
 
 from services.executor.model_runner import ModelRunner
-from services.executor.parallel.ranks import (
-    RankProcesses,
-    TensorParallelDriver,
-    check_same_settings,
-    check_splittable,
-    connect_rank,
-    free_port,
-)
+from services.executor.parallel.rank_zero import RankZero
+from services.executor.parallel.ranks import TensorParallelDriver
 from shared.bus import Bus, RemoteError
 from shared.config import Settings
 from shared.logging import get_logger
@@ -87,7 +81,7 @@ class ExecutorService(BusService):
         self.group_id = settings.group_id or default_group_id()
         self.runner: ModelRunner | TensorParallelDriver | None = None
         self.tp_size = settings.tensor_parallel_size
-        self.ranks: RankProcesses | None = None  # ranks 1..N-1 when this process started them
+        self.rank_zero: RankZero | None = None  # the group's other ranks, when tp_size > 1
         # Every torch call runs on this one thread: OpenMP keeps one thread team per calling
         # thread, and teams of several threads spin against each other on a small CPU.
         self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-torch")
@@ -97,7 +91,6 @@ class ExecutorService(BusService):
         self._first_step_id = 0  # of this registration (RegisterAck.next_step_id): older plans are stale
         self._last_step_id = 0  # the newest plan received (Heartbeat.last_step_id)
         self._held_step_id: int | None = None  # the plan _run_steps holds (waiting to run, or running)
-        self._last_keepalive = 0.0  # monotonic time of rank 0's last keep-alive to the other ranks
         self._compiling: dict[str, asyncio.Task] = {}  # grammar key -> its CompileGrammar being answered
 
     @property
@@ -125,32 +118,9 @@ class ExecutorService(BusService):
         if self.tp_size == 1:
             self.runner = await loop.run_in_executor(self._torch_thread, ModelRunner, self.settings, self.model_info)
             return
-        if self.settings.tensor_parallel_rank:
-            raise ValueError(f"tensor_parallel_rank={self.settings.tensor_parallel_rank}: only rank 0 serves NATS; "
-                             "run the other ranks with `pagedllm service executor --tensor-parallel-rank K`")
-        check_splittable(self.model_info, self.tp_size)
-        port = self.settings.tensor_parallel_master_port or free_port(self.settings.tensor_parallel_master_addr)
-        if self.settings.tensor_parallel_rank is None:
-            self.ranks = RankProcesses(self.settings, port)
-
-        def rank_zero() -> TensorParallelDriver:
-            tp = connect_rank(self.settings, 0, port)
-            check_same_settings(tp, self.settings, self.model_info)
-            return TensorParallelDriver(ModelRunner(self.settings, self.model_info, tp))
-
-        forming = loop.run_in_executor(self._torch_thread, rank_zero)
-        try:
-            while not forming.done():  # a rank that dies before joining would leave us waiting
-                await asyncio.wait([forming], timeout=0.2)
-                if not forming.done() and self.ranks is not None and (exited := self.ranks.exited()):
-                    raise FatalServiceError(f"tensor-parallel rank {exited[0]} exited (code {exited[1]}) while "
-                                            "the group was forming")
-            self.runner = forming.result()
-        except BaseException:
-            if self.ranks is not None:
-                self.ranks.stop(timeout=0)
-            raise
-        self.spawn(self._watch_ranks())  # keep-alives from now on: the ranks wait for rank 0
+        self.rank_zero = RankZero(self.settings, self.model_info, self.group_id, self._torch_thread)
+        self.runner = await self.rank_zero.form()
+        self.spawn(self.rank_zero.watch())  # keep-alives from now on: the ranks wait for rank 0
 
     async def serve(self) -> None:
         await self.subscribe(self.subjects.step(self.group_id), StepPlan, self._on_step)
@@ -185,14 +155,8 @@ class ExecutorService(BusService):
         self._compiling.clear()
         if self.runner is not None:  # the grammar threads: queued compiles and masks cancelled
             self.runner.structured.close()
-        if isinstance(self.runner, TensorParallelDriver):  # the other ranks exit
-            loop = asyncio.get_running_loop()
-            try:
-                await asyncio.wait_for(loop.run_in_executor(self._torch_thread, self.runner.stop), 5.0)
-            except Exception:
-                pass
-        if self.ranks is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.ranks.stop)
+        if self.rank_zero is not None:  # the other ranks exit
+            await self.rank_zero.stop()
         self._torch_thread.shutdown(wait=False)
 
     async def wait_registered(self) -> None:
@@ -272,37 +236,6 @@ class ExecutorService(BusService):
         self._enter(ExecutorState.REJOINING)
         await asyncio.get_running_loop().run_in_executor(self._torch_thread, self.runner.reset)
         self.spawn(self._register())
-
-    async def _watch_ranks(self) -> None:
-        """Rank 0 of a tensor-parallel group: keep the waiting ranks alive (a message every
-        heartbeat interval, queued behind a running step) and end the service when a rank is
-        gone: its process exited, its liveness counter stopped (``heartbeat_timeout_s``), or a
-        keep-alive failed. The checks run off the step thread, which a collective may hold.
-
-        Raises:
-            FatalServiceError: a rank is gone (the group is aborted first).
-        """
-        loop = asyncio.get_running_loop()
-        keepalive: asyncio.Future | None = None
-        while True:
-            await asyncio.sleep(min(0.2, self.settings.heartbeat_interval_s))
-            reason = None
-            if self.ranks is not None and (exited := self.ranks.exited()) is not None:
-                reason = f"tensor-parallel rank {exited[0]} of group {self.group_id} exited (code {exited[1]})"
-            elif stale := await loop.run_in_executor(None, self.runner.tp.stale_ranks,
-                                                     self.settings.heartbeat_timeout_s):
-                reason = f"tensor-parallel rank {stale[0]} of group {self.group_id} stopped answering"
-            elif keepalive is not None and keepalive.done() and keepalive.exception() is not None:
-                reason = f"tensor-parallel group {self.group_id} failed: {keepalive.exception()}"
-            elif (keepalive is None or keepalive.done()) and \
-                    time.monotonic() - self._last_keepalive >= self.settings.heartbeat_interval_s:
-                self._last_keepalive = time.monotonic()
-                keepalive = loop.run_in_executor(self._torch_thread, self.runner.keepalive)
-            if reason is not None:
-                log.error("tp_group_failed", group_id=self.group_id, reason=reason)
-                self.runner.broken = True
-                self.runner.tp.abort()
-                raise FatalServiceError(f"{reason}; the group stops")
 
     async def _on_step(self, plan: StepPlan) -> None:
         self._last_step_id = max(self._last_step_id, plan.step_id)

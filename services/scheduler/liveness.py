@@ -1,6 +1,6 @@
 """The scheduler's liveness policy, pure: events in, each with an explicit ``now``
-(``time.monotonic()`` seconds), verdicts out. The service carries the verdicts out (drop a
-group and requeue its requests, fail a step, abort or fail requests).
+(``time.monotonic()`` seconds), verdicts out. The service's ``Watchdog`` (``watchdog.py``)
+carries them out (drop a group and requeue its requests, fail a step, abort or fail requests).
 
 Executor groups (one ``GroupWatch`` each, from its registration until it is dropped):
 - **heartbeat lost**: no heartbeat (nor result) for ``heartbeat_timeout_s``;

@@ -6,7 +6,9 @@ recv (submit / abort / fail / register / heartbeat / grammar ready / step result
 errors to gateways: ``Outputs``). Each group steps independently, while the other
 groups compute: with async scheduling it gets its next plan as soon as it has been sent the
 previous one (two in flight), else when its last result arrives. The liveness policy (lost
-steps, heartbeats, peers gone) is ``Liveness``: this module carries out its verdicts.
+steps, heartbeats, peers gone) is ``Liveness``; ``Watchdog`` (``watchdog.py``) carries out
+its verdicts and watches the groups and the peers, through this service's ``kick``,
+``finish_requests``, ``fail_requests``, ``send_error`` and ``release_detokenizer``.
 """
 
 from __future__ import annotations
@@ -15,16 +17,13 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections import defaultdict
-
-import nats.errors
 
 from services.scheduler.group import registration_error
-from services.scheduler.liveness import Liveness, PingAnswer, Verdict
+from services.scheduler.liveness import Liveness, Verdict
 from services.scheduler.outputs import Outputs
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from shared import subjects as subj
+from services.scheduler.watchdog import Watchdog
 from shared.bus import AnyMessage, Bus
 from shared.config import Settings
 from shared.logging import get_logger
@@ -36,8 +35,6 @@ from shared.messages import (
     GrammarReady,
     Heartbeat,
     HeartbeatAck,
-    Ping,
-    Pong,
     RegisterAck,
     RegisterGroup,
     RequestsKnown,
@@ -54,9 +51,6 @@ from shared.service import BusService, Exclusive
 
 log = get_logger(__name__)
 PLAN_MARGIN_BYTES = 64 << 10  # of NATS max_payload, for plan fields Request.new_request_bytes omits
-#: the log event of a verdict that drops a group (a step timed out is a failed step: group_dropped)
-DROP_EVENTS = {Verdict.GROUP_STOPPED: "group_stopped", Verdict.PLAN_LOST: "step_lost", Verdict.RESULT_LOST: "step_lost",
-               Verdict.HEARTBEAT_LOST: "group_heartbeat_lost"}
 
 
 class SchedulerService(BusService):
@@ -81,6 +75,7 @@ class SchedulerService(BusService):
         self.liveness = Liveness(settings.heartbeat_timeout_s, settings.step_timeout_s,
                                  settings.executor_wait_timeout_s)
         self.outputs = Outputs(self.subjects, settings.num_detokenizer_shards)
+        self.watchdog = Watchdog(self)  # carries out the verdicts of self.liveness
         self.stopping = False  # stop() began: no plan is sent any more (its requests are about to fail)
         self.instance_id = uuid.uuid4().hex
 
@@ -102,7 +97,7 @@ class SchedulerService(BusService):
         await self.subscribe(s.grammar_ready, GrammarReady, self._on_grammar_ready)
         await self.subscribe(s.stats_get, StatsQuery, self._on_stats_query)
         await self.subscribe(s.requests_get, RequestsQuery, self._on_requests_query)
-        for loop in (self._watchdog(), self._publish_stats(), self._watch_peers()):
+        for loop in (self.watchdog.watch_groups(), self._publish_stats(), self.watchdog.watch_peers()):
             self.spawn(loop)
         # the gateways resubmit what a scheduler before this one took with it
         await b.publish(s.scheduler_started, SchedulerStarted(instance_id=self.instance_id))
@@ -123,7 +118,7 @@ class SchedulerService(BusService):
         request is taken meanwhile (the subscriptions are drained)."""
         if not self.scheduler.requests:
             return
-        await self._fail_requests(list(self.scheduler.requests), ServiceError(
+        await self.fail_requests(list(self.scheduler.requests), ServiceError(
             message="the scheduler stopped before this request finished; send it again",
             type="server_error", code="request_lost", status=503))
         try:
@@ -138,7 +133,7 @@ class SchedulerService(BusService):
         error = self.scheduler.add_request(req)
         if error is not None:
             log.info("request_rejected", request_id=req.request_id, reason=error.message)
-            await self._send_error(req, error)
+            await self.send_error(req, error)
             return
         log.debug("request_queued", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens)
         if msg.notify_accepted:
@@ -146,39 +141,39 @@ class SchedulerService(BusService):
                 await self._send(self.outputs.accepted([req]))
             else:  # a group registering may still refuse it (larger than its pool): say so then
                 req.acceptance_due = True
-        await self._kick()
+        await self.kick()
 
     async def _on_abort(self, msg: AbortRequests) -> None:
-        for req in await self._finish_requests(msg.request_ids, msg.reason):
+        for req in await self.finish_requests(msg.request_ids, msg.reason):
             log.info("request_aborted", request_id=req.request_id, reason=msg.reason)
-        await self._kick()
+        await self.kick()
 
     async def _on_fail(self, msg: FailRequests) -> None:
         """A detokenizer lost these requests' state: their clients must hear it."""
-        await self._fail_requests(msg.request_ids, msg.error)
-        await self._kick()
+        await self.fail_requests(msg.request_ids, msg.error)
+        await self.kick()
 
     async def _on_register(self, msg: RegisterGroup) -> RegisterAck:
         if (error := registration_error(msg, self.model_info.name, self.model_info.max_model_len)) is not None:
             log.error("group_refused", group_id=msg.group_id, reason=error.message)
             return RegisterAck(group_id=msg.group_id, accepted=False, error=error)
-        requeued = self._remove_group(msg.group_id)
+        requeued = self.watchdog.remove_group(msg.group_id)
         refused = self.scheduler.add_group(msg.group_id, msg.num_blocks, msg.block_size)
         self.liveness.group_registered(msg.group_id, time.monotonic())
         log.info("group_registered", group_id=msg.group_id, num_blocks=msg.num_blocks,
                  block_size=msg.block_size, requeued=len(requeued), refused=len(refused))
         for req, error in refused:  # waited for a group, but too big for every pool
-            await self._send_error(req, error)
+            await self.send_error(req, error)
         due = [req for req in self.scheduler.requests.values() if req.acceptance_due]  # routed now: they stay
         for req in due:
             req.acceptance_due = False
         await self._send(self.outputs.accepted(due))
-        asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._kick()))
+        asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self.kick()))
         return RegisterAck(group_id=msg.group_id, accepted=True, next_step_id=self.scheduler.next_step_id)
 
     async def _on_heartbeat(self, msg: Heartbeat) -> HeartbeatAck:
         """Note the group alive. A stopping group, or one whose step in flight was lost, is
-        dropped (``_drop_group``) and told it is unknown."""
+        dropped (``Watchdog.drop_group``) and told it is unknown."""
         group = self.scheduler.groups.get(msg.group_id)
         if group is None:
             return HeartbeatAck(group_id=msg.group_id, known=False)
@@ -190,7 +185,7 @@ class SchedulerService(BusService):
             await self._ask_grammars(msg.group_id, list(group.grammars_asked))
             return HeartbeatAck(group_id=msg.group_id, known=True)
         lost = {} if verdict is Verdict.GROUP_STOPPED else {"step_id": oldest, "lost": verdict.value}
-        await self._drop_group(msg.group_id, verdict, **lost)
+        await self.watchdog.drop_group(msg.group_id, verdict, **lost)
         return HeartbeatAck(group_id=msg.group_id, known=False)
 
     async def _on_result(self, result: StepResult) -> None:
@@ -200,10 +195,10 @@ class SchedulerService(BusService):
         self.liveness.result_received(result.group_id, time.monotonic())
         if result.error is not None:
             log.error("step_failed", group_id=result.group_id, error=result.error.message)
-            await self._fail_group(result.group_id, result.error)
+            await self.watchdog.fail_group(result.group_id, result.error)
             return
         outcome = self.scheduler.update_from_output(result)
-        await self._kick()  # the executor computes the next step while the outputs go out
+        await self.kick()  # the executor computes the next step while the outputs go out
         await self._send(self.outputs.detok_steps(outcome.updated))
         for req in outcome.finished:
             log.info("request_finished", request_id=req.request_id, finish_reason=req.finish_reason,
@@ -216,8 +211,8 @@ class SchedulerService(BusService):
         if msg.error is not None:
             log.warning("grammar_failed", group_id=msg.group_id, key=msg.key, requests=len(failed),
                         reason=msg.error.message)
-            await self._fail_requests([r.request_id for r in failed], msg.error)
-        await self._kick()
+            await self.fail_requests([r.request_id for r in failed], msg.error)
+        await self.kick()
 
     async def _on_requests_query(self, msg: RequestsQuery) -> RequestsKnown:
         held = self.scheduler.requests
@@ -229,7 +224,7 @@ class SchedulerService(BusService):
 
     # ------------------------------------------------------------------ actions
 
-    async def _kick(self) -> None:
+    async def kick(self) -> None:
         """Ask each group for the grammars its new requests wait for (``CompileGrammar``), then
         send every group that has work and room in flight its next plans (one at a time, or
         with async scheduling up to two: the executor finds step N + 1 queued when it finishes
@@ -248,13 +243,13 @@ class SchedulerService(BusService):
                 try:
                     await self.bus.publish(self.subjects.step(group_id), plan)
                 except Exception as exc:  # too large, or NATS gone: the planned step never leaves
-                    moved = self._remove_group(group_id)  # the executor registers again (heartbeat)
+                    moved = self.watchdog.remove_group(group_id)  # the executor registers again (heartbeat)
                     log.error("step_send_failed", group_id=group_id, step_id=plan.step_id,
                               error=repr(exc), requeued=len(moved))
-                    self._note_group_dropped(ServiceError(message=f"sending a step failed: {exc!r}",
-                                                          type="server_error", status=503))
+                    self.watchdog.note_group_dropped(ServiceError(
+                        message=f"sending a step failed: {exc!r}", type="server_error", status=503))
                     # its requests may now be queued on a group this loop has already passed
-                    asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._kick()))
+                    asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self.kick()))
                     break
 
     async def _ask_grammars(self, group_id: str, keys: list[str]) -> None:
@@ -274,129 +269,38 @@ class SchedulerService(BusService):
         for subject, message in messages.items():
             await self.bus.publish(subject, message)
 
-    async def _send_error(self, req: Request, error: ServiceError) -> None:
+    async def send_error(self, req: Request, error: ServiceError) -> None:
         await self._send(self.outputs.error(req, error))
 
-    async def _release_detokenizer(self, reqs: list[Request]) -> None:
+    async def release_detokenizer(self, reqs: list[Request]) -> None:
         """``Outputs.released``: the shards drop the text state of these requests."""
         try:
             await self._send(self.outputs.released(reqs))
         except Exception:  # NATS away: the state stays until that detokenizer restarts
             log.warning("detokenizer_release_failed", requests=len(reqs))
 
-    async def _finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
+    async def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
         """``Scheduler.abort`` (blocks free at once), then tell the detokenizer shards to drop
         the state of those they had. Returns the finished requests."""
         done = self.scheduler.abort(request_ids, reason)
-        await self._release_detokenizer(done)
+        await self.release_detokenizer(done)
         return done
 
-    async def _fail_requests(self, request_ids: list[str], error: ServiceError) -> None:
+    async def fail_requests(self, request_ids: list[str], error: ServiceError) -> None:
         """Finish each of these requests still held, with every sample of its n > 1 request
         (the client's stream ends at the error), then send ``error`` to its gateway. Ids not
         held are ignored."""
         held = [self.scheduler.requests[rid] for rid in request_ids if rid in self.scheduler.requests]
         families = list(dict.fromkeys(req.parent_request_id or req.request_id for req in held))
-        for req in await self._finish_requests(families, "error"):
+        for req in await self.finish_requests(families, "error"):
             log.warning("request_failed", request_id=req.request_id, code=error.code, reason=error.message)
         for req in held:
             try:
-                await self._send_error(req, error)
+                await self.send_error(req, error)
             except Exception:  # NATS away: the client's liveness check ends it
                 log.warning("error_send_failed", request_id=req.request_id)
 
-    def _remove_group(self, group_id: str) -> list[Request]:
-        """Drop a group and its steps in flight (their results are then stale); returns its
-        requests, routed again."""
-        self.liveness.forget(group_id)
-        return self.scheduler.remove_group(group_id)
-
-    async def _drop_group(self, group_id: str, verdict: Verdict, **fields: object) -> None:
-        """Carry out a verdict of the liveness policy: a step timed out fails (``_fail_group``);
-        else the group is dropped with no blame (no request failed) and its requests requeued;
-        its executor, told it is unknown, registers again with a clean state."""
-        if verdict is Verdict.STEP_TIMED_OUT:
-            await self._fail_group(group_id, verdict.error)
-            return
-        moved = self._remove_group(group_id)
-        (log.info if verdict is Verdict.GROUP_STOPPED else log.warning)(
-            DROP_EVENTS[verdict], group_id=group_id, requeued=len(moved), **fields)
-        self._note_group_dropped(verdict.error)
-        await self._kick()
-
-    def _note_group_dropped(self, error: ServiceError) -> None:
-        self.liveness.group_dropped(time.monotonic(), error, len(self.scheduler.groups))
-
-    async def _fail_group(self, group_id: str, error: ServiceError) -> None:
-        """A group failed a step: the step's culprit, if known, fails with the error
-        (``Scheduler.fail_step``); the group is dropped and its other requests are requeued,
-        for another group or for this one when it registers again (its executor does so at
-        once after a failed step)."""
-        self.liveness.forget(group_id)
-        failed, moved = self.scheduler.fail_step(group_id)
-        for req in failed:
-            await self._send_error(req, error)
-        await self._release_detokenizer(failed)
-        log.warning("group_dropped", group_id=group_id, requeued=len(moved), failed=len(failed),
-                    reason=error.message)
-        self._note_group_dropped(error)
-        await self._kick()
-
     # ------------------------------------------------------------------ loops
-
-    async def _watchdog(self) -> None:
-        """Drop groups whose heartbeat stopped or whose step never came back; fail the waiting
-        requests when no group came back in time."""
-        while True:
-            await asyncio.sleep(min(0.5, self.settings.heartbeat_interval_s))
-            now = time.monotonic()
-            for group_id in list(self.scheduler.groups):
-                if (verdict := self.liveness.check(group_id, now)) is not None:
-                    await self._drop_group(group_id, verdict)
-            fail = self.liveness.fail_waiting(now, bool(self.scheduler.groups), bool(self.scheduler.waiting))
-            if fail is not None:
-                waiting = list(self.scheduler.waiting)
-                await self._fail_requests([r.request_id for r in waiting], fail.error)
-                log.warning("no_executor_group", failed=len(waiting), reason=fail.cause.message)
-
-    async def _watch_peers(self) -> None:
-        """Every ``heartbeat_timeout_s``, ping the gateways and detokenizer shards of the
-        requests held: a gateway gone has its requests aborted, so that they free their blocks
-        instead of running to max_tokens for nobody; a detokenizer shard gone has its requests
-        failed with a 503 ``request_lost`` (their outputs would go nowhere)."""
-        while True:
-            await asyncio.sleep(self.liveness.heartbeat_timeout_s)
-            by_gateway: dict[str, list[str]] = defaultdict(list)
-            by_shard: dict[int, list[str]] = defaultdict(list)
-            for req in self.scheduler.requests.values():
-                by_gateway[req.gateway_id].append(req.request_id)
-                by_shard[self.outputs.shard(req)].append(req.request_id)
-            self.liveness.watch_peers(by_gateway, by_shard)
-            try:
-                for gateway_id, request_ids in by_gateway.items():
-                    if self.liveness.gateway_ping(gateway_id, await self._ping(subj.gateway_ping(gateway_id))):
-                        aborted = await self._finish_requests(request_ids, "abort")
-                        log.warning("gateway_lost", gateway_id=gateway_id, aborted=len(aborted))
-                        await self._kick()
-                for shard, request_ids in by_shard.items():
-                    answer = await self._ping(subj.ping(self.model_info.name, f"detokenizer.{shard}"))
-                    if self.liveness.detokenizer_ping(shard, answer):
-                        log.warning("detokenizer_lost", shard=shard, requests=len(request_ids))
-                        await self._fail_requests(request_ids, ServiceError(
-                            message=f"no detokenizer serves shard {shard} of this model; send the request again",
-                            type="server_error", code="request_lost", status=503))
-                        await self._kick()
-            except Exception:  # never let one round end the watch for the scheduler's lifetime
-                log.exception("peer_watch_failed")
-
-    async def _ping(self, ping_subject: str) -> PingAnswer:
-        try:
-            await self.bus.request(ping_subject, Ping(), Pong, timeout=2.0)
-        except nats.errors.NoRespondersError:
-            return PingAnswer.NO_RESPONDERS
-        except Exception:  # slow, an error reply, or NATS away: ask again next time
-            return PingAnswer.ERROR
-        return PingAnswer.ANSWERED
 
     async def _publish_stats(self) -> None:
         while True:

@@ -236,7 +236,7 @@ async def test_a_second_scheduler_or_detokenizer_of_a_shard_is_refused(env, nats
     """Two schedulers, or two detokenizers of one shard, on one NATS would both act on every
     message (doubled, garbled text): the second one refuses to start. Another shard starts."""
     from services.scheduler.service import SchedulerService
-    from shared.service import ServiceConflictError
+    from shared.pings import ServiceConflictError
 
     settings = Settings(model=str(env.info.path), served_model_name=env.info.name, nats_url=nats_url,
                         cache_dir=tmp_path, max_model_len=MAX_MODEL_LEN)

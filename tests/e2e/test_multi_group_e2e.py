@@ -18,7 +18,7 @@ from processes import start_service, stop_all
 from shared.bus import Bus
 from shared.engine_client import EngineClient
 from shared.messages import SamplingParams, SchedulerStats, StatsQuery
-from shared.service import wait_engine_ready
+from shared.pings import wait_engine_ready
 from shared.subjects import Subjects
 
 SYSTEM = ("You are a meticulous assistant. Always answer in one short sentence, without lists, "
@@ -125,7 +125,7 @@ async def test_a_second_executor_of_a_group_id_is_refused(nats_url, monkeypatch)
     from shared.config import Settings
     from shared.messages import RegisterAck, RegisterGroup
     from shared.model_source import ModelInfo
-    from shared.service import ServiceConflictError
+    from shared.pings import ServiceConflictError
 
     monkeypatch.setattr(executor_service, "ModelRunner", _StubRunner)
     model = f"dup-{uuid.uuid4().hex[:6]}"

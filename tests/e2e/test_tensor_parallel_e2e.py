@@ -208,7 +208,7 @@ async def test_a_group_losing_a_rank_is_dropped_its_requests_recomputed_elsewher
     from shared.engine_client import EngineClient
     from shared.messages import SamplingParams as WireParams
     from shared.messages import SchedulerStats, StatsQuery
-    from shared.service import wait_engine_ready
+    from shared.pings import wait_engine_ready
     from shared.subjects import Subjects
 
     model = f"tp-{uuid.uuid4().hex[:6]}"

@@ -34,7 +34,7 @@ from shared.messages import (
     TokenizeRequest,
     TokenLogprob,
 )
-from shared.service import answer_pings, engine_ping_names
+from shared.pings import answer_pings, engine_ping_names
 from shared.subjects import TOKENIZER_QUEUE, Subjects
 
 ANSWER = ["The", " capital", " of", " France", " is", " Paris."]

@@ -24,7 +24,7 @@ from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import GroupStats, SchedulerStats, StatsQuery
 from shared.model_source import ModelInfo
-from shared.service import answer_pings, engine_ping_names
+from shared.pings import answer_pings, engine_ping_names
 
 
 async def test_health_is_503_until_the_engine_is_ready(nats_url):

@@ -40,7 +40,8 @@ from shared.messages import (
     SubmitRequest,
 )
 from shared.model_source import ModelInfo
-from shared.service import FatalServiceError, answer_pings
+from shared.pings import answer_pings
+from shared.service import FatalServiceError
 
 
 @pytest.fixture
@@ -338,8 +339,8 @@ async def test_the_peer_watch_survives_a_failed_round(nats_url, monkeypatch):
     try:
         await bus.subscribe(subjects.gateway_ping("gw"), Ping, pong)
         await bus.flush()
-        monkeypatch.setattr(svc, "_send_error", broken_send_error)
-        monkeypatch.setattr(svc, "_release_detokenizer", None)  # a bug in the round: TypeError
+        monkeypatch.setattr(svc, "send_error", broken_send_error)
+        monkeypatch.setattr(svc, "release_detokenizer", None)  # a bug in the round: TypeError
         await submit(svc, "r0")  # no detokenizer at all
         await until(lambda: "r0" not in svc.scheduler.requests, timeout=10)
         monkeypatch.undo()

@@ -18,7 +18,8 @@ from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import Ping, Pong
 from shared.model_source import ModelInfo
-from shared.service import BusService, Exclusive, FatalServiceError, ServiceConflictError, run_service
+from shared.pings import ServiceConflictError
+from shared.service import BusService, Exclusive, FatalServiceError, run_service
 
 
 class Echo(BusService):
