@@ -28,8 +28,12 @@ model: setup
 run: model
 	$(BIN)/pagedllm serve $(MODEL) --host $(HOST) --port $(PORT)
 
+# pytest-xdist workers, each taking whole files (their module fixtures built once): the
+# end-to-end drills mostly wait on processes and overlap the CPU-bound tests
+TEST_WORKERS ?= 2
+
 test: model
-	$(BIN)/python -m pytest -q -x --durations=40 tests
+	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=40 tests
 
 # the pure layer: no end-to-end or kernel tests (under a minute)
 test-fast: model
