@@ -171,16 +171,25 @@ class ConnectionEvents:
     ends the connection attempt with a :class:`NatsAuthorizationError` (raised from
     ``on_error``, out of nats.py's connect); once connected, a refusal while reconnecting (the
     server's configuration changed) is logged as a connection error and retried.
+
+    ``connecting``: the task that runs nats.py's connect (``Bus.connect``'s). A cancel of it
+    that nats.py lost is raised again from ``on_error``, out of the connect: on Python 3.11,
+    ``asyncio.wait_for`` (around nats.py's TCP connect) returns an attempt's error instead of
+    the cancel when both come in one loop turn, and nats.py logs the error and retries for ever.
     """
 
-    def __init__(self, name: str, url: str) -> None:
+    def __init__(self, name: str, url: str, connecting: asyncio.Task | None = None) -> None:
         self.name = name
         self.url = redact_url(url)  # logged: never with its credentials
         self.errors = 0  # connection errors since the connection was last up
         self._last_logged = 0.0
         self.client: Client | None = None  # set once connected
+        self._connecting = connecting
+        self._cancels = connecting.cancelling() if connecting is not None else 0  # requested before connect
 
     async def on_error(self, exc: Exception) -> None:
+        if self.client is None and self.cancel_lost():
+            raise asyncio.CancelledError
         if self.client is None and is_authorization_error(exc):
             raise NatsAuthorizationError(
                 f"NATS at {self.url} refused the credentials of connection {self.name!r} ({exc}): check the user "
@@ -221,6 +230,12 @@ class ConnectionEvents:
         self.errors = 0
         self._last_logged = 0.0
 
+    def cancel_lost(self) -> bool:
+        """Whether this runs in the connecting task, cancelled since ``Bus.connect`` began and
+        running on: the cancel was lost."""
+        task = asyncio.current_task()
+        return task is not None and task is self._connecting and task.cancelling() > self._cancels
+
 
 class Bus:
     """One NATS connection with typed helpers.
@@ -239,7 +254,8 @@ class Bus:
     async def connect(cls, url: str, name: str = "pagedllm", creds: Path | str | None = None) -> Bus:
         """Connect to ``url``, retrying for ever (every 0.5 s) until the server answers, and
         reconnecting the same way after a loss; errors, disconnections and reconnections are
-        logged as one line each (:class:`ConnectionEvents`).
+        logged as one line each (:class:`ConnectionEvents`). A cancel ends it whenever it comes
+        (nats.py's connect alone may lose one and retry on: see :class:`ConnectionEvents`).
 
         Credentials: a user and password or a token in ``url`` (``nats://user:pw@host:4222``,
         ``nats://token@host:4222``), or ``creds``, a NATS credentials file (a user JWT and its
@@ -251,7 +267,7 @@ class Bus:
         """
         if creds is not None and not Path(creds).is_file():
             raise FileNotFoundError(f"NATS credentials file {str(creds)!r} not found")
-        events = ConnectionEvents(name, url)
+        events = ConnectionEvents(name, url, connecting=asyncio.current_task())
         nc = Client()
         try:
             await nc.connect(  # drain_timeout: a stop with the server gone waits 5 s, not 30
@@ -264,6 +280,9 @@ class Bus:
             await nc.close()
             raise
         events.client = nc
+        if events.cancel_lost():  # in the handshake's last turn (its wait_for returned the answer)
+            await nc.close()
+            raise asyncio.CancelledError
         events.on_connected()
         return cls(nc)
 

@@ -70,6 +70,31 @@ async def test_a_handshake_without_info_is_a_connection_error(monkeypatch):
     assert events[-1][0] == "warning:nats_connection_error" and events[-1][1]["errors"] == 1
 
 
+async def test_connecting_ends_when_cancelled_in_the_turn_an_attempt_fails(monkeypatch):
+    """``Bus.connect`` retrying a server that is not up ends on a cancel (SIGTERM to a service
+    still connecting), also one that comes in the loop turn where an attempt fails: there,
+    Python 3.11's ``asyncio.wait_for`` (around nats.py's TCP connect) returns the attempt's
+    error instead of the ``CancelledError``, and nats.py retried for ever (9 of 45 services sent
+    SIGTERM 1.5 s after their first failed attempt, the retries' cadence, never stopped)."""
+    attempts = 0
+
+    async def refused_as_cancelled(*args: object, **kwargs: object) -> None:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:  # the cancel runs before wait_for's waiter learns of this failure
+            asyncio.get_running_loop().call_soon(connecting.cancel)
+        raise ConnectionRefusedError(111, "Connect call failed")
+
+    monkeypatch.setattr(asyncio, "open_connection", refused_as_cancelled)  # nats.py's TcpTransport
+    connecting = asyncio.ensure_future(Bus.connect("nats://127.0.0.1:1", name="cancel-test"))
+    try:
+        await asyncio.wait({connecting}, timeout=2)
+        assert connecting.cancelled() and attempts == 1, f"still connecting after {attempts} attempts"
+    finally:
+        connecting.cancel()  # a second one, which lands in nats.py's wait between attempts
+        await asyncio.gather(connecting, return_exceptions=True)
+
+
 async def test_a_failing_request_handler_answers_at_once_with_a_typed_error(nats_url):
     """A request/reply handler that raises answers with nats micro's error headers
     (``Nats-Service-Error``, ``Nats-Service-Error-Code`` 500) instead of leaving the caller to
