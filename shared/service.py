@@ -44,7 +44,9 @@ class FatalServiceError(RuntimeError):
 
 async def run_service(service: Service) -> None:
     """Start ``service``, serve until SIGTERM or SIGINT, then stop it. A signal while it is
-    still starting (connecting to a NATS server that is not up yet, say) ends it too.
+    still starting (connecting to a NATS server that is not up yet, say) cancels the start; a
+    start that ends all the same (the cancel came in the turn it ended, or was lost in a
+    Python 3.11 ``wait_for``) is stopped.
 
     Raises:
         BaseException: what a failed start raised, or the error of a task of the service
@@ -68,6 +70,8 @@ async def _serve_until_stopped(service: Service, stop: asyncio.Event) -> None:
     if not starting.done():
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
+        if not starting.cancelled() and starting.exception() is None:  # started all the same
+            await service.stop()
         return
     if starting.exception() is not None:
         stopping.cancel()

@@ -6,6 +6,7 @@ it; a second instance of an exclusive service refuses to start."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import uuid
 from pathlib import Path
 
@@ -122,3 +123,34 @@ async def test_a_failed_task_ends_the_service_and_run_service_raises_its_error(n
     assert service.bus is None and service.loop_task.cancelled() and service.stopped_with_bus is True
     failed = [entry for entry in logs if entry["event"] == "service_task_failed"]
     assert [(entry["service"], entry["error"]) for entry in failed] == [("echo", "cannot go on")]
+
+
+class LosesACancel(Echo):
+    """An Echo whose start goes on through the first cancel (as a Python 3.11 ``wait_for`` does
+    when what it waits for ends in the same loop turn) and starts all the same."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.loading = asyncio.Event()
+
+    async def load(self) -> None:
+        self.loading.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+
+
+async def test_a_service_that_starts_despite_the_cancel_of_a_sigterm_is_stopped(nats_url):
+    """SIGTERM while the service starts cancels its start; a start that ends all the same (the
+    cancel lost) is then stopped by ``run_service`` (its bus closed), not left serving."""
+    service = LosesACancel(Settings(nats_url=nats_url), model_info())
+    running = asyncio.ensure_future(run_service(service))
+    try:
+        await asyncio.wait_for(service.loading.wait(), 5)  # run_service handles SIGTERM from now on
+        signal.raise_signal(signal.SIGTERM)
+        await asyncio.wait_for(running, 10)
+        assert service.bus is None and service.stopped_with_bus is True and service.loop_task.cancelled()
+    finally:
+        running.cancel()
+        await service.stop()
