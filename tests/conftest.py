@@ -40,6 +40,21 @@ def _interpret_triton_without_a_gpu() -> None:
 
 _interpret_triton_without_a_gpu()
 
+
+def _one_thread_per_xdist_worker() -> None:
+    """Under several pytest-xdist workers (``make test``'s ``TEST_WORKERS``), run each worker's
+    torch, and the processes it starts (``OMP_NUM_THREADS``: services, engines), on one thread.
+    The workers already fill the cores; an OpenMP team per process spin-waits for cores the other
+    worker holds (services/executor/cpu_threads.py). Tests of threading set their counts themselves."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+_one_thread_per_xdist_worker()
+
 TESTS_DIR = Path(__file__).resolve().parent
 MARKER_OF_DIR = {"e2e": "e2e", "kernels": "kernel"}  # first folder under tests/ -> marker
 CACHE_DIR = Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
