@@ -138,6 +138,8 @@ class OpenAIServing:
             params = tools.sampling_params(body.sampling_params())
         except ValidationError as exc:
             raise validation_error(exc.errors()) from None
+        except ValueError as exc:  # SamplingParams' own check (a msgspec record, not pydantic)
+            raise validation_error([{"msg": str(exc), "type": "value_error"}]) from None
         request_id, engine_ids, inputs = engine_requests(body, tools)
         # a stream: no 200 before the scheduler can no longer refuse it (priority, KV cache
         # size); a batch: every prompt accepted before any output counts

@@ -1,9 +1,11 @@
 """Typed publish/subscribe over NATS: messages encoded with msgpack (no pickle).
 
-Control messages are pydantic models (``model_dump`` / ``model_validate``); the four per-step
-messages are msgspec structs (``shared/messages/steps.py``), encoded and decoded by msgspec,
-with the pydantic models they embed (``SamplingParams``, ``ServiceError``) carried as their
-fields and validated on decode.
+Most control messages are pydantic models (``model_dump`` / ``model_validate``); the four
+per-step messages and the messages that carry a request's records (``RequestSpec``,
+``SamplingParams``) are msgspec structs, encoded and decoded by msgspec: their types are
+checked on decode and their values are not checked again (``shared.messages.decoding``: they
+were checked where they were built). The one pydantic model a struct embeds, ``ServiceError``,
+is carried as its fields and validated on decode.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from nats.aio.subscription import Subscription
 from pydantic import BaseModel
 
 from shared.logging import get_logger
-from shared.messages import ServiceError
+from shared.messages import ServiceError, decoding
 
 AnyMessage = BaseModel | msgspec.Struct
 M = TypeVar("M", bound=AnyMessage)
@@ -33,7 +35,7 @@ log = get_logger(__name__)
 
 
 def _enc_hook(obj: Any) -> Any:
-    """A pydantic model inside a struct (``SamplingParams``, ``ServiceError``): its fields."""
+    """A pydantic model inside a struct (``ServiceError``): its fields."""
     if isinstance(obj, BaseModel):
         return obj.model_dump(mode="python", exclude_defaults=True)
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
@@ -66,12 +68,13 @@ def decode(data: bytes, message_type: type[M]) -> M:
 
     Raises:
         pydantic.ValidationError: the bytes are not a valid ``message_type`` (a pydantic model).
-        msgspec.ValidationError: the bytes are not a valid ``message_type`` (a struct, the
-            pydantic models it carries included).
+        msgspec.ValidationError: the bytes are not a valid ``message_type`` (a struct: the
+            types of its fields, and the pydantic models it carries).
         msgspec.DecodeError: the bytes are not msgpack (a struct).
     """
     if issubclass(message_type, msgspec.Struct):
-        return _struct_decoder(message_type).decode(data)
+        with decoding():
+            return _struct_decoder(message_type).decode(data)
     return message_type.model_validate(msgpack.unpackb(data, raw=False, strict_map_key=False))
 
 

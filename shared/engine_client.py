@@ -39,6 +39,7 @@ from shared.messages import (
     Ping,
     Pong,
     RequestDelta,
+    RequestSpec,
     SamplingParams,
     SchedulerStarted,
     ServiceError,
@@ -154,30 +155,33 @@ class EngineClient:
         self,
         request_id: str,
         *,
+        sampling_params: SamplingParams,
         prompt: str | list[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
-        sampling_params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         cap_at_max_model_len: bool = False,
         return_prompt: bool = False,
-        notify_accepted: bool = False,
-        background: bool = False,
+        **options: Any,
     ) -> TokenizeReply:
-        """Send a request to the tokenizer; its outputs then arrive for ``stream(request_id)``.
+        """Build the request's ``RequestSpec`` (this client's gateway id, the arrival time
+        now, ``sampling_params`` as they are: checked where they were built) and send it with
+        its prompt to the tokenizer; its outputs then arrive for ``stream(request_id)``.
 
-        The output queue is registered before the request is sent, so no output is lost.
-        ``cap_at_max_model_len``: a prompt + ``max_tokens`` over ``max_model_len`` is accepted
-        and stops there with finish_reason "length" (the offline API, as vLLM's ``LLM``)
-        instead of being refused (the OpenAI server). ``return_prompt``: the reply carries the
-        prompt text (a chat request's as the template rendered it; token ids decoded).
-        ``tools`` and ``chat_template``: for a chat's template (the tools it lists; a template
-        used instead of the server's). ``notify_accepted``: the scheduler says when it accepts
-        the request; ``wait_accepted`` waits for that. ``background``: a batch line, which the scheduler admits after every
-        interactive request and preempts first. While no tokenizer serves the model (one
+        ``options`` are the spec's other fields (``priority``, ``cache_salt``, ``background``,
+        ``notify_accepted``, ...: ``shared/messages/request.py``), carried to the scheduler
+        untouched. ``notify_accepted``: the scheduler says when it accepts the request;
+        ``wait_accepted`` waits for that. The output queue is registered before the request is
+        sent, so no output is lost.
+
+        The prompt's fields go to the tokenizer: ``prompt`` or chat ``messages`` (with
+        ``add_generation_prompt``, the ``tools`` the template lists and a ``chat_template``
+        used instead of the server's); ``cap_at_max_model_len``: a prompt + ``max_tokens`` over
+        ``max_model_len`` is accepted and stops there with finish_reason "length" (the offline
+        API, as vLLM's ``LLM``) instead of being refused (the OpenAI server);
+        ``return_prompt``: the reply carries the prompt text (a chat request's as the template
+        rendered it; token ids decoded). While no tokenizer serves the model (one
         restarting), the request is sent again every 0.25 s until ``tokenize_timeout_s``.
 
         Returns:
@@ -190,29 +194,18 @@ class EngineClient:
             shared.bus.RemoteError: the tokenizer's handler failed on the request (it may have
                 submitted it: abort it).
             ValueError: ``request_id`` is already in flight.
+            TypeError: an option that is not a field of ``RequestSpec``.
         """
         if request_id in self.requests.pending:
             raise ValueError(f"request_id {request_id!r} is already in flight")
+        spec = RequestSpec(request_id=request_id, gateway_id=self.gateway_id, sampling_params=sampling_params,
+                           arrival_time=time.time(), **options)
         message = TokenizeRequest(
-            request_id=request_id,
-            gateway_id=self.gateway_id,
-            prompt=prompt,
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            chat_template=chat_template,
-            sampling_params=sampling_params,
-            priority=priority,
-            cache_salt=cache_salt,
-            arrival_time=time.time(),
-            cap_at_max_model_len=cap_at_max_model_len,
-            return_prompt=return_prompt,
-            notify_accepted=notify_accepted,
-            background=background,
-        )
+            spec=spec, prompt=prompt, messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            chat_template=chat_template, cap_at_max_model_len=cap_at_max_model_len, return_prompt=return_prompt)
         pending = self.requests.pending[request_id] = InFlight(
-            request_id=request_id, message=message, queue=asyncio.Queue(), last_output=time.monotonic(),
-            verdict=asyncio.get_running_loop().create_future() if notify_accepted else None)
+            message=message, queue=asyncio.Queue(), last_output=time.monotonic(),
+            verdict=asyncio.get_running_loop().create_future() if spec.notify_accepted else None)
         self.requests.engine_ids[request_id] = request_id
         deadline = time.monotonic() + self.tokenize_timeout_s
         try:

@@ -5,7 +5,7 @@ The engine can lose a request: its scheduler dies (the request state goes with i
 detokenizer dies (the text state), or a NATS outage drops an update. The client still
 holds everything the request was submitted with and every output token its client has
 received, so it resubmits the request under a new engine id (``<id>~<attempt>``) with those
-tokens (``TokenizeRequest.output_token_ids``): the scheduler recomputes them as it does a
+tokens (``RequestSpec.output_token_ids``): the scheduler recomputes them as it does a
 preempted request's, and generation continues after them. Greedy output is the same as an
 undisturbed run's; a seeded sample's random stream starts again, so it may differ.
 """
@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+
+import msgspec
 
 from shared.messages import RequestDelta, ServiceError, TokenizeRequest
 
@@ -38,7 +40,6 @@ class InFlight:
     client has received.
     """
 
-    request_id: str
     message: TokenizeRequest  # as first submitted
     queue: asyncio.Queue[RequestDelta]  # its deltas, for ``EngineClient.stream``
     last_output: float  # time.monotonic() of its last delta (of its (re)submission before any)
@@ -57,8 +58,13 @@ class InFlight:
         self.outputs = [[] for _ in range(self.num_samples)]
 
     @property
+    def request_id(self) -> str:
+        """The client's id (its first submission's)."""
+        return self.message.spec.request_id
+
+    @property
     def num_samples(self) -> int:
-        return self.message.sampling_params.n
+        return self.message.spec.sampling_params.n
 
     def receive(self, delta: RequestDelta) -> Received:
         """Note a delta from the engine (its tokens, whether its sample finished).
@@ -91,9 +97,8 @@ class InFlight:
         were delivered; asking for the scheduler's acceptance while the client still awaits it."""
         self.attempts += 1
         self.engine_id = f"{self.request_id}~{self.attempts}"
-        params = self.message.sampling_params
-        if self.got_prompt_logprobs:
-            params = params.model_copy(update={"prompt_logprobs": None})
-        return self.message.model_copy(update=dict(
+        spec = self.message.spec
+        params = spec.sampling_params.replace(prompt_logprobs=None) if self.got_prompt_logprobs else spec.sampling_params
+        return msgspec.structs.replace(self.message, spec=spec.derive(
             request_id=self.engine_id, sampling_params=params, output_token_ids=list(self.outputs[0]),
             notify_accepted=self.verdict is not None and not self.verdict.done()))

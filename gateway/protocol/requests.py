@@ -204,7 +204,7 @@ class ChatCompletionRequest(SamplingFields):
 
 #: Every request field name (for naming the ``param`` of an error from its message).
 KNOWN_PARAMS: frozenset[str] = frozenset(
-    {*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields, *SamplingParams.model_fields,
+    {*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields, *SamplingParams.__struct_fields__,
      *UNSERVED_NAMES}
 )
 

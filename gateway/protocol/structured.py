@@ -15,9 +15,8 @@ the backend cannot compile is refused by the tokenizer service as
 
 from __future__ import annotations
 
+import re
 from typing import Any
-
-from pydantic import ValidationError
 
 from shared.messages import ServiceError, StructuredOutputsParams
 
@@ -63,12 +62,12 @@ def structured_outputs_of(fields: dict[str, Any]) -> tuple[StructuredOutputsPara
         if (so := fields.get("structured_outputs")) is not None:
             if not isinstance(so, dict):
                 raise ValueError("structured_outputs must be an object")
-            params = StructuredOutputsParams(**so)
+            params = _params(so)
             asked.append((params, f"structured_outputs.{params.kind}"))
         for name, kind in GUIDED_FIELDS.items():
             if fields.get(name) is not None:
-                asked.append((StructuredOutputsParams(**{kind: fields[name]}), name))
-    except (ValidationError, TypeError) as exc:
+                asked.append((_params({kind: fields[name]}), name))
+    except _Malformed as exc:
         raise ValueError(_message(exc, asked, fields)) from None
     if len(asked) > 1:
         names = ", ".join(path.split(".")[0] for _, path in asked)
@@ -76,17 +75,29 @@ def structured_outputs_of(fields: dict[str, Any]) -> tuple[StructuredOutputsPara
     return asked[0] if asked else (None, None)
 
 
-def _message(exc: Exception, asked: list, fields: dict[str, Any]) -> str:
+class _Malformed(ValueError):
+    """A constraint's fields that do not make a ``StructuredOutputsParams``."""
+
+
+def _params(fields: dict[str, Any]) -> StructuredOutputsParams:
+    """``StructuredOutputsParams(**fields)``, its refusal a ``_Malformed`` (an unknown field
+    named first: ``jsn: Unexpected keyword argument``)."""
+    try:
+        return StructuredOutputsParams(**fields)
+    except TypeError as exc:
+        text = str(exc)
+        if m := re.match(r"Unexpected keyword argument '(\w+)'", text):
+            text = f"{m.group(1)}: Unexpected keyword argument"
+        raise _Malformed(text) from None
+    except ValueError as exc:
+        raise _Malformed(str(exc)) from None
+
+
+def _message(exc: _Malformed, asked: list, fields: dict[str, Any]) -> str:
     """A construction error, prefixed with the field being read (the next one not in ``asked``)."""
     order = [n for n in ("response_format", "structured_outputs", *GUIDED_FIELDS) if fields.get(n) is not None]
     name = order[min(len(asked), len(order) - 1)]
-    if isinstance(exc, ValidationError):
-        text = "; ".join(
-            (f"{'.'.join(map(str, e['loc']))}: " if e.get("loc") else "") + str(e.get("msg", "")).removeprefix("Value error, ")
-            for e in exc.errors())
-    else:
-        text = str(exc)
-    text = text.removeprefix("structured_outputs: ").removeprefix("structured_outputs.")
+    text = str(exc).removeprefix("structured_outputs: ").removeprefix("structured_outputs.")
     return f"{name}: {text}"
 
 

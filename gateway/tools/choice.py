@@ -47,7 +47,7 @@ class ToolUse:
         if self.schema is not None:
             # compact JSON: the arguments read as OpenAI's, and no tokens go to spacing
             update["structured_outputs"] = StructuredOutputsParams(json=self.schema, disable_any_whitespace=True)
-        return params.model_copy(update=update) if update else params
+        return params.replace(**update) if update else params
 
 
 NO_TOOLS = ToolUse()

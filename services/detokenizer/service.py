@@ -48,17 +48,28 @@ RECENTLY_FINISHED = 4096
 
 @dataclass
 class DetokRequest:
-    """The state of one live request in this shard."""
+    """The state of one live request in this shard: the scheduler's ``DetokNewRequest`` as it
+    came (held, not copied: its ids, prompt length and ``DetokenizeParams``) and what has been
+    decoded since."""
 
-    request_id: str
-    gateway_id: str
-    num_prompt_tokens: int
+    new: DetokNewRequest
     detok: IncrementalDetokenizer
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
-    client_request_id: str | None = None  # n > 1: the parent id the client knows
-    index: int = 0  # n > 1: the choice index
     prompt_logprobs: list[DecodedLogprobs] | None = None  # sent with its first delta, then dropped
+
+    @property
+    def request_id(self) -> str:
+        return self.new.request_id
+
+    @property
+    def gateway_id(self) -> str:
+        return self.new.gateway_id
+
+    @property
+    def client_request_id(self) -> str:
+        """The id its client knows: an n > 1 sample's parent's, else its own."""
+        return self.new.parent_request_id or self.new.request_id
 
 
 @dataclass
@@ -134,7 +145,7 @@ class DetokenizerService(BusService):
         by_gateway: dict[str, list[RequestDelta]] = defaultdict(list)
         for req in self.requests.values():
             by_gateway[req.gateway_id].append(RequestDelta(
-                request_id=req.client_request_id or req.request_id, index=req.index, finished=True,
+                request_id=req.client_request_id, index=req.new.index, finished=True,
                 finish_reason="error", error=lost))
         try:
             await self.bus.publish(self.subjects.abort, AbortRequests(request_ids=list(self.requests)))
@@ -207,23 +218,21 @@ class DetokenizerService(BusService):
         if new.request_id in self.requests:
             log.warning("duplicate_new_request", request_id=new.request_id)
             return
+        params = new.params
         self.requests[new.request_id] = DetokRequest(
-            request_id=new.request_id,
-            gateway_id=new.gateway_id,
-            num_prompt_tokens=new.num_prompt_tokens,
+            new=new,
             num_output_tokens=new.num_output_tokens,
-            client_request_id=new.parent_request_id,
-            index=new.index,
             detok=IncrementalDetokenizer(
                 self.tokenizer,
                 new.prompt_tail_ids,
-                skip_special_tokens=new.skip_special_tokens,
-                stop=new.stop,
-                include_stop_str_in_output=new.include_stop_str_in_output,
-                min_tokens=max(0, new.min_tokens - new.num_output_tokens),
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=max(0, params.min_tokens - new.num_output_tokens),
             ),
             prompt_logprobs=self._decode_prompt_logprobs(new),
         )
+        new.prompt_logprobs = None  # decoded: only the text travels on
 
     def _apply(self, req: DetokRequest, update: TokenUpdate) -> RequestDelta:
         det = req.detok
@@ -243,14 +252,14 @@ class DetokenizerService(BusService):
                 error = ServiceError(message="the engine failed while generating this request",
                                      type="internal_server_error", status=500)
         delta = RequestDelta(
-            request_id=req.client_request_id or req.request_id,
-            index=req.index,
+            request_id=req.client_request_id,
+            index=req.new.index,
             text=text,
             token_ids=list(update.new_token_ids[:consumed]),
             finished=finish_reason is not None,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
+            num_prompt_tokens=req.new.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             error=error,

@@ -92,7 +92,6 @@ class Outputs:
 
 
 def _new_request(req: Request) -> DetokNewRequest:
-    p = req.sampling_params
     with_prompt_logprobs = req.needs_prompt_logprobs  # all of them came: sent once, here
     # the tokens before this first update: the prompt, and a resubmitted request's outputs
     known = req.all_token_ids[:req.num_tokens - len(req.pending_output_ids)]
@@ -102,10 +101,7 @@ def _new_request(req: Request) -> DetokNewRequest:
         prompt_tail_ids=known[-PROMPT_TAIL_TOKENS:],
         num_prompt_tokens=req.num_prompt_tokens,
         num_output_tokens=len(known) - req.num_prompt_tokens,
-        stop=p.stop,
-        include_stop_str_in_output=p.include_stop_str_in_output,
-        skip_special_tokens=p.skip_special_tokens,
-        min_tokens=p.min_tokens,
+        params=req.sampling_params.detokenize_params(),
         parent_request_id=req.parent_request_id,
         index=req.index,
         prompt_logprobs=PromptLogprobs(start=1, token_ids=req.prompt_token_ids[1:],

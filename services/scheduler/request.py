@@ -8,7 +8,7 @@ from functools import cached_property
 from typing import Any
 
 from services.scheduler.beam import BeamSearch
-from shared.messages import FinishReason, SampleLogprobs, SamplingParams, SubmitRequest
+from shared.messages import FinishReason, RequestSpec, SampleLogprobs, SamplingParams, SubmitRequest
 
 
 class RequestStatus(enum.Enum):
@@ -19,27 +19,26 @@ class RequestStatus(enum.Enum):
 
 
 #: what a sample of an n > 1 request takes over from its parent as submitted (fork_child)
-_INHERITED = ("gateway_id", "prompt_token_ids", "max_model_len", "eos_token_ids", "priority", "arrival_time",
-              "cache_extra_keys", "background")
+_INHERITED = ("prompt_token_ids", "max_model_len", "eos_token_ids")
 
 
 @dataclass(eq=False)
 class Request:
-    """One request: its tokens, how many are in the KV cache, and where its blocks are.
+    """One request: its ``spec`` (as the edge built it: ids, sampling params, priority, ...),
+    its tokens, how many are in the KV cache, and where its blocks are.
+
+    The spec is held, not copied: ``request_id``, ``gateway_id``, ``sampling_params``,
+    ``priority``, ``arrival_time`` and ``background`` read it. An n > 1 sample and a beam hold
+    a spec derived from their parent's (their own id and params).
 
     ``num_computed_tokens`` counts the tokens whose K/V are in the cache (vLLM V1); the
     request's next ``num_tokens - num_computed_tokens`` tokens are still to be computed.
     """
 
-    request_id: str
-    gateway_id: str
+    spec: RequestSpec
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
     max_model_len: int  # tokens
     eos_token_ids: tuple[int, ...] = ()
-    priority: int = 0
-    arrival_time: float = 0.0
-    background: bool = False  # a batch line: after every interactive request, preempted first
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -61,7 +60,6 @@ class Request:
     # request's blocks are registered in the cache
     block_hashes: dict[int, list[int]] = field(default_factory=dict)  # block size -> hashes
     num_cached_blocks: int = 0
-    cache_extra_keys: tuple = ()  # e.g. (cache_salt,): requests with other keys never share
     # n > 1 (parallel sampling): sample 0 is the parent request itself; samples 1..n-1 are
     # children forked from it when its prefill completes, sharing its blocks
     parent_request_id: str | None = None
@@ -85,28 +83,52 @@ class Request:
     def from_submit(cls, msg: SubmitRequest, max_model_len: int, eos_token_ids: tuple[int, ...],
                     now: float) -> Request:
         """A request as the tokenizer submitted it; ``now`` (unix seconds) is its arrival time
-        if the message has none. A ``cache_salt`` becomes its prefix-cache extra key."""
+        if its spec has none. A resubmitted request's outputs (``spec.output_token_ids``) are
+        recomputed like a preempted request's."""
+        spec = msg.spec if msg.spec.arrival_time else msg.spec.derive(arrival_time=now)
+        params = spec.sampling_params
         beam = None
-        if msg.sampling_params.use_beam_search:
-            params = msg.sampling_params
+        if params.use_beam_search:
             beam = BeamSearch(width=params.n, length_penalty=params.length_penalty, ignore_eos=params.ignore_eos,
                               eos_token_ids=eos_token_ids, num_candidates=params.beam_candidates(len(eos_token_ids)),
-                              rows=[msg.request_id])
-        return cls(
-            beam=beam,
-            request_id=msg.request_id,
-            gateway_id=msg.gateway_id,
-            prompt_token_ids=msg.prompt_token_ids,
-            sampling_params=msg.sampling_params,
-            max_model_len=max_model_len,
-            eos_token_ids=eos_token_ids,
-            priority=msg.priority,
-            arrival_time=msg.arrival_time or now,
-            cache_extra_keys=(msg.cache_salt,) if msg.cache_salt else (),
-            background=msg.background,
-            # resubmitted after the engine lost it: recomputed like a preempted request's outputs
-            output_token_ids=list(msg.output_token_ids),
-        )
+                              rows=[spec.request_id])
+        return cls(spec=spec, prompt_token_ids=msg.prompt_token_ids, max_model_len=max_model_len,
+                   eos_token_ids=eos_token_ids, output_token_ids=list(spec.output_token_ids), beam=beam)
+
+    # ------------------------------------------------------------------ the spec's fields
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def gateway_id(self) -> str:
+        return self.spec.gateway_id
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.spec.sampling_params
+
+    @property
+    def priority(self) -> int:
+        return self.spec.priority
+
+    @property
+    def arrival_time(self) -> float:
+        return self.spec.arrival_time
+
+    @property
+    def background(self) -> bool:
+        """A batch line: after every interactive request, preempted first."""
+        return self.spec.background
+
+    @property
+    def cache_extra_keys(self) -> tuple:
+        """What its prefix-cache block hashes mix in besides the tokens (``(cache_salt,)``):
+        requests with other keys never share cached blocks."""
+        return (self.spec.cache_salt,) if self.spec.cache_salt else ()
+
+    # ------------------------------------------------------------------ samples and beams
 
     def fork_child(self, index: int) -> Request:
         """Sample ``index`` of this n > 1 request, ``"<id>#<index>"``, forked when its prefill
@@ -129,9 +151,10 @@ class Request:
 
     def _running_copy(self, request_id: str, sampling_params: SamplingParams, output_token_ids: list[int],
                       num_computed_tokens: int, **fields: Any) -> Request:
-        """A request running on this one's group with its inherited fields (``_INHERITED``) and
-        cached-token count: an n > 1 sample or a beam; ``fields`` name what makes it one."""
-        return Request(request_id=request_id, sampling_params=sampling_params,
+        """A request running on this one's group with a spec derived from its own (its id and
+        params), its inherited fields (``_INHERITED``) and cached-token count: an n > 1 sample
+        or a beam; ``fields`` name what makes it one."""
+        return Request(spec=self.spec.derive(request_id=request_id, sampling_params=sampling_params),
                        **{name: getattr(self, name) for name in _INHERITED},
                        output_token_ids=output_token_ids, status=RequestStatus.RUNNING,
                        num_computed_tokens=num_computed_tokens, num_cached_tokens=self.num_cached_tokens,

@@ -136,7 +136,7 @@ class SchedulerService(BusService):
             await self.send_error(req, error)
             return
         log.debug("request_queued", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens)
-        if msg.notify_accepted:
+        if msg.spec.notify_accepted:
             if self.scheduler.groups:
                 await self._send(self.outputs.accepted([req]))
             else:  # a group registering may still refuse it (larger than its pool): say so then

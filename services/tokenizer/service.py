@@ -2,7 +2,8 @@
 
 recv ``TokenizeRequest`` (request/reply, queue group ``TOKENIZER_QUEUE``, so replicas share
 the load) -> tokenize (chat template for ``messages``) -> validate against
-``max_model_len`` -> publish ``SubmitRequest`` to the scheduler FIRST -> reply
+``max_model_len`` -> publish ``SubmitRequest`` (the request's ``RequestSpec`` forwarded as it came,
+and its token ids) to the scheduler FIRST -> reply
 ``TokenizeReply`` (the token ids, or a ``ServiceError`` the gateway returns as HTTP 400).
 Because the submit goes out before the reply on the same connection, a gateway that got
 the reply never races the scheduler's first output for that request.
@@ -24,7 +25,7 @@ from shared.bus import Bus
 from shared.config import Settings
 from shared.logging import get_logger
 from shared.messages import (
-    SamplingParams,
+    RequestSpec,
     ServiceError,
     StructuredOutputsParams,
     SubmitRequest,
@@ -113,45 +114,33 @@ class TokenizerService(BusService):
         """Answer one ``TokenizeRequest``; on success publish its ``SubmitRequest`` first."""
         t0 = time.perf_counter()
         kind = "chat" if request.messages is not None else "completion"
+        spec = request.spec
         try:
             loop = asyncio.get_running_loop()
             ids, prompt_text = await loop.run_in_executor(self._executor, self.tokenize, request)
-            if request.sampling_params.structured_outputs is not None:
-                await self.check_structured_outputs(request.sampling_params.structured_outputs)
+            if spec.sampling_params.structured_outputs is not None:
+                await self.check_structured_outputs(spec.sampling_params.structured_outputs)
         except TokenizeError as e:
-            log.info("tokenize_rejected", request_id=request.request_id, kind=kind,
+            log.info("tokenize_rejected", request_id=spec.request_id, kind=kind,
                      param=e.error.param, reason=e.error.message)
-            return TokenizeReply(request_id=request.request_id, error=e.error)
+            return TokenizeReply(error=e.error)
         except Exception as e:  # a bug or a broken tokenizer: answer rather than let the gateway hang
-            log.exception("tokenize_failed", request_id=request.request_id)
+            log.exception("tokenize_failed", request_id=spec.request_id)
             error = ServiceError(message=f"tokenization failed: {e}", type="internal_server_error", status=500)
-            return TokenizeReply(request_id=request.request_id, error=error)
+            return TokenizeReply(error=error)
         assert self.bus is not None
         try:
-            await self.bus.publish(
-                self.subjects.submit,
-                SubmitRequest(
-                    request_id=request.request_id,
-                    gateway_id=request.gateway_id,
-                    prompt_token_ids=ids,
-                    sampling_params=self._submitted_params(request, len(ids)),
-                    priority=request.priority,
-                    cache_salt=request.cache_salt,
-                    arrival_time=request.arrival_time or time.time(),
-                    notify_accepted=request.notify_accepted,
-                    background=request.background,
-                    output_token_ids=request.output_token_ids,
-                ),
-            )
+            await self.bus.publish(self.subjects.submit,
+                                   SubmitRequest(spec=self._submitted_spec(request, len(ids)), prompt_token_ids=ids))
         except nats.errors.MaxPayloadError:  # not sent: refuse it rather than leave the client waiting
             error = ServiceError(message=f"the request's {len(ids)} prompt tokens are more than one NATS message "
                                          f"may carry here ({self.bus.nc.max_payload} bytes: the NATS server's "
                                          "max_payload)", param="messages" if kind == "chat" else "prompt",
                                  code="request_too_large", status=413)
-            return TokenizeReply(request_id=request.request_id, error=error)
-        log.info("tokenized", request_id=request.request_id, kind=kind, num_prompt_tokens=len(ids),
-                 max_tokens=request.sampling_params.max_tokens, ms=round((time.perf_counter() - t0) * 1e3, 2))
-        return TokenizeReply(request_id=request.request_id, prompt_token_ids=ids,
+            return TokenizeReply(error=error)
+        log.info("tokenized", request_id=spec.request_id, kind=kind, num_prompt_tokens=len(ids),
+                 max_tokens=spec.sampling_params.max_tokens, ms=round((time.perf_counter() - t0) * 1e3, 2))
+        return TokenizeReply(prompt_token_ids=ids,
                              prompt=prompt_text if request.return_prompt else None)
 
     # ------------------------------------------------------------------ no I/O below
@@ -177,7 +166,8 @@ class TokenizerService(BusService):
         if request.messages is not None and request.prompt is not None:
             raise TokenizeError("give either prompt or messages, not both", param="messages")
         vocab = self.model_info.vocab_size
-        if bad := [t for t in request.sampling_params.logit_bias if t >= vocab]:
+        params = request.spec.sampling_params
+        if bad := [t for t in params.logit_bias if t >= vocab]:
             raise TokenizeError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})",
                                 param="logit_bias")
         prompt_text = None
@@ -196,9 +186,9 @@ class TokenizerService(BusService):
                                else self.tokenizer.decode(ids, skip_special_tokens=False))
         if not ids:
             raise TokenizeError(f"the {param} is empty: it must hold at least one token", param=param)
-        max_tokens = None if request.cap_at_max_model_len else request.sampling_params.max_tokens
+        max_tokens = None if request.cap_at_max_model_len else params.max_tokens
         self._check_length(len(ids), max_tokens, param)
-        self._check_prompt_logprobs_size(len(ids), request.sampling_params.prompt_logprobs)
+        self._check_prompt_logprobs_size(len(ids), params.prompt_logprobs)
         return ids, prompt_text
 
     async def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
@@ -250,15 +240,17 @@ class TokenizerService(BusService):
                                     param="prompt")
         return list(prompt)
 
-    def _submitted_params(self, request: TokenizeRequest, num_prompt: int) -> SamplingParams:
-        """The request's sampling params for the scheduler: with ``cap_at_max_model_len``, a
-        ``max_tokens`` beyond ``max_model_len`` becomes None (generate up to the context
-        length, finish_reason "length"; the scheduler also caps that to its KV cache pool)."""
-        params = request.sampling_params
+    def _submitted_spec(self, request: TokenizeRequest, num_prompt: int) -> RequestSpec:
+        """The request's spec for the scheduler, as the gateway built it; but with
+        ``cap_at_max_model_len``, a ``max_tokens`` beyond ``max_model_len`` becomes None
+        (generate up to the context length, finish_reason "length"; the scheduler also caps
+        that to its KV cache pool)."""
+        spec = request.spec
+        params = spec.sampling_params
         if (request.cap_at_max_model_len and params.max_tokens is not None
                 and num_prompt + params.max_tokens > self.model_info.max_model_len):
-            return params.model_copy(update={"max_tokens": None})
-        return params
+            return spec.derive(sampling_params=params.replace(max_tokens=None))
+        return spec
 
     def _check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
         limit = self.model_info.max_model_len

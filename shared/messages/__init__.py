@@ -1,7 +1,7 @@
 """Every message between services (subjects in shared/subjects.py; encoding in shared/bus.py).
 
-Flow of one request:
-  gateway/LLM --TokenizeRequest--> tokenizer --SubmitRequest--> scheduler
+Flow of one request (its ``RequestSpec``, built at the edge, travels whole to the scheduler):
+  gateway/LLM --TokenizeRequest{spec}--> tokenizer --SubmitRequest{spec}--> scheduler
   scheduler --CompileGrammar--> executor group --GrammarReady--> scheduler (structured outputs)
   scheduler --StepPlan--> executor group --StepResult--> scheduler
   scheduler --DetokStep--> detokenizer shard --GatewayStep--> gateway/LLM
@@ -10,9 +10,11 @@ Flow of one request:
 A prompt's token ids cross each hop once; per step only changes travel (vLLM V1's
 ``SchedulerOutput`` style: new requests in full, then appended block ids and counts).
 
-Modules: ``common`` (the pydantic base, ``ServiceError``, limits), ``sampling``
-(``SamplingParams``), ``control`` (request/reply and control messages, pydantic) and
-``steps`` (the four per-step messages and their parts, msgspec structs). Import from here.
+Modules: ``common`` (the pydantic base ``Message``, the msgspec base ``Record``,
+``ServiceError``, limits, ``decoding``), ``request`` (``RequestSpec``), ``sampling``
+(``SamplingParams``, ``DetokenizeParams``), ``structured_outputs``, ``control`` (request/reply
+and control messages) and ``steps`` (the four per-step messages and their parts, msgspec
+structs). Import from here.
 """
 
 from shared.messages.common import (
@@ -23,7 +25,9 @@ from shared.messages.common import (
     MAX_N,
     FinishReason,
     Message,
+    Record,
     ServiceError,
+    decoding,
 )
 from shared.messages.control import (
     AbortRequests,
@@ -46,7 +50,8 @@ from shared.messages.control import (
     TokenizeReply,
     TokenizeRequest,
 )
-from shared.messages.sampling import SamplingParams
+from shared.messages.request import RequestSpec
+from shared.messages.sampling import DetokenizeParams, SamplingParams
 from shared.messages.steps import (
     BeamFork,
     CachedRequestData,
@@ -68,10 +73,10 @@ from shared.messages.structured_outputs import GuidedDecodingParams, StructuredO
 
 __all__ = [
     "GREEDY_TEMPERATURE", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_N", "AbortRequests", "BeamFork",
-    "CachedRequestData", "CompileGrammar", "DecodedLogprobs", "DetokNewRequest", "DetokStep", "FailRequests", "FinishReason",
+    "CachedRequestData", "CompileGrammar", "DecodedLogprobs", "DetokNewRequest", "DetokenizeParams", "DetokStep", "FailRequests", "FinishReason",
     "GatewayStep", "GrammarReady", "GuidedDecodingParams", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
-    "PromptLogprobs", "RegisterAck", "RegisterGroup", "RequestDelta", "RequestsKnown", "RequestsQuery",
+    "PromptLogprobs", "Record", "RegisterAck", "RegisterGroup", "RequestDelta", "RequestSpec", "RequestsKnown", "RequestsQuery",
     "SampleLogprobs", "SamplingParams", "SchedulerStarted", "SchedulerStats", "ServiceError", "StatsQuery", "StepMessage",
     "StepPlan", "StructuredOutputsParams", "StepResult", "SubmitRequest", "TokenLogprob", "TokenUpdate", "TokenizeReply",
-    "TokenizeRequest",
+    "TokenizeRequest", "decoding",
 ]

@@ -1,5 +1,7 @@
-"""The control messages: requests, registrations, heartbeats, statistics and pings (pydantic,
-validated on decode; none of them is sent per step)."""
+"""The control messages: requests, registrations, heartbeats, statistics and pings (none of
+them is sent per step). Most are pydantic models, validated on decode; those that carry a
+request's records (``TokenizeRequest``, ``SubmitRequest``, ``CompileGrammar``) are msgspec
+records, checked where they are built and decoded with their types checked only."""
 
 from __future__ import annotations
 
@@ -7,18 +9,19 @@ from typing import Any
 
 from pydantic import Field
 
-from shared.messages.common import FinishReason, Message, ServiceError
-from shared.messages.sampling import SamplingParams
+from shared.messages.common import FinishReason, Message, Record, ServiceError
+from shared.messages.request import RequestSpec
 from shared.messages.structured_outputs import StructuredOutputsParams
 
-# ---------------------------------------------------------------- gateway -> tokenizer
+# ---------------------------------------------------------------- gateway -> tokenizer -> scheduler
 
 
-class TokenizeRequest(Message):
-    """A completion (``prompt``) or chat (``messages``) request, before tokenization."""
+class TokenizeRequest(Record):
+    """A completion (``prompt``) or chat (``messages``) request, before tokenization: its
+    ``spec``, forwarded to the scheduler as it is, and what the tokenizer needs to make its
+    prompt token ids."""
 
-    request_id: str
-    gateway_id: str
+    spec: RequestSpec
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
@@ -26,48 +29,26 @@ class TokenizeRequest(Message):
     tools: list[dict[str, Any]] | None = None
     # chat: a Jinja chat template (its text) used instead of the server's (offline LLM.chat)
     chat_template: str | None = None
-    sampling_params: SamplingParams
-    priority: int = 0
-    arrival_time: float = 0.0  # unix seconds
-    cache_salt: str | None = None  # requests with different salts never share cached blocks
     # prompt + max_tokens may exceed max_model_len: the request then stops at max_model_len with
     # finish_reason "length" (vLLM's offline LLM); False: refused, as the OpenAI server does
     cap_at_max_model_len: bool = False
     return_prompt: bool = False  # reply with the prompt text (chat: as rendered; token ids: decoded)
-    # the scheduler tells the gateway when it accepts the request (GatewayStep.accepted), so
-    # that a streaming HTTP response starts only once it cannot be refused any more
-    notify_accepted: bool = False
-    # a batch line: admitted after every interactive request waiting, preempted first
-    background: bool = False
-    # a request resubmitted after the engine lost it (EngineClient): the output tokens its client
-    # already has, which the scheduler recomputes as after a preemption and which count
-    # against max_tokens; generation continues after them
-    output_token_ids: list[int] = Field(default_factory=list)
 
 
 class TokenizeReply(Message):
-    """The tokenizer's answer: accepted (and submitted to the scheduler) or an error."""
+    """The tokenizer's answer to a ``TokenizeRequest``: accepted (and submitted to the
+    scheduler) or an error."""
 
-    request_id: str
     error: ServiceError | None = None
     prompt_token_ids: list[int] = Field(default_factory=list)
     prompt: str | None = None  # the prompt text, when asked (return_prompt)
 
 
-# ---------------------------------------------------------------- tokenizer -> scheduler
+class SubmitRequest(Record):
+    """A tokenized request, to the scheduler: its spec as the edge built it, and its prompt."""
 
-
-class SubmitRequest(Message):
-    request_id: str
-    gateway_id: str
+    spec: RequestSpec
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    priority: int = 0
-    arrival_time: float = 0.0
-    cache_salt: str | None = None
-    notify_accepted: bool = False  # name it in the gateway's GatewayStep.accepted once queued
-    background: bool = False  # a batch line: after interactive requests, preempted first
-    output_token_ids: list[int] = Field(default_factory=list)  # resubmitted: see TokenizeRequest
 
 
 class AbortRequests(Message):
@@ -135,7 +116,7 @@ class HeartbeatAck(Message):
     known: bool
 
 
-class CompileGrammar(Message):
+class CompileGrammar(Record):
     """Compile this structured-output constraint now (scheduler -> the group's rank 0, on
     ``Subjects.compile(group_id)``): a request routed to the group waits for it before it is
     admitted (vLLM V1's ``WAITING_FOR_FSM``). Answered by ``GrammarReady`` once compiled; asked

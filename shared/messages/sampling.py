@@ -1,13 +1,25 @@
-"""``SamplingParams``: how to sample one request (vLLM's names), checked where it is built."""
+"""``SamplingParams``: how to sample one request (vLLM's names), a msgspec record checked once
+where it is built and carried whole to the sampler; ``DetokenizeParams``: the part of it the
+detokenizer reads, one sub-record the scheduler hands on by reference."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+import msgspec
+from msgspec import StructMeta, field
 
-from shared.messages.common import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, Message
+from shared.messages.common import (
+    GREEDY_TEMPERATURE,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_N,
+    Record,
+    decoding,
+    is_decoding,
+)
 from shared.messages.structured_outputs import StructuredOutputsParams
 
 _VLLM_ONLY_SAMPLING_PARAMS = frozenset({
@@ -25,7 +37,36 @@ _NOT_WITH_BEAM_SEARCH: dict[str, Any] = {
 }
 
 
-class SamplingParams(Message):
+class DetokenizeParams(Record, frozen=True):
+    """What the detokenizer does with a request's text (``SamplingParams.detokenize_params``):
+    stop strings, whether a matched one stays in the text, whether special tokens are shown,
+    and how many output tokens come before a stop string may match."""
+
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+
+
+class _Constructor(StructMeta):
+    """Names, when ``SamplingParams(...)`` is called in code, the vLLM parameters this engine
+    does not implement, and takes vLLM's older ``guided_decoding`` as ``structured_outputs``
+    (a decoder never calls it)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if "guided_decoding" in kwargs:
+            guided = kwargs.pop("guided_decoding")
+            if guided is not None:
+                if kwargs.get("structured_outputs") is not None:
+                    raise ValueError("guided_decoding and structured_outputs are the same parameter: give one")
+                kwargs["structured_outputs"] = guided
+        if given := sorted(k for k in kwargs if k in _VLLM_ONLY_SAMPLING_PARAMS):
+            raise ValueError(f"{', '.join(given)}: vLLM sampling parameter(s) that this engine does not "
+                             f"support; supported: {', '.join(cls.__struct_fields__)}")
+        return super().__call__(*args, **kwargs)
+
+
+class SamplingParams(Record, metaclass=_Constructor):
     """How to sample one request (a subset of vLLM's ``SamplingParams``, same names).
 
     ``temperature`` below 1e-5 (``GREEDY_TEMPERATURE``, as vLLM) means greedy. ``top_k`` 0 or
@@ -56,24 +97,32 @@ class SamplingParams(Message):
     any other sampling or logits-processing field is refused by name.
 
     ``structured_outputs`` constrains the output to a JSON schema, a regex, a list of choices,
-    a grammar or any JSON object (``StructuredOutputsParams``): a token bitmask applied after
-    the logits processing above, before the temperature; once the constraint is complete only
-    EOS is allowed. ``guided_decoding`` (vLLM's older name) is taken as ``structured_outputs``.
+    a grammar or any JSON object (``StructuredOutputsParams``, or its fields as a dict): a
+    token bitmask applied after the logits processing above, before the temperature; once the
+    constraint is complete only EOS is allowed. ``guided_decoding`` (vLLM's older name) is
+    taken as ``structured_outputs``.
+
+    A msgspec struct (as vLLM's): built in code it is checked once, by :meth:`validate`
+    (types coerced as msgspec's lax conversion does, ``stop`` given as one string made a
+    list), and an assigned field is checked the same way; a decoder checks the types only
+    (``shared.messages.common.decoding``), so a request's params are checked where they are
+    made (the gateway, ``LLM``) and nowhere after.
 
     Raises:
-        pydantic.ValidationError: a value is out of range, also when assigned later, or a
-            vLLM parameter this engine does not implement is given; the message names the
-            parameter.
+        ValueError: a value is out of range or of the wrong type, also when assigned later
+            (the field then keeps its value), or a vLLM parameter this engine does not
+            implement is given; the message names the parameter.
+        TypeError: an unknown parameter.
     """
 
     n: int = 1
-    max_tokens: int | None = Field(16, description="Max generated tokens; None = up to max_model_len")
+    max_tokens: int | None = 16  # max generated tokens; None = up to max_model_len
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -84,42 +133,27 @@ class SamplingParams(Message):
     repetition_penalty: float = 1.0  # > 0; 1 = none
     min_p: float = 0.0  # 0..1
     min_tokens: int = 0  # <= max_tokens
-    logit_bias: dict[int, float] = Field(default_factory=dict)  # token id -> bias in -100..100
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in -100..100
     use_beam_search: bool = False  # n is the beam width
     length_penalty: float = 1.0  # beam search: score = cum_logprob / generated_len ** length_penalty
     structured_outputs: StructuredOutputsParams | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _vllm_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "guided_decoding" in data:
-            data = dict(data)
-            guided = data.pop("guided_decoding")
-            if guided is not None:
-                if data.get("structured_outputs") is not None:
-                    raise ValueError("guided_decoding and structured_outputs are the same parameter: give one")
-                data["structured_outputs"] = guided
-        if isinstance(data, dict):
-            given = sorted(k for k in data if k in _VLLM_ONLY_SAMPLING_PARAMS)
-            if given:
-                raise ValueError(f"{', '.join(given)}: vLLM sampling parameter(s) that this engine does not "
-                                 f"support; supported: {', '.join(cls.model_fields)}")
-        return data
+    def __post_init__(self) -> None:
+        if not is_decoding():
+            self._coerce()
+            self.validate()
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_list(cls, v: Any) -> Any:
-        if v is None:
-            return []
-        return [v] if isinstance(v, str) else v
+    def _coerce(self) -> None:  # ``stop`` given as a string or None, ``stop_token_ids`` as None
+        stop = self.stop
+        super()._coerce(stop=[] if stop is None else [stop] if isinstance(stop, str) else stop,
+                        stop_token_ids=[] if self.stop_token_ids is None else self.stop_token_ids)
 
-    @field_validator("stop_token_ids", mode="before")
-    @classmethod
-    def _stop_ids(cls, v: Any) -> Any:
-        return [] if v is None else v
+    def validate(self) -> SamplingParams:
+        """Check every value (types are :meth:`_coerce`'s); ``self``.
 
-    @model_validator(mode="after")
-    def _check(self) -> SamplingParams:
+        Raises:
+            ValueError: the first value out of range, named.
+        """
         if not (1 <= self.n <= MAX_N):
             raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.max_tokens is not None and not (1 <= self.max_tokens <= INT64_MAX):
@@ -136,10 +170,10 @@ class SamplingParams(Message):
             raise ValueError(f"stop_token_ids must be token ids >= 0 (at most {INT64_MAX}), got {bad[0]}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop: stop strings must not be empty")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
-        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not (-2.0 <= getattr(self, name) <= 2.0):
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -168,6 +202,12 @@ class SamplingParams(Message):
             raise ValueError(f"length_penalty={self.length_penalty} applies only to beam search (use_beam_search)")
         return self
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An assigned field is checked as at construction, and left as it was when refused."""
+        if name in self.__struct_fields__ and not is_decoding():
+            value = getattr(msgspec.structs.replace(self, **{name: value}), name)
+        super().__setattr__(name, value)
+
     def beam_candidates(self, num_eos_tokens: int) -> int:
         """How many continuations of each live beam a beam-search step looks at: Hugging Face's
         ``max(2, 1 + number of EOS tokens) * beam width``, enough to keep ``n`` beams alive
@@ -179,17 +219,19 @@ class SamplingParams(Message):
         """Whether a repetition, frequency or presence penalty changes the logits."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        """An assigned field is checked as at construction (pydantic's ``validate_assignment``
-        would keep a value that the model check then refuses)."""
-        if name in type(self).model_fields:
-            value = getattr(type(self).model_validate({**self.__dict__, name: value}), name)
-        super().__setattr__(name, value)
-
     @property
     def greedy(self) -> bool:
         """Whether the request samples greedily (temperature below ``GREEDY_TEMPERATURE``)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    def detokenize_params(self) -> DetokenizeParams:
+        """The detokenizer's part of these params (built once per request, by the scheduler)."""
+        return DetokenizeParams(stop=self.stop, include_stop_str_in_output=self.include_stop_str_in_output,
+                                skip_special_tokens=self.skip_special_tokens, min_tokens=self.min_tokens)
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes``, checked as at construction."""
+        return msgspec.structs.replace(self, **changes)
 
     def for_child(self, index: int) -> SamplingParams:
         """The params of sample ``index`` of an ``n > 1`` request (vLLM's rule: a seeded
@@ -200,4 +242,5 @@ class SamplingParams(Message):
             seed = self.seed + index
             if seed > INT64_MAX:
                 seed -= 2**64
-        return self.model_copy(update={"n": 1, "seed": seed})
+        with decoding():  # derived from checked params: n 1 and a seed in range
+            return msgspec.structs.replace(self, n=1, seed=seed)

@@ -19,7 +19,7 @@ import builtins
 from msgspec import Struct, field
 
 from shared.messages.common import FinishReason, ServiceError
-from shared.messages.sampling import SamplingParams
+from shared.messages.sampling import DetokenizeParams, SamplingParams
 
 
 class StepMessage(Struct, omit_defaults=True, forbid_unknown_fields=True, gc=False):
@@ -133,10 +133,8 @@ class DetokNewRequest(StepMessage, kw_only=True):
     gateway_id: str
     prompt_tail_ids: list[int]  # last few prompt tokens: context for the first output token
     num_prompt_tokens: int
-    stop: list[str] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    min_tokens: int = 0  # stop strings are matched only in text after this many output tokens
+    # the request's (SamplingParams.detokenize_params): stop strings, special tokens, min_tokens
+    params: DetokenizeParams = field(default_factory=DetokenizeParams)
     prompt_logprobs: PromptLogprobs | None = None  # all of them (start 1), if asked
     first_prompt_token_id: int | None = None  # with prompt_logprobs: the prompt token they start after
     parent_request_id: str | None = None  # n > 1: the client's request id of this sample

@@ -1,7 +1,7 @@
 """``StructuredOutputsParams``: the constraint a request's output must satisfy (vLLM's names).
 
-A pydantic dataclass, not a ``Message``: its field ``json`` (vLLM's name) would shadow
-``BaseModel.json``. It travels inside ``SamplingParams`` as its fields.
+A msgspec record (``shared.messages.common.Record``): checked once where it is built, carried
+inside ``SamplingParams`` (and ``CompileGrammar``) and decoded with its types checked only.
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import hashlib
 import json as jsonlib
 from typing import Any
 
-from pydantic import ConfigDict
-from pydantic.dataclasses import dataclass
+from shared.messages.common import Record, is_decoding
 
 #: the constraint kinds, one of which a ``StructuredOutputsParams`` sets
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -20,8 +19,7 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 GRAMMAR_CACHE_SIZE = 256
 
 
-@dataclass(config=ConfigDict(extra="forbid"))
-class StructuredOutputsParams:
+class StructuredOutputsParams(Record):
     """Exactly one constraint on the generated text (vLLM's ``StructuredOutputsParams``).
 
     - ``json``: a JSON Schema (a dict, or its JSON text); the output is a JSON value valid
@@ -40,8 +38,9 @@ class StructuredOutputsParams:
 
     Raises:
         ValueError: none or several of the constraints are given, ``choice`` is empty or holds
-            a non-string, ``json`` is a string that is not JSON, ``json_object`` is False; the
-            message names the field.
+            a non-string, ``json`` is a string that is not JSON, ``json_object`` is False, or a
+            value is of the wrong type; the message names the field.
+        TypeError: an unknown field.
     """
 
     json: dict[str, Any] | str | None = None
@@ -52,6 +51,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        if is_decoding():
+            return
+        self._coerce()
         given = [k for k in KINDS if getattr(self, k) is not None]
         if len(given) != 1:
             which = ", ".join(given) if given else "none"

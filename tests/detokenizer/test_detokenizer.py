@@ -298,7 +298,7 @@ def test_logprobs_are_decoded_and_cut_with_their_tokens_at_a_stop_string(smol, s
 
     from services.detokenizer.service import DetokenizerService
     from shared.config import Settings
-    from shared.messages import DetokNewRequest, DetokStep, SampleLogprobs, TokenUpdate
+    from shared.messages import DetokenizeParams, DetokNewRequest, DetokStep, SampleLogprobs, TokenUpdate
     from shared.model_source import ModelInfo
 
     for tokenizer, text in ((smol, " café 😀 done. STOP more text"), (sp, "Hello world STOP again"),
@@ -308,7 +308,8 @@ def test_logprobs_are_decoded_and_cut_with_their_tokens_at_a_stop_string(smol, s
         ids = encode(tokenizer, text)
         lps = [SampleLogprobs(logprob=-0.5 * i, rank=i + 1, top_token_ids=[t, EOS], top_logprobs=[-0.25, -9.0])
                for i, t in enumerate(ids)]
-        new = DetokNewRequest(request_id="r", gateway_id="g", prompt_tail_ids=[], num_prompt_tokens=3, stop=["STOP"])
+        new = DetokNewRequest(request_id="r", gateway_id="g", prompt_tail_ids=[], num_prompt_tokens=3,
+                              params=DetokenizeParams(stop=["STOP"]))
         out = service.process(DetokStep(new_requests=[new], updates=[TokenUpdate(request_id="r", new_token_ids=ids,
                                                                                    logprobs=lps)]))
         (delta,) = out.by_gateway["g"]

@@ -22,6 +22,7 @@ from shared.bus import Bus, decode
 from shared.config import Settings
 from shared.messages import (
     AbortRequests,
+    DetokenizeParams,
     DetokNewRequest,
     DetokStep,
     FailRequests,
@@ -175,7 +176,7 @@ async def test_detokenizer_stop_string_finishes_and_aborts(env):
     gw = f"gw-{uuid.uuid4().hex[:6]}"
     step = DetokStep(
         new_requests=[DetokNewRequest(request_id="s1", gateway_id=gw, prompt_tail_ids=[], num_prompt_tokens=3,
-                                      stop=["lazy", "own fo"]),
+                                      params=DetokenizeParams(stop=["lazy", "own fo"])),
                       DetokNewRequest(request_id="s2", gateway_id=gw, prompt_tail_ids=[], num_prompt_tokens=3)],
         updates=[TokenUpdate(request_id="s1", new_token_ids=ids[:3]),
                  TokenUpdate(request_id="s2", new_token_ids=ids[:1])],

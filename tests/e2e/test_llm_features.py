@@ -36,7 +36,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm):
     )
     assert batch[1].outputs[0].token_ids == alone
     assert len(alone) == 24
-    different_seed = seeded.model_copy(update={"seed": 99})
+    different_seed = seeded.replace(seed=99)
     assert llm.generate("Write a story about a cat:", different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
@@ -44,7 +44,7 @@ def test_stop_string_is_never_emitted_and_finishes_with_stop(llm):
     greedy = SamplingParams(temperature=0, max_tokens=40)
     full = llm.generate("Count: 1, 2, 3,", greedy, use_tqdm=False)[0].outputs[0].text
     assert " 6," in full
-    out = llm.generate("Count: 1, 2, 3,", greedy.model_copy(update={"stop": [" 6,"]}), use_tqdm=False)[0]
+    out = llm.generate("Count: 1, 2, 3,", greedy.replace(stop=[" 6,"]), use_tqdm=False)[0]
     comp = out.outputs[0]
     assert comp.finish_reason == "stop" and comp.stop_reason == " 6,"
     assert comp.text == full[: full.index(" 6,")]
@@ -54,11 +54,11 @@ def test_stop_token_ids_max_tokens_and_eos(llm):
     greedy = SamplingParams(temperature=0, max_tokens=40)
     first = llm.generate("Count: 1, 2, 3,", greedy, use_tqdm=False)[0].outputs[0]
     stop_tok = first.token_ids[3]
-    out = llm.generate("Count: 1, 2, 3,", greedy.model_copy(update={"stop_token_ids": [stop_tok]}),
+    out = llm.generate("Count: 1, 2, 3,", greedy.replace(stop_token_ids=[stop_tok]),
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids == first.token_ids[: first.token_ids.index(stop_tok) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
-    short = llm.generate("Count: 1, 2, 3,", greedy.model_copy(update={"max_tokens": 3}), use_tqdm=False)[0]
+    short = llm.generate("Count: 1, 2, 3,", greedy.replace(max_tokens=3), use_tqdm=False)[0]
     assert short.outputs[0].token_ids == first.token_ids[:3] and short.outputs[0].finish_reason == "length"
     chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy, use_tqdm=False)[0]
     assert "Paris" in chat.outputs[0].text
@@ -83,7 +83,7 @@ def test_prompt_plus_max_tokens_over_max_model_len_stops_at_max_model_len(llm):
     long, short = llm.generate([ids, "Hello"], params, use_tqdm=False)
     assert len(long.outputs[0].token_ids) == 512 - 504 and long.outputs[0].finish_reason == "length"
     assert len(short.outputs[0].token_ids) == 24 and short.outputs[0].finish_reason == "length"
-    alone = llm.generate([ids], params.model_copy(update={"max_tokens": 8}), use_tqdm=False)[0]
+    alone = llm.generate([ids], params.replace(max_tokens=8), use_tqdm=False)[0]
     assert alone.outputs[0].token_ids == long.outputs[0].token_ids
 
 
@@ -166,7 +166,7 @@ def test_parallel_sampling_n_shares_the_prompt_and_matches_single_samples(llm):
     out = llm.generate(prompt, seeded, use_tqdm=False)[0]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3 and out.finished
     for i in range(3):  # sample i of a seeded request is the request with seed + i
-        single = llm.generate(prompt, seeded.model_copy(update={"n": 1, "seed": 5 + i}), use_tqdm=False)[0]
+        single = llm.generate(prompt, seeded.replace(n=1, seed=5 + i), use_tqdm=False)[0]
         assert out.outputs[i].token_ids == single.outputs[0].token_ids
         assert out.outputs[i].text == single.outputs[0].text
 

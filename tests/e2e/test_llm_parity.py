@@ -244,7 +244,7 @@ def test_smollm2_prompt_logprobs_match_hugging_face(smollm2_path, hf_smollm2):
         first = llm.generate([prompt], first_params, use_tqdm=False)[0]
         assert first.prompt_logprobs is None
         again, forked, plain = llm.generate(
-            [prompt, PROMPTS[1], prompt], [params, params.model_copy(update={"n": 2}), first_params], use_tqdm=False)
+            [prompt, PROMPTS[1], prompt], [params, params.replace(n=2), first_params], use_tqdm=False)
     for out in (again, forked):
         ids = out.prompt_token_ids
         with torch.inference_mode():

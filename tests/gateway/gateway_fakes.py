@@ -66,7 +66,7 @@ def fake_prompt_logprobs(text: str, num_top: int) -> list[DecodedLogprobs]:
     return out
 
 
-def fake_tokenize(request_id: str, prompt: str | list[int] | None = None,
+def fake_tokenize(prompt: str | list[int] | None = None,
                   messages: list[dict[str, Any]] | None = None, return_prompt: bool = False
                   ) -> tuple[str, TokenizeReply]:
     """(the prompt's text, the tokenizer's reply): token ids as given, or one per word of the
@@ -76,8 +76,7 @@ def fake_tokenize(request_id: str, prompt: str | list[int] | None = None,
     else:
         text = prompt if prompt is not None else str(messages[-1]["content"])  # type: ignore[index]
         prompt_ids = list(range(len(text.split())))
-    return text, TokenizeReply(request_id=request_id, prompt_token_ids=prompt_ids,
-                               prompt=text if return_prompt else None)
+    return text, TokenizeReply(prompt_token_ids=prompt_ids, prompt=text if return_prompt else None)
 
 
 SAY_PIECE = 5
@@ -152,27 +151,27 @@ class FakeBackend:
         await asyncio.wait_for(self._abort_events.setdefault(request_id, asyncio.Event()).wait(), timeout)
 
     async def _on_tokenize(self, req: TokenizeRequest) -> TokenizeReply:
-        self.requests[req.request_id] = req
+        self.requests[req.spec.request_id] = req
         if req.prompt == "tokenizer-bug":  # a tokenizer whose handler fails on this request
             raise RuntimeError("tokenizer bug")
-        params = req.sampling_params
+        params = req.spec.sampling_params
         if params.max_tokens is not None and params.max_tokens > 100:
             error = ServiceError(
                 message=f"max_tokens={params.max_tokens} is too large: prompt + max_tokens exceeds max_model_len=106",
                 param="max_tokens",
             )
-            return TokenizeReply(request_id=req.request_id, error=error)
-        text, reply = fake_tokenize(req.request_id, req.prompt, req.messages, req.return_prompt)
+            return TokenizeReply(error=error)
+        text, reply = fake_tokenize(req.prompt, req.messages, req.return_prompt)
         task = asyncio.create_task(self._generate(req, text, len(reply.prompt_token_ids)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return reply
 
     async def _send(self, req: TokenizeRequest, **fields: Any) -> None:
-        await self._publish(req, RequestDelta(request_id=req.request_id, **fields))
+        await self._publish(req, RequestDelta(request_id=req.spec.request_id, **fields))
 
     async def _publish(self, req: TokenizeRequest, delta: RequestDelta) -> None:
-        await self.bus.publish(subjects.gateway(req.gateway_id), GatewayStep(outputs=[delta]))
+        await self.bus.publish(subjects.gateway(req.spec.gateway_id), GatewayStep(outputs=[delta]))
 
     async def _generate(self, req: TokenizeRequest, text: str, num_prompt: int) -> None:
         await asyncio.sleep(0.01)
@@ -180,13 +179,13 @@ class FakeBackend:
             error = ServiceError(message="priority=-1 needs --scheduling-policy priority", param="priority")
             await self._send(req, finished=True, finish_reason="error", error=error)
             return
-        if req.notify_accepted:  # as the scheduler, once queued
-            await self.bus.publish(subjects.gateway(req.gateway_id), GatewayStep(accepted=[req.request_id]))
+        if req.spec.notify_accepted:  # as the scheduler, once queued
+            await self.bus.publish(subjects.gateway(req.spec.gateway_id), GatewayStep(accepted=[req.spec.request_id]))
         if "slow" in text:
             await self._send(
                 req, text="Hello", token_ids=[7], num_prompt_tokens=num_prompt, num_output_tokens=1
             )
-            await self.wait_aborted(req.request_id, timeout=10)
+            await self.wait_aborted(req.spec.request_id, timeout=10)
             return
         if "fail" in text:
             await self._send(
@@ -195,7 +194,7 @@ class FakeBackend:
             error = ServiceError(message="executor group g0 failed", type="internal_error", status=500)
             await self._send(req, finished=True, finish_reason="error", error=error)
             return
-        for step in answer_steps(req.request_id, text, num_prompt, req.sampling_params):
+        for step in answer_steps(req.spec.request_id, text, num_prompt, req.spec.sampling_params):
             for delta in step:
                 await self._publish(req, delta)
             await asyncio.sleep(0.005)

@@ -92,12 +92,12 @@ async def test_completion(gw):
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (6, 6, 12)
     sent = gw.backend.requests[out.id]
     assert sent.prompt == PROMPT and sent.messages is None
-    assert sent.sampling_params.max_tokens == 20 and sent.sampling_params.temperature == 0.0
+    assert sent.spec.sampling_params.max_tokens == 20 and sent.spec.sampling_params.temperature == 0.0
 
 
 async def test_completion_defaults_and_forms(gw):
     out = await gw.oai.completions.create(model=gw.model, prompt=[PROMPT])  # a list of one string
-    assert gw.backend.requests[out.id].sampling_params.max_tokens == 16  # OpenAI's default
+    assert gw.backend.requests[out.id].spec.sampling_params.max_tokens == 16  # OpenAI's default
     assert out.choices[0].text == FULL
     out = await gw.oai.completions.create(model="HuggingFaceTB/" + gw.model, prompt=[5, 6, 7], max_tokens=2)
     assert gw.backend.requests[out.id].prompt == [5, 6, 7]
@@ -116,7 +116,7 @@ async def test_chat(gw):
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (6, 6, 12)
     sent = gw.backend.requests[out.id]
     assert sent.messages == messages and sent.add_generation_prompt
-    assert sent.sampling_params.max_tokens is None  # chat default: up to the context length
+    assert sent.spec.sampling_params.max_tokens is None  # chat default: up to the context length
 
     stream = await gw.oai.chat.completions.create(
         model=gw.model, messages=messages, stream=True, stream_options={"include_usage": True}
@@ -147,8 +147,8 @@ async def test_chat_sampling_params_mapping(gw):
     assert out.choices[0].finish_reason == "length"
     sent = gw.backend.requests[out.id]
     assert sent.messages == [{"role": "user", "content": "Hi\nthere"}]
-    assert sent.priority == -1
-    p = sent.sampling_params
+    assert sent.spec.priority == -1
+    p = sent.spec.sampling_params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (3, 0.5, 0.9, 5, 7)
     assert (p.stop, p.stop_token_ids, p.ignore_eos) == (["\n"], [2], True)
 
@@ -396,7 +396,7 @@ async def test_a_stream_the_scheduler_refuses_is_a_plain_400(gw):
     stream = await gw.oai.chat.completions.create(model=gw.model, messages=[{"role": "user", "content": "x"}],
                                                   stream=True)
     assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == FULL
-    assert gw.backend.requests[next(reversed(gw.backend.requests))].notify_accepted
+    assert gw.backend.requests[next(reversed(gw.backend.requests))].spec.notify_accepted
 
 
 @pytest.mark.parametrize("field,value", [
@@ -611,12 +611,12 @@ async def test_penalties_min_p_min_tokens_and_logit_bias_reach_the_engine(gw):
             "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 3, "logit_bias": {"42": -150, "7": 2.5}}
     r = await gw.http.post("/v1/chat/completions", json={"model": gw.model, **body})
     assert r.status_code == 200, r.text
-    sent = gw.backend.requests[r.json()["id"]].sampling_params
+    sent = gw.backend.requests[r.json()["id"]].spec.sampling_params
     assert (sent.presence_penalty, sent.frequency_penalty, sent.repetition_penalty, sent.min_p, sent.min_tokens,
             sent.logit_bias) == (0.5, -0.25, 1.2, 0.1, 3, {42: -100.0, 7: 2.5})
     r = await gw.http.post("/v1/completions", json={"model": gw.model, "prompt": PROMPT, "presence_penalty": None,
                                                     "repetition_penalty": None, "logit_bias": None})
-    sent = gw.backend.requests[r.json()["id"]].sampling_params
+    sent = gw.backend.requests[r.json()["id"]].spec.sampling_params
     assert (sent.presence_penalty, sent.repetition_penalty, sent.logit_bias, sent.has_penalties) == (0, 1, {}, False)
 
 

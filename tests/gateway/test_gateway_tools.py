@@ -60,7 +60,7 @@ async def test_auto_reads_hermes_calls_and_the_tools_reach_the_template(gw):
     assert calls_of(choice.message) == [("get_weather", '{"city": "Paris"}')]
     assert choice.message.tool_calls[0].id.startswith("call_") and choice.message.tool_calls[0].type == "function"
     sent = gw.backend.requests[r.id]
-    assert sent.tools == [WEATHER, NOW] and sent.sampling_params.structured_outputs is None
+    assert sent.tools == [WEATHER, NOW] and sent.spec.sampling_params.structured_outputs is None
 
 
 async def test_auto_streams_calls_as_openai_and_adds_up_to_the_whole_answer(gw):
@@ -112,13 +112,13 @@ async def test_required_and_named_are_forced_with_vllms_schemas(gw, stream):
             request_id = r.id
             assert r.choices[0].message.content is None and r.choices[0].finish_reason == reason
             assert calls_of(r.choices[0].message) == [("get_weather", '{"city": "Paris"}')]
-        so = gw.backend.requests[request_id].sampling_params.structured_outputs
+        so = gw.backend.requests[request_id].spec.sampling_params.structured_outputs
         assert (so.json, so.disable_any_whitespace) == (schema, True)
 
 
 async def test_required_with_parallel_tool_calls_false_allows_one_call(gw):
     r = await create(gw, '[{"name": "now", "parameters": {}}]', tool_choice="required", parallel_tool_calls=False)
-    assert gw.backend.requests[r.id].sampling_params.structured_outputs.json["maxItems"] == 1
+    assert gw.backend.requests[r.id].spec.sampling_params.structured_outputs.json["maxItems"] == 1
 
 
 async def test_a_conversation_carries_calls_and_results_back(gw):

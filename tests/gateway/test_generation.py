@@ -42,7 +42,7 @@ def begin(body: dict[str, Any]) -> tuple[Generation, list[RequestDelta]]:
     request_id, engine_ids, inputs = engine_requests(request)
     prompts, steps = [], []
     for engine_id, fields in zip(engine_ids, inputs, strict=True):
-        text, reply = fake_tokenize(engine_id, fields.get("prompt"), fields.get("messages"),
+        text, reply = fake_tokenize(fields.get("prompt"), fields.get("messages"),
                                     fields.get("return_prompt", False))
         prompts.append((engine_id, reply))
         steps.append(answer_steps(engine_id, text, len(reply.prompt_token_ids), params))

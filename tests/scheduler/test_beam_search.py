@@ -13,7 +13,7 @@ import pytest
 from services.scheduler.beam import BeamSearch
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from shared.messages import SampleLogprobs, SamplingParams, StepPlan, StepResult, SubmitRequest
+from shared.messages import RequestSpec, SampleLogprobs, SamplingParams, StepPlan, StepResult, SubmitRequest
 
 VOCAB = 40
 EOS = 7
@@ -103,7 +103,8 @@ def reference(prompt: list[int], width: int, max_tokens: int, ignore_eos: bool) 
 def beam_request(rid: str, prompt: list[int], width: int, max_tokens: int, ignore_eos: bool = False) -> Request:
     params = SamplingParams(n=width, use_beam_search=True, temperature=0, max_tokens=max_tokens,
                             length_penalty=0.0, ignore_eos=ignore_eos)
-    msg = SubmitRequest(request_id=rid, gateway_id="gw", prompt_token_ids=prompt, sampling_params=params)
+    msg = SubmitRequest(spec=RequestSpec(request_id=rid, gateway_id="gw", sampling_params=params),
+                        prompt_token_ids=prompt)
     return Request.from_submit(msg, max_model_len=4096, eos_token_ids=(EOS,), now=0.0)
 
 
@@ -131,9 +132,9 @@ def test_beams_equal_the_reference_search_and_every_block_is_freed(async_schedul
     sched.add_group("g0", num_blocks=64, block_size=4)
     rng = random.Random(1)
     prompts = {f"r{i}": [rng.randrange(VOCAB) for _ in range(9 + 4 * i)] for i in range(3)}
-    other = Request(request_id="plain", gateway_id="gw", prompt_token_ids=[1, 2, 3],
-                    sampling_params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                    max_model_len=4096, eos_token_ids=(EOS,))
+    other = Request(spec=RequestSpec(request_id="plain", gateway_id="gw",
+                                     sampling_params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+                    prompt_token_ids=[1, 2, 3], max_model_len=4096, eos_token_ids=(EOS,))
     for rid, prompt in prompts.items():
         assert sched.add_request(beam_request(rid, prompt, 3 + int(rid[1]) % 2, 12, ignore_eos)) is None
     assert sched.add_request(other) is None
@@ -165,9 +166,9 @@ def test_a_width_4_search_shares_its_blocks():
         assert kv.num_free_blocks == 64
         return used[0]
 
-    plain = [Request(request_id=f"s{i}", gateway_id="gw", prompt_token_ids=prompt,
-                     sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                     max_model_len=4096, eos_token_ids=(EOS,)) for i in range(4)]
+    plain = [Request(spec=RequestSpec(request_id=f"s{i}", gateway_id="gw",
+                                      sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)),
+                     prompt_token_ids=prompt, max_model_len=4096, eos_token_ids=(EOS,)) for i in range(4)]
     assert blocks_at_first_decode(plain) == 12
     assert blocks_at_first_decode([beam_request("b", prompt, 4, 4, ignore_eos=True)]) == 6
 
@@ -179,9 +180,10 @@ def test_a_preempted_search_starts_again_and_finds_the_same_beams():
     sched.add_group("g0", num_blocks=20, block_size=4)  # 4 beams of 19 tokens: 5 blocks each at most
     assert sched.add_request(beam_request("b", prompt, 4, 10, ignore_eos=True)) is None
     for i in range(3):  # plain requests that fill the pool while the search runs
-        sched.add_request(Request(request_id=f"p{i}", gateway_id="gw", prompt_token_ids=[i + 1] * 9,
-                                  sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                                  max_model_len=4096, eos_token_ids=(EOS,), arrival_time=-1.0))
+        sched.add_request(Request(spec=RequestSpec(request_id=f"p{i}", gateway_id="gw", arrival_time=-1.0,
+                                                   sampling_params=SamplingParams(temperature=0, max_tokens=8,
+                                                                                  ignore_eos=True)),
+                                  prompt_token_ids=[i + 1] * 9, max_model_len=4096, eos_token_ids=(EOS,)))
     results = run(sched, FakeExecutor(4))
     assert sched.num_preemptions > 0
     assert results["b"] == expected
@@ -205,8 +207,8 @@ def test_aborting_a_search_mid_way_frees_every_beam():
 def test_search_state_stops_once_no_live_beam_can_win():
     search = BeamSearch(width=1, length_penalty=0.0, ignore_eos=False, eos_token_ids=(EOS,), num_candidates=2,
                         rows=["r"])
-    root = Request(request_id="r", gateway_id="gw", prompt_token_ids=[1], sampling_params=SamplingParams(),
-                   max_model_len=64)
+    root = Request(spec=RequestSpec(request_id="r", gateway_id="gw", sampling_params=SamplingParams()),
+                   prompt_token_ids=[1], max_model_len=64)
     search.report("r", SampleLogprobs(logprob=-0.1, rank=1, top_token_ids=[EOS, 3], top_logprobs=[-0.1, -2.5]))
     survivors, done = search.select([root], max_new_tokens=10)
     assert done and survivors == [] and search.finished[0].output_token_ids == [EOS]

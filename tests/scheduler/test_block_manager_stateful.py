@@ -36,7 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from services.scheduler.block_manager import KVCacheManager, cdiv
 from services.scheduler.request import Request, RequestStatus
-from shared.messages import SamplingParams
+from shared.messages import RequestSpec, SamplingParams
 
 VOCAB = 4  # tiny vocabulary: prefix hits and identical blocks are frequent
 MAX_LIVE = 6  # waiting + running requests before add_request stops (forks may exceed it)
@@ -251,12 +251,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         tokens = tokens[: data.draw(st.integers(1, self.max_len - 2))] or [0]  # room to decode
         self.counter += 1
         req = Request(
-            request_id=f"r{self.counter}",
-            gateway_id="g",
+            spec=RequestSpec(request_id=f"r{self.counter}", gateway_id="g", sampling_params=PARAMS,
+                             cache_salt=data.draw(st.sampled_from([None, None, "salt"]))),
             prompt_token_ids=tokens,
-            sampling_params=PARAMS,
             max_model_len=self.max_len,
-            cache_extra_keys=data.draw(st.sampled_from([(), (), ("salt",)])),
         )
         self.n[req.request_id] = data.draw(st.sampled_from([1, 1, 2, 3]))
         self.seen.append(req)
@@ -469,12 +467,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         for r in self.seen[-8:]:
             probe = Request(
-                request_id="probe",
-                gateway_id="g",
+                spec=r.spec.derive(request_id="probe"),
                 prompt_token_ids=r.all_token_ids,
-                sampling_params=PARAMS,
                 max_model_len=self.max_len,
-                cache_extra_keys=r.cache_extra_keys,
             )
             before = self._snapshot(probe)
             computed, hit = self.kv.get_computed_blocks(probe)

@@ -15,6 +15,7 @@ from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.messages import (
     PromptLogprobs,
+    RequestSpec,
     SampleLogprobs,
     SamplingParams,
     ServiceError,
@@ -125,15 +126,18 @@ def make_request(
 ) -> Request:
     rng = random.Random(seed)
     return Request(
-        request_id=rid,
-        gateway_id="gw",
+        spec=RequestSpec(request_id=rid, gateway_id="gw",
+                         sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                         priority=priority, arrival_time=float(seed)),
         prompt_token_ids=(prefix or []) + [rng.randrange(VOCAB - 1) for _ in range(prompt_len)],
-        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
         max_model_len=4096,
         eos_token_ids=(EOS,),
-        priority=priority,
-        arrival_time=float(seed),
     )
+
+
+def respec(req: Request, **changes) -> None:
+    """Change what ``req`` was submitted with (its spec's fields)."""
+    req.spec = req.spec.derive(**changes)
 
 
 def plan_ahead(sched: Scheduler, group: str, queue: list[StepPlan]) -> list[StepPlan]:
@@ -226,7 +230,7 @@ def test_request_without_max_tokens_runs_to_the_pool_capacity():
     sched.add_group("g0", num_blocks=8, block_size=16)
     ex = FakeExecutor(8, 16)
     req = make_request("open", prompt_len=20, max_tokens=1, seed=3)
-    req.sampling_params = req.sampling_params.model_copy(update={"max_tokens": None})
+    respec(req, sampling_params=req.sampling_params.replace(max_tokens=None))
     assert sched.add_request(req) is None and req.max_model_len == 128
     too_big = make_request("big", prompt_len=20, max_tokens=200, seed=4)
     error = sched.add_request(too_big)
@@ -399,7 +403,7 @@ def test_requests_that_waited_for_a_group_are_checked_when_one_registers():
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
     big = make_request("big", prompt_len=20, max_tokens=200, seed=1)
     open_ended = make_request("open", prompt_len=20, max_tokens=1, seed=2)
-    open_ended.sampling_params = open_ended.sampling_params.model_copy(update={"max_tokens": None})
+    respec(open_ended, sampling_params=open_ended.sampling_params.replace(max_tokens=None))
     assert sched.add_request(big) is None and sched.add_request(open_ended) is None
     refused = sched.add_group("g0", num_blocks=8, block_size=16)
     assert [(r.request_id, e.code) for r, e in refused] == [("big", "kv_cache_too_small")]
@@ -486,7 +490,7 @@ def test_background_requests_wait_for_interactive_ones_and_are_preempted_first()
     sched.add_group("g0", num_blocks=6, block_size=16)
     reqs = [make_request(rid, prompt_len=20, max_tokens=30, seed=seed) for rid, seed in (("b0", 1), ("b1", 2), ("i0", 3))]
     for r in reqs:
-        r.background = r.request_id.startswith("b")
+        respec(r, background=r.request_id.startswith("b"))
         assert sched.add_request(r) is None
     order: list[str] = []
 
@@ -512,7 +516,7 @@ def test_fcfs_queue_puts_interactive_requests_ahead_of_background_ones():
     for rid, seed, background, preempted in (("bw", 1, True, False), ("iw", 2, False, False),
                                              ("bp", 3, True, True), ("ip", 4, False, True), ("iw2", 5, False, False)):
         req = made[rid] = make_request(rid, prompt_len=4, max_tokens=2, seed=seed)
-        req.background = background
+        respec(req, background=background)
         if preempted:
             req.status = RequestStatus.PREEMPTED
         group.enqueue(req, by_priority=False, front=preempted)
@@ -646,7 +650,7 @@ def test_parallel_sampling_forks_share_the_prompt_and_copy_on_write():
     sched.add_group("g0", num_blocks=16, block_size=16)
     ex = FakeExecutor(16, 16)
     req = make_request("p", 20, 6, seed=3)  # 20 prompt tokens: the second block is partial
-    req.sampling_params = req.sampling_params.model_copy(update={"n": 3})
+    respec(req, sampling_params=req.sampling_params.replace(n=3))
     sched.add_request(req)
     plan = sched.schedule("g0")
     assert plan.forks == {"p": ["p#1", "p#2"]}
@@ -668,7 +672,7 @@ def test_parallel_sampling_forks_share_the_prompt_and_copy_on_write():
     assert group.kv.num_free_blocks == 16
     # aborting the parent id aborts every sample
     req2 = make_request("q", 5, 50, seed=4)
-    req2.sampling_params = req2.sampling_params.model_copy(update={"n": 2})
+    respec(req2, sampling_params=req2.sampling_params.replace(n=2))
     sched.add_request(req2)
     sched.update_from_output(ex.execute(sched.schedule("g0")))
     assert set(sched.requests) == {"q", "q#1"}
@@ -680,9 +684,9 @@ def test_cache_salt_separates_prefix_caches():
     prefix = [random.Random(7).randrange(VOCAB - 1) for _ in range(48)]
     waves = [[make_request("a", 4, 2, seed=1, prefix=prefix)],
              [make_request("same-salt", 4, 2, seed=2, prefix=prefix), make_request("salted", 4, 2, seed=3, prefix=prefix)]]
-    waves[0][0].cache_extra_keys = ("s1",)
-    waves[1][0].cache_extra_keys = ("s1",)
-    waves[1][1].cache_extra_keys = ("s2",)
+    respec(waves[0][0], cache_salt="s1")
+    respec(waves[1][0], cache_salt="s1")
+    respec(waves[1][1], cache_salt="s2")
     _, cached, _ = run_workload(waves, True)
     assert cached == {"a": 0, "same-salt": 48, "salted": 0}
 
@@ -696,7 +700,7 @@ def test_async_scheduling_keeps_two_steps_in_flight_and_drops_the_token_after_a_
     ex = FakeExecutor(32, 16)
     stopper = make_request("stop", prompt_len=10, max_tokens=50, seed=1)
     stop_at = expected(make_request("stop", prompt_len=10, max_tokens=50, seed=1))[3]
-    stopper.sampling_params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, stop_token_ids=[stop_at])
+    respec(stopper, sampling_params=SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, stop_token_ids=[stop_at]))
     capped = make_request("cap", prompt_len=7, max_tokens=6, seed=2)
     for r in (stopper, capped):
         assert sched.add_request(r) is None
@@ -722,7 +726,7 @@ def _plans_of_a_forking_workload(max_plan_bytes: int | None) -> tuple[dict[str, 
     for i in range(24):
         req = make_request(f"chatcmpl-{i:032x}-ünï", 300 + 31 * i, 8, seed=i)
         if i % 4 == 0:
-            req.sampling_params = req.sampling_params.model_copy(update={"n": 3})
+            respec(req, sampling_params=req.sampling_params.replace(n=3))
         assert sched.add_request(req) is None
         reqs.append(req)
     outputs, plans = run(sched, ex)
@@ -763,12 +767,12 @@ def test_plan_byte_bounds_hold_for_the_widest_values(rid):
 
     req = make_request(rid, 500, 8)
     req.prompt_token_ids = [70_000 + i for i in range(500)]
-    req.sampling_params = SamplingParams(n=4, max_tokens=2**31 - 1, temperature=1.5, top_p=0.5, top_k=40,
+    respec(req, sampling_params=SamplingParams(n=4, max_tokens=2**31 - 1, temperature=1.5, top_p=0.5, top_k=40,
                                          seed=2**40, stop=["éé", "stop"], stop_token_ids=[2**20, 7],
                                          ignore_eos=True, skip_special_tokens=False, include_stop_str_in_output=True,
                                          logprobs=20, presence_penalty=-1.5, frequency_penalty=1.25,
                                          repetition_penalty=1.3, min_p=0.05, min_tokens=2**30,
-                                         logit_bias={2**20: -100.0, 7: 0.1, 2**31: 99.5})
+                                         logit_bias={2**20: -100.0, 7: 0.1, 2**31: 99.5}))
     blocks = [100_000 + i for i in range(req.num_tokens // 16 + 1)]
 
     def new_plan(*rids: str) -> StepPlan:
@@ -803,7 +807,7 @@ def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_a_preemption_mid_pr
     sched.add_request(warm)
     run(sched, ex)
     req = make_request("scored", 40, 2, seed=4)  # the same 40-token prompt: 5 full blocks cached
-    req.sampling_params = req.sampling_params.model_copy(update={"prompt_logprobs": 1})
+    respec(req, sampling_params=req.sampling_params.replace(prompt_logprobs=1))
     sched.add_request(req)
     for _ in range(2):  # two chunks of 16 prompt tokens (async: the third is planned, in flight)
         plan_ahead(sched, "g0", ex.queue)
@@ -826,8 +830,7 @@ def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_a_preemption_mid_pr
 
 def constrained(rid: str, seed: int, regex: str = "[a-z]+") -> Request:
     req = make_request(rid, prompt_len=12, max_tokens=4, seed=seed)
-    req.sampling_params = req.sampling_params.model_copy(
-        update={"structured_outputs": StructuredOutputsParams(regex=regex)})
+    respec(req, sampling_params=req.sampling_params.replace(structured_outputs=StructuredOutputsParams(regex=regex)))
     return req
 
 

@@ -33,6 +33,7 @@ from shared.messages import (
     Pong,
     RegisterGroup,
     RequestDelta,
+    RequestSpec,
     SamplingParams,
     ServiceError,
     StepPlan,
@@ -77,8 +78,15 @@ async def register(svc: SchedulerService, num_blocks: int = 256) -> None:
 
 
 async def submit(svc: SchedulerService, rid: str, num_prompt: int = 20, gateway: str = "gw") -> None:
-    await svc._on_submit(SubmitRequest(request_id=rid, gateway_id=gateway, prompt_token_ids=[7] * num_prompt,
-                                       sampling_params=SamplingParams(max_tokens=8)))
+    await svc._on_submit(SubmitRequest(spec=RequestSpec(request_id=rid, gateway_id=gateway,
+                                                        sampling_params=SamplingParams(max_tokens=8)),
+                                       prompt_token_ids=[7] * num_prompt))
+
+
+def accepted_spec(rid: str) -> RequestSpec:
+    """A request whose gateway awaits its acceptance (``notify_accepted``)."""
+    return RequestSpec(request_id=rid, gateway_id="gw", sampling_params=SamplingParams(max_tokens=8),
+                       notify_accepted=True)
 
 
 def heartbeat(idle: bool = False, stopping: bool = False, last_step_id: int = 0) -> Heartbeat:
@@ -283,16 +291,14 @@ async def test_acceptance_waits_for_a_group_that_may_refuse(env):
 
     env.svc.bus.publish = recording
     for rid, num_prompt in (("fits", 20), ("too-big", 900)):
-        await env.svc._on_submit(SubmitRequest(request_id=rid, gateway_id="gw", prompt_token_ids=[7] * num_prompt,
-                                               sampling_params=SamplingParams(max_tokens=8), notify_accepted=True))
+        await env.svc._on_submit(SubmitRequest(spec=accepted_spec(rid), prompt_token_ids=[7] * num_prompt))
     assert accepted == [] and env.errors == []
     await register(env.svc, num_blocks=16)  # 256 tokens
     assert accepted == ["fits"]
     [refused] = env.errors
     assert refused.request_id == "too-big" and refused.error.status == 400
     await submit(env.svc, "later")  # without notify_accepted: nothing
-    await env.svc._on_submit(SubmitRequest(request_id="now", gateway_id="gw", prompt_token_ids=[7] * 20,
-                                           sampling_params=SamplingParams(max_tokens=8), notify_accepted=True))
+    await env.svc._on_submit(SubmitRequest(spec=accepted_spec("now"), prompt_token_ids=[7] * 20))
     assert accepted == ["fits", "now"]  # a group is there: at once
 
 
@@ -406,9 +412,8 @@ async def test_a_stopping_scheduler_handles_what_is_pending_but_plans_nothing(en
     monkeypatch.setattr(svc.bus, "publish", held)
     client = await Bus.connect(nats_url, name="test-submitter")
     try:
-        await client.publish(svc.subjects.submit, SubmitRequest(
-            request_id="late", gateway_id="gw", prompt_token_ids=[7] * 20,
-            sampling_params=SamplingParams(max_tokens=8), notify_accepted=True))
+        await client.publish(svc.subjects.submit, SubmitRequest(spec=accepted_spec("late"),
+                                                                prompt_token_ids=[7] * 20))
         await asyncio.wait_for(entered.wait(), 5)  # queued; its plan would be sent next
         stopping = asyncio.create_task(svc.stop())
         await until(lambda: svc.stopping)
@@ -437,9 +442,9 @@ async def test_a_constrained_request_waits_for_grammar_ready_and_fails_with_its_
     try:
         await register(svc)
         for rid, regex in (("ok", "[a-z]+"), ("bad", "(x")):
-            await svc._on_submit(SubmitRequest(
-                request_id=rid, gateway_id="gw", prompt_token_ids=[7] * 20,
-                sampling_params=SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=regex))))
+            params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=regex))
+            await svc._on_submit(SubmitRequest(spec=RequestSpec(request_id=rid, gateway_id="gw", sampling_params=params),
+                                               prompt_token_ids=[7] * 20))
         await until(lambda: len(asks) == 2)
         assert not env.plans  # both wait for their grammar
         assert await svc._on_heartbeat(heartbeat()) is not None

@@ -69,7 +69,7 @@ async def env(nats_url: str, monkeypatch) -> AsyncIterator[SimpleNamespace]:
 
     async def tokenize(req: TokenizeRequest) -> TokenizeReply:
         tokenized.append(req)
-        return TokenizeReply(request_id=req.request_id, prompt_token_ids=[1, 2])
+        return TokenizeReply(prompt_token_ids=[1, 2])
 
     await bus.subscribe(Subjects(model).tokenize, TokenizeRequest, tokenize, queue=TOKENIZER_QUEUE)
     client = EngineClient(bus, model)
@@ -102,7 +102,7 @@ async def _until(condition, timeout: float = 10.0) -> None:
 
 
 def _ids(env) -> list[str]:
-    return [req.request_id for req in env.tokenized]
+    return [req.spec.request_id for req in env.tokenized]
 
 
 async def test_a_request_the_scheduler_does_not_hold_twice_in_a_row_is_resubmitted_then_lost(env):
@@ -136,7 +136,7 @@ async def test_an_answer_or_an_output_between_misses_starts_the_row_again(env):
     await _until(lambda: len(env.tokenized) == 2)
     assert fake.queries == 5
     resubmitted = env.tokenized[1]
-    assert (resubmitted.request_id, resubmitted.output_token_ids) == ("r2~1", [7])
+    assert (resubmitted.spec.request_id, resubmitted.spec.output_token_ids) == ("r2~1", [7])
     await env.client.abort(["r2"])
 
 
@@ -156,7 +156,7 @@ async def test_a_resubmitted_request_continues_under_its_new_engine_id(env):
     await fake.publish(first, lost)
     await _until(lambda: len(env.tokenized) == 2)
     again = env.tokenized[1]
-    assert (again.request_id, again.output_token_ids, again.sampling_params.prompt_logprobs) == ("r6~1", [3, 4], 0)
+    assert (again.spec.request_id, again.spec.output_token_ids, again.spec.sampling_params.prompt_logprobs) == ("r6~1", [3, 4], 0)
     stale = RequestDelta(request_id="r6", text="zzz", token_ids=[9], num_output_tokens=3)
     rest = RequestDelta(request_id="r6~1", text="b", token_ids=[5], num_output_tokens=3, finished=True,
                         finish_reason="length")
@@ -175,7 +175,7 @@ async def test_a_delta_that_skips_tokens_makes_the_request_go_again(env):
     await fake.publish(RequestDelta(request_id="r7", text="a", token_ids=[3], num_output_tokens=1),
                        RequestDelta(request_id="r7", text="c", token_ids=[5], num_output_tokens=3))
     await _until(lambda: len(env.tokenized) == 2)
-    assert (env.tokenized[1].request_id, env.tokenized[1].output_token_ids) == ("r7~1", [3])
+    assert (env.tokenized[1].spec.request_id, env.tokenized[1].spec.output_token_ids) == ("r7~1", [3])
     await env.client.abort(["r7"])
 
 
@@ -210,7 +210,7 @@ async def test_submit_waits_for_a_tokenizer_that_is_restarting(nats_url):
     await client.start()
 
     async def tokenize(req: TokenizeRequest) -> TokenizeReply:
-        return TokenizeReply(request_id=req.request_id, prompt_token_ids=[1])
+        return TokenizeReply(prompt_token_ids=[1])
 
     async def late_tokenizer() -> None:
         await asyncio.sleep(1.0)

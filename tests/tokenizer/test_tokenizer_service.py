@@ -20,6 +20,7 @@ from services.tokenizer import TokenizerService
 from shared import subjects as subj
 from shared.bus import Bus, decode, encode
 from shared.messages import (
+    RequestSpec,
     SamplingParams,
     StructuredOutputsParams,
     SubmitRequest,
@@ -61,7 +62,8 @@ def params(**kw) -> SamplingParams:
 async def tokenize(env: Env, **fields) -> tuple[list[str], SubmitRequest | None, TokenizeReply]:
     """Send a TokenizeRequest; return the subjects seen up to the reply, the submit, the reply."""
     rid = fields.pop("request_id", f"r-{uuid.uuid4().hex[:8]}")
-    req = TokenizeRequest(request_id=rid, gateway_id="gw", sampling_params=fields.pop("sampling_params", params()),
+    spec = {name: fields.pop(name) for name in RequestSpec.__struct_fields__ if name in fields}
+    req = TokenizeRequest(spec=RequestSpec(request_id=rid, gateway_id="gw", **{"sampling_params": params(), **spec}),
                           **fields)
     inbox = f"{env.subjects.base}.inbox.{uuid.uuid4().hex}"
     sub = await env.bus.nc.subscribe(f"{env.subjects.base}.>")
@@ -77,7 +79,7 @@ async def tokenize(env: Env, **fields) -> tuple[list[str], SubmitRequest | None,
                 submit = decode(msg.data, SubmitRequest)
             if msg.subject == inbox:
                 reply = decode(msg.data, TokenizeReply)
-                assert reply.request_id == rid
+                assert submit is None or submit.spec.request_id == rid
                 return [("inbox" if s == inbox else s) for s in seen], submit, reply
     finally:
         await sub.unsubscribe()
@@ -101,8 +103,8 @@ async def test_chat_request_is_templated_and_submitted_before_the_reply(env):
     assert reply.prompt == env.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert reply.prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there! 😀")
     assert seen == [env.subjects.submit, "inbox"]
-    assert submit == SubmitRequest(request_id="chat-1", gateway_id="gw", prompt_token_ids=expected,
-                                   sampling_params=sp, priority=3, arrival_time=123.0)
+    assert submit == SubmitRequest(spec=RequestSpec(request_id="chat-1", gateway_id="gw", sampling_params=sp,
+                                                    priority=3, arrival_time=123.0), prompt_token_ids=expected)
 
 
 async def test_chat_without_generation_prompt_and_text_parts(env):
@@ -163,11 +165,11 @@ async def test_offline_requests_are_capped_at_max_model_len(env):
     refused; within the limit max_tokens is kept; a prompt filling the context is refused."""
     _, submit, reply = await tokenize(env, prompt=[7] * 60, sampling_params=params(max_tokens=5),
                                       cap_at_max_model_len=True)
-    assert reply.error is None and submit is not None and submit.sampling_params.max_tokens is None
-    assert submit.sampling_params == params(max_tokens=None)
+    assert reply.error is None and submit is not None and submit.spec.sampling_params.max_tokens is None
+    assert submit.spec.sampling_params == params(max_tokens=None)
     _, submit, _ = await tokenize(env, prompt=[7] * 59, sampling_params=params(max_tokens=5),
                                   cap_at_max_model_len=True)
-    assert submit is not None and submit.sampling_params.max_tokens == 5
+    assert submit is not None and submit.spec.sampling_params.max_tokens == 5
     _, submit, reply = await tokenize(env, prompt=[7] * MAX_MODEL_LEN, sampling_params=params(max_tokens=5),
                                       cap_at_max_model_len=True)
     assert submit is None and reply.error.param == "prompt" and reply.error.code == "context_length_exceeded"
@@ -232,8 +234,8 @@ async def test_a_slow_structured_output_compile_holds_up_no_other_request(env, m
             raise StructuredOutputError("structured_outputs.regex: refused by the test", "structured_outputs.regex")
 
     monkeypatch.setattr(env.tokenizer_service, "_structured", SlowBackend())
-    constrained = TokenizeRequest(request_id="slow", gateway_id="gw", prompt=[7],
-                                  sampling_params=params(structured_outputs=StructuredOutputsParams(regex="a+")))
+    constrained = TokenizeRequest(spec=RequestSpec(request_id="slow", gateway_id="gw", sampling_params=params(
+        structured_outputs=StructuredOutputsParams(regex="a+"))), prompt=[7])
     slow = asyncio.ensure_future(env.tokenizer_service.handle(constrained))
     try:
         seen, submit, reply = await tokenize(env, prompt="The capital of France is")
