@@ -142,27 +142,19 @@ class SamplingFields(OpenAIRequest):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
-        return SamplingParams(
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            min_p=self.min_p or 0.0,
-            min_tokens=self.min_tokens,
-            logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
-            n=self.n,
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            use_beam_search=self.use_beam_search,
-            length_penalty=self.length_penalty,
-            structured_outputs=self._structured,
-        )
+        """The engine's params: every field both share that the body gives (a field the body
+        leaves None takes the engine's default), ``logit_bias``'s keys as token ids, the
+        structured output constraint, and the request's own token limit and log probabilities.
+
+        Raises:
+            ValueError: a value ``SamplingParams`` refuses (the message names it).
+        """
+        given = {name: value for name in _SAME_NAMES if (value := getattr(self, name)) is not None}
+        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
+                              structured_outputs=self._structured)
+
+
+#: the fields a body and ``SamplingParams`` share under one name and meaning (taken as given)
+_SAME_NAMES = tuple(name for name in SamplingParams.__struct_fields__ if name in SamplingFields.model_fields
+                    and name not in ("max_tokens", "logprobs", "prompt_logprobs", "logit_bias", "structured_outputs"))
