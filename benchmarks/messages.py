@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def build(num: int, logprobs: int) -> list:
     """The four messages of one decode step of ``num`` requests."""
     from shared.messages import (
-        CachedRequestData,
+        CachedRequests,
         DecodedLogprobs,
         DetokStep,
         GatewayStep,
@@ -45,8 +45,9 @@ def build(num: int, logprobs: int) -> list:
 
     ids = [f"chatcmpl-{i:032x}" for i in range(num)]
     plan = StepPlan(step_id=7, group_id="host-1234",
-                    cached_requests=[CachedRequestData(request_id=rid, new_block_ids=[i] if i % 16 == 0 else [],
-                                                       num_computed_tokens=100 + i) for i, rid in enumerate(ids)],
+                    cached_requests=CachedRequests(req_ids=ids,
+                                                   new_block_ids=[[i] if i % 16 == 0 else [] for i in range(num)],
+                                                   num_computed_tokens=[100 + i for i in range(num)]),
                     num_scheduled_tokens=dict.fromkeys(ids, 1))
     sample = [SampleLogprobs(logprob=-0.5, rank=1, top_token_ids=list(range(logprobs)),
                              top_logprobs=[-0.5 - k for k in range(logprobs)])] if logprobs else []

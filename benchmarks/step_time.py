@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, a
 
 import torch  # noqa: E402
 
-from shared.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan  # noqa: E402
+from shared.messages import CachedRequests, NewRequestData, SamplingParams, StepPlan  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
 
@@ -67,14 +67,14 @@ class Driver:
 
     def decode(self, rids: list[str]) -> float:
         """One decode step of ``rids`` (new blocks appended as in the scheduler)."""
-        cached = []
+        cached = CachedRequests()
         for rid in rids:
             computed = self.num_tokens[rid]  # after this step; its K/V goes to slot computed - 1
             extra = []
             if len(self.blocks[rid]) * self.bs < computed:
                 extra = self._take(1)
                 self.blocks[rid] += extra
-            cached.append(CachedRequestData(request_id=rid, new_block_ids=extra, num_computed_tokens=computed - 1))
+            cached.append(rid, extra, computed - 1)
         plan = self._plan(cached_requests=cached, num_scheduled_tokens={r: 1 for r in rids})
         return self._timed(plan)
 

@@ -46,12 +46,12 @@ def update_states(
     Raises:
         KeyError: a beam fork or a cached request names a request never received.
     """
-    for fork in plan.beam_forks:  # before finished_request_ids, which may drop the parents
-        parent = requests[fork.parent_id]
+    for beam_id, parent_id, token_id in plan.beam_forks.rows():  # before finished_request_ids: they may drop the parents
+        parent = requests[parent_id]
         computed = parent.num_computed_tokens  # the parent's tokens as planned, not its own sample
-        requests[fork.request_id] = CachedRequestState(
-            request_id=fork.request_id,
-            token_ids=parent.token_ids[:computed] + [fork.token_id],
+        requests[beam_id] = CachedRequestState(
+            request_id=beam_id,
+            token_ids=parent.token_ids[:computed] + [token_id],
             block_ids=list(parent.block_ids),
             num_computed_tokens=computed,
             sampling_params=parent.sampling_params,
@@ -77,13 +77,13 @@ def update_states(
             # a resumed request (outputs already) sent them the first time
             wants_prompt_logprobs=new.sampling_params.prompt_logprobs is not None and not new.num_output_tokens,
         )
-    for cached in plan.cached_requests:
-        state = requests[cached.request_id]
-        if cached.replaced_block is not None:  # a copy-on-write gave it its own block
-            position, block_id = cached.replaced_block
+    for rid, new_block_ids, num_computed_tokens, replaced in plan.cached_requests.rows():
+        state = requests[rid]
+        if replaced is not None:  # a copy-on-write gave it its own block
+            position, block_id = replaced
             state.block_ids[position] = block_id
-        state.block_ids.extend(cached.new_block_ids)
-        state.num_computed_tokens = cached.num_computed_tokens
+        state.block_ids.extend(new_block_ids)
+        state.num_computed_tokens = num_computed_tokens
 
 
 def fork_states(

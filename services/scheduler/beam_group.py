@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from services.scheduler.group import GroupState
 from services.scheduler.request import Request, RequestStatus
-from shared.messages import BeamFork
 
 
 def live_beams(root: Request, requests: dict[str, Request]) -> list[Request]:
@@ -39,8 +38,7 @@ def advance(group: GroupState, root: Request, requests: dict[str, Request]) -> l
         group.kv.fork(cand.parent, beam)
         group.running.append(beam)
         group.known.add(beam.request_id)
-        group.beam_forks.append(BeamFork(request_id=beam.request_id, parent_id=cand.parent.request_id,
-                                         token_id=cand.token_id))
+        group.beam_forks.append(beam.request_id, cand.parent.request_id, cand.token_id)
         requests[beam.request_id] = beam
         new_rows.append(beam.request_id)
     for beam in beams:

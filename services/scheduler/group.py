@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from services.scheduler.block_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from shared.messages import (
-    BeamFork,
+    BeamForks,
     GroupStats,
     RegisterGroup,
     ServiceError,
@@ -49,7 +49,7 @@ class GroupState:
     known: set[str] = field(default_factory=set)  # request ids the executor holds state for
     to_forget: list[str] = field(default_factory=list)  # finished/preempted, not yet told
     in_flight: list[InFlightStep] = field(default_factory=list)  # oldest first
-    beam_forks: list[BeamFork] = field(default_factory=list)  # new beams, not yet told
+    beam_forks: BeamForks = field(default_factory=BeamForks)  # new beams, not yet told
     # structured outputs (vLLM V1's WAITING_FOR_FSM): the grammars (StructuredOutputsParams.digest)
     # compiled on this group's rank 0 (an LRU as long as its cache, least recently used first),
     # those asked and not yet answered, and those to ask

@@ -183,16 +183,19 @@ class Request:
 
     def cached_request_bytes(self, num_new_blocks: int) -> int:
         """An upper bound of the bytes it takes in a msgpack ``StepPlan`` as a running request
-        with ``num_new_blocks`` blocks appended: its ``CachedRequestData`` (a copy-on-write's
-        ``replaced_block`` and ``block_copies`` entry included) and its
-        ``num_scheduled_tokens`` entry, at most 5 bytes per integer; its id twice, the field
-        names and headers (128); and the ids of the samples an n > 1 request forks when its
-        prefill completes."""
+        with ``num_new_blocks`` blocks appended, at most 5 bytes per integer and 5 per header:
+        its row of ``CachedRequests`` (its id, the blocks' list, its computed tokens), a
+        copy-on-write's ``replaced_blocks`` entry (its id, two integers) and ``block_copies``
+        entry, and its ``num_scheduled_tokens`` entry (its id, an integer); and the ids of the
+        samples an n > 1 request forks when its prefill completes, or a new beam's
+        ``BeamForks`` row (its id, its parent's, a token)."""
         rid = len(self.request_id.encode())
         forks = (self.sampling_params.n - 1) * (rid + 8) + rid + 5 if self.needs_fork else 0
-        if self.beam_root is not None:  # its BeamFork: its id, its parent's, a token and field names
+        if self.beam_root is not None:
             forks = 2 * rid + 48
-        return 2 * rid + 128 + 5 * num_new_blocks + forks
+        row = (rid + 5) + 5 + 5 * num_new_blocks + 5
+        copy_on_write = (rid + 5) + 11 + 11
+        return row + copy_on_write + (rid + 5) + 5 + forks
 
     @property
     def needs_prompt_logprobs(self) -> bool:

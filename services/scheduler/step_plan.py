@@ -3,7 +3,7 @@
 A plan carries vLLM V1-style diffs: a request the executor does not hold yet goes in full
 (``NewRequestData``: every known token, its block table), a running one it holds only as its
 appended block ids, ``num_computed_tokens`` and, after a copy-on-write, the one table entry
-the copy replaced (``CachedRequestData``). The plan's bytes are bounded ahead
+the copy replaced (a row of ``CachedRequests``). The plan's bytes are bounded ahead
 (``Request.new_request_bytes`` / ``cached_request_bytes``) so that it fits one NATS message.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from services.scheduler.group import GroupState, InFlightStep
 from services.scheduler.request import Request
-from shared.messages import CachedRequestData, NewRequestData, ServiceError, StepPlan
+from shared.messages import BeamForks, NewRequestData, ServiceError, StepPlan
 
 
 def plan_size_error(req: Request, max_plan_bytes: int | None) -> ServiceError | None:
@@ -57,7 +57,7 @@ def build_step_plan(
         block_copies=list(copies.values()),
         beam_forks=group.beam_forks,
     )
-    group.to_forget, group.beam_forks = [], []
+    group.to_forget, group.beam_forks = [], BeamForks()
     epochs: dict[str, int] = {}
     samplers: set[str] = set()
     for req in group.running:
@@ -65,7 +65,9 @@ def build_step_plan(
         if num is None:
             continue
         if req.request_id in group.known:
-            plan.cached_requests.append(_cached_request(req, new_blocks[req.request_id], copies.get(req.request_id)))
+            copy = copies.get(req.request_id)  # (src, dst): the table entry that held src now holds dst
+            plan.cached_requests.append(req.request_id, new_blocks[req.request_id], req.num_computed_tokens,
+                                        None if copy is None else (req.block_ids.index(copy[1]), copy[1]))
         else:
             group.known.add(req.request_id)
             plan.new_requests.append(
@@ -93,11 +95,3 @@ def build_step_plan(
     group.in_flight.append(InFlightStep(plan, epochs, samplers))
     return plan
 
-
-def _cached_request(req: Request, new_block_ids: list[int], copy: tuple[int, int] | None) -> CachedRequestData:
-    return CachedRequestData(
-        request_id=req.request_id,
-        new_block_ids=new_block_ids,
-        num_computed_tokens=req.num_computed_tokens,
-        replaced_block=None if copy is None else (req.block_ids.index(copy[1]), copy[1]),
-    )

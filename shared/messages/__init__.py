@@ -53,8 +53,8 @@ from shared.messages.control import (
 from shared.messages.request import RequestSpec
 from shared.messages.sampling import DetokenizeParams, SamplingParams
 from shared.messages.steps import (
-    BeamFork,
-    CachedRequestData,
+    BeamForks,
+    CachedRequests,
     DecodedLogprobs,
     DetokNewRequest,
     DetokStep,
@@ -72,8 +72,8 @@ from shared.messages.steps import (
 from shared.messages.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 __all__ = [
-    "GREEDY_TEMPERATURE", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_N", "AbortRequests", "BeamFork",
-    "CachedRequestData", "CompileGrammar", "DecodedLogprobs", "DetokNewRequest", "DetokenizeParams", "DetokStep", "FailRequests", "FinishReason",
+    "GREEDY_TEMPERATURE", "INT64_MAX", "INT64_MIN", "MAX_LOGPROBS", "MAX_N", "AbortRequests", "BeamForks",
+    "CachedRequests", "CompileGrammar", "DecodedLogprobs", "DetokNewRequest", "DetokenizeParams", "DetokStep", "FailRequests", "FinishReason",
     "GatewayStep", "GrammarReady", "GuidedDecodingParams", "GroupStats", "Heartbeat", "HeartbeatAck", "Message", "NewRequestData", "Ping", "Pong",
     "PromptLogprobs", "Record", "RegisterAck", "RegisterGroup", "RequestDelta", "RequestSpec", "RequestsKnown", "RequestsQuery",
     "SampleLogprobs", "SamplingParams", "SchedulerStarted", "SchedulerStats", "ServiceError", "StatsQuery", "StepMessage",

@@ -15,6 +15,7 @@ code: the code that builds one is the check. The two pydantic models they embed,
 from __future__ import annotations
 
 import builtins
+from collections.abc import Iterator
 
 from msgspec import Struct, field
 
@@ -46,28 +47,62 @@ class NewRequestData(StepMessage, kw_only=True):
     num_output_tokens: int = 0  # of prompt_token_ids, how many are generated (resumed)
 
 
-class CachedRequestData(StepMessage, kw_only=True):
-    """A running request the executor knows: only the blocks appended this step, and the one
+class CachedRequests(StepMessage, kw_only=True):
+    """The running requests the executor knows, as columns (vLLM V1's ``CachedRequestData``):
+    request ``req_ids[i]`` has ``new_block_ids[i]`` appended to its block table this step and
+    ``num_computed_tokens[i]`` tokens in the cache; ``replaced_blocks[request id]`` is the one
     entry a copy-on-write changed in place (``(position in the block table, new block id)``;
-    the K/V copy itself is in ``StepPlan.block_copies``)."""
+    the K/V copy itself is in ``StepPlan.block_copies``). Columns keep a step's running
+    requests to three lists on the wire, whatever their number."""
 
-    request_id: str
-    new_block_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int
-    replaced_block: tuple[int, int] | None = None
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    replaced_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def append(self, request_id: str, new_block_ids: list[int], num_computed_tokens: int,
+               replaced_block: tuple[int, int] | None = None) -> None:
+        """Add one running request's row."""
+        self.req_ids.append(request_id)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
+        if replaced_block is not None:
+            self.replaced_blocks[request_id] = replaced_block
+
+    def rows(self) -> Iterator[tuple[str, list[int], int, tuple[int, int] | None]]:
+        """``(request id, new block ids, num_computed_tokens, replaced block or None)`` per row."""
+        replaced = self.replaced_blocks
+        for rid, blocks, computed in zip(self.req_ids, self.new_block_ids, self.num_computed_tokens, strict=True):
+            yield rid, blocks, computed, replaced.get(rid)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
 
 
-class BeamFork(StepMessage, kw_only=True):
-    """Beam search: a new beam ``request_id`` continues beam ``parent_id`` with ``token_id``.
+class BeamForks(StepMessage, kw_only=True):
+    """Beam search: new beams ``req_ids[i]`` continue beams ``parent_ids[i]`` with
+    ``token_ids[i]`` (columns, as ``CachedRequests``).
 
-    The executor starts it as a copy of the parent's state as the parent was planned (its
-    first ``num_computed_tokens`` tokens and its block table, shared) plus ``token_id``; the
-    same plan's ``CachedRequestData`` for it then carries its copy-on-write and new blocks.
+    The executor starts each as a copy of its parent's state as the parent was planned (its
+    first ``num_computed_tokens`` tokens and its block table, shared) plus the token; the same
+    plan's ``CachedRequests`` row for it then carries its copy-on-write and new blocks.
     """
 
-    request_id: str
-    parent_id: str
-    token_id: int
+    req_ids: list[str] = field(default_factory=list)
+    parent_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def append(self, request_id: str, parent_id: str, token_id: int) -> None:
+        self.req_ids.append(request_id)
+        self.parent_ids.append(parent_id)
+        self.token_ids.append(token_id)
+
+    def rows(self) -> Iterator[tuple[str, str, int]]:
+        """``(new beam id, parent id, token id)`` per fork."""
+        return zip(self.req_ids, self.parent_ids, self.token_ids, strict=True)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
 
 
 class StepPlan(StepMessage, kw_only=True):
@@ -81,7 +116,7 @@ class StepPlan(StepMessage, kw_only=True):
     step_id: int
     group_id: str
     new_requests: list[NewRequestData] = field(default_factory=list)
-    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    cached_requests: CachedRequests = field(default_factory=CachedRequests)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_request_ids: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block ids
@@ -90,7 +125,7 @@ class StepPlan(StepMessage, kw_only=True):
     forks: dict[str, list[str]] = field(default_factory=dict)
     # beam search: beams to start before anything else of the plan (before finished_request_ids
     # drops their parents)
-    beam_forks: list[BeamFork] = field(default_factory=list)
+    beam_forks: BeamForks = field(default_factory=BeamForks)
 
 
 class SampleLogprobs(StepMessage, kw_only=True):

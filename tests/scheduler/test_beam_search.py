@@ -36,9 +36,9 @@ class FakeExecutor:
         self.slots: dict[int, tuple[int, ...]] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
-        for fork in plan.beam_forks:  # before the finished ids, as the runner
-            parent = self.state[fork.parent_id]
-            self.state[fork.request_id] = dict(tokens=parent["tokens"][: parent["computed"]] + [fork.token_id],
+        for beam_id, parent_id, token_id in plan.beam_forks.rows():  # before the finished ids, as the runner
+            parent = self.state[parent_id]
+            self.state[beam_id] = dict(tokens=parent["tokens"][: parent["computed"]] + [token_id],
                                                blocks=list(parent["blocks"]), computed=parent["computed"],
                                                k=parent["k"])
         for rid in plan.finished_request_ids:
@@ -51,12 +51,12 @@ class FakeExecutor:
             for off in range(self.bs):
                 if (prefix := self.slots.get(src * self.bs + off)) is not None:
                     self.slots[dst * self.bs + off] = prefix
-        for cached in plan.cached_requests:
-            st = self.state[cached.request_id]
-            if cached.replaced_block is not None:
-                st["blocks"][cached.replaced_block[0]] = cached.replaced_block[1]
-            st["blocks"].extend(cached.new_block_ids)
-            assert st["computed"] == cached.num_computed_tokens
+        for rid, new_block_ids, num_computed_tokens, replaced in plan.cached_requests.rows():
+            st = self.state[rid]
+            if replaced is not None:
+                st["blocks"][replaced[0]] = replaced[1]
+            st["blocks"].extend(new_block_ids)
+            assert st["computed"] == num_computed_tokens
         writes = {}
         for rid, n in plan.num_scheduled_tokens.items():
             st = self.state[rid]

@@ -67,13 +67,13 @@ class FakeExecutor:
             for off in range(self.block_size):
                 if src * self.block_size + off in self.slots:
                     self.slots[dst * self.block_size + off] = self.slots[src * self.block_size + off]
-        for cached in plan.cached_requests:
-            st = self.state[cached.request_id]
-            if cached.replaced_block is not None:
-                position, block_id = cached.replaced_block
+        for rid, new_block_ids, num_computed_tokens, replaced in plan.cached_requests.rows():
+            st = self.state[rid]
+            if replaced is not None:
+                position, block_id = replaced
                 st["blocks"][position] = block_id
-            st["blocks"].extend(cached.new_block_ids)
-            assert st["computed"] == cached.num_computed_tokens
+            st["blocks"].extend(new_block_ids)
+            assert st["computed"] == num_computed_tokens
         sampled = {}
         self.written: list[tuple[int, tuple[int, ...]]] = []
         reads = []
@@ -751,10 +751,10 @@ def test_plans_stay_within_max_plan_bytes():
             assert outputs[req.request_id] == expected(req)
         else:
             assert {f"{req.request_id}#1", f"{req.request_id}#2"} <= set(outputs)
-    replaced = [c.replaced_block for p in plans for c in p.cached_requests if c.replaced_block is not None]
+    replaced = [r for p in plans for *_, r in p.cached_requests.rows() if r is not None]
     assert len(replaced) == sum(len(p.block_copies) for p in plans) > 0
     assert all(dst == copy[1] for p in plans for (_, dst), copy in zip(
-        [c.replaced_block for c in p.cached_requests if c.replaced_block], p.block_copies, strict=True))
+        [r for *_, r in p.cached_requests.rows() if r], p.block_copies, strict=True))
 
 
 @pytest.mark.parametrize("rid", ["r", "chatcmpl-" + "f" * 32 + "#127", "ü" * 60])
@@ -763,7 +763,7 @@ def test_plan_byte_bounds_hold_for_the_widest_values(rid):
     adds to an encoded ``StepPlan``, with integers too big for 3 msgpack bytes, multi-byte
     ids, stop strings and an n > 1 fork; a running request's copy-on-write included."""
     from shared.bus import encode
-    from shared.messages import CachedRequestData, NewRequestData
+    from shared.messages import CachedRequests, NewRequestData
 
     req = make_request(rid, 500, 8)
     req.prompt_token_ids = [70_000 + i for i in range(500)]
@@ -784,9 +784,10 @@ def test_plan_byte_bounds_hold_for_the_widest_values(rid):
     def cached_plan(*rids: str) -> StepPlan:  # the step that completes a chunked prefill: it forks
         return StepPlan(step_id=2**40, group_id="g0", num_scheduled_tokens={r: 2**20 for r in rids},
                         forks={r: [f"{r}#{i}" for i in range(1, 4)] for r in rids},
-                        block_copies=[(2**20, 2**20 + 1) for _ in rids], cached_requests=[CachedRequestData(
-                            request_id=r, new_block_ids=blocks[:3], num_computed_tokens=2**20,
-                            replaced_block=(2**20, 2**20 + 1)) for r in rids])
+                        block_copies=[(2**20, 2**20 + 1) for _ in rids], cached_requests=CachedRequests(
+                            req_ids=list(rids), new_block_ids=[blocks[:3] for _ in rids],
+                            num_computed_tokens=[2**20 for _ in rids],
+                            replaced_blocks={r: (2**20, 2**20 + 1) for r in rids}))
 
     # what the request adds to a plan that has the fields already (another request "x")
     added = len(encode(new_plan("x", rid))) - len(encode(new_plan("x")))
