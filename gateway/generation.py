@@ -64,9 +64,9 @@ class SampleState:
 @dataclass
 class RequestState:
     """One engine request's output so far: its prompt's counts and log probabilities, and its
-    ``n`` samples (``delta.index``)."""
+    ``n`` samples (``delta.index``). Its owner knows which request it is (``Generation``'s
+    ``engine_ids``, the offline ``LLM``'s ids)."""
 
-    request_id: str
     samples: list[SampleState]
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -76,8 +76,8 @@ class RequestState:
     prompt_text_len: int = 0  # characters of their tokens' texts: where a text_offset goes on
 
     @classmethod
-    def new(cls, request_id: str, n: int = 1, **fields: Any) -> Self:
-        return cls(request_id, [SampleState() for _ in range(n)], **fields)
+    def new(cls, n: int = 1, **fields: Any) -> Self:
+        return cls([SampleState() for _ in range(n)], **fields)
 
     @property
     def finished(self) -> bool:
@@ -131,10 +131,10 @@ class Generation:
         self.logprobs = body.wants_logprobs  # choices carry log probabilities
         self.tokens_as_ids = bool(body.return_tokens_as_token_ids)  # tokens named token_id:<id>
         self.echo_only = False  # the prompt alone: what the engine generates is not shown
-        self.parts = [Part.new(engine_id, self.n, num_prompt_tokens=len(reply.prompt_token_ids),
-                               echo=reply.prompt or "")
-                      for engine_id, reply in prompts]
-        self._part_of = {part.request_id: p for p, part in enumerate(self.parts)}
+        self.engine_ids = [engine_id for engine_id, _ in prompts]  # of the parts, in order
+        self.parts = [Part.new(self.n, num_prompt_tokens=len(reply.prompt_token_ids), echo=reply.prompt or "")
+                      for _, reply in prompts]
+        self._part_of = {engine_id: p for p, engine_id in enumerate(self.engine_ids)}
         self.choices = [sample for part in self.parts for sample in part.samples]
 
     @property
@@ -149,9 +149,9 @@ class Generation:
     def num_output_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
 
-    def unfinished_parts(self) -> list[Part]:
-        """The parts the engine has not ended yet (each sample not finished)."""
-        return [part for part in self.parts if not part.finished]
+    def unfinished_ids(self) -> list[str]:
+        """The engine ids of the parts the engine has not ended yet (a sample not finished)."""
+        return [engine_id for engine_id, part in zip(self.engine_ids, self.parts, strict=True) if not part.finished]
 
     def update(self, delta: RequestDelta) -> int:
         """Fold in one delta of one of the parts; its choice index.

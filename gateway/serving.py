@@ -206,18 +206,18 @@ class OpenAIServing:
 
     def finish(self, served: ServedRequest) -> None:
         """The client is done with ``served``: abort (and count aborted) what the engine has not ended."""
-        unfinished = served.gen.unfinished_parts()
-        for part in unfinished:
-            served.timers[part.request_id].aborted()
+        unfinished = served.gen.unfinished_ids()
+        for engine_id in unfinished:
+            served.timers[engine_id].aborted()
         if unfinished:
-            self.abort_soon([part.request_id for part in unfinished])
+            self.abort_soon(unfinished)
 
     async def _deltas(self, served: ServedRequest) -> AsyncIterator[RequestDelta]:
         """The deltas of every part of the request, as they come (merged when several), each
         observed by its timer."""
-        parts = served.gen.parts
-        if len(parts) == 1:
-            async with aclosing(self.client.stream(parts[0].request_id)) as deltas:
+        engine_ids = served.gen.engine_ids
+        if len(engine_ids) == 1:
+            async with aclosing(self.client.stream(engine_ids[0])) as deltas:
                 async for delta in deltas:
                     served.timers[delta.request_id].observe(delta)
                     yield delta
@@ -234,7 +234,7 @@ class OpenAIServing:
             finally:
                 merged.put_nowait(None)
 
-        pumps = [asyncio.create_task(pump(part.request_id)) for part in parts]
+        pumps = [asyncio.create_task(pump(engine_id)) for engine_id in engine_ids]
         try:
             remaining = len(pumps)
             while remaining:

@@ -231,25 +231,25 @@ class LLM:
             for reply in replies:
                 if reply.error is not None:
                     raise ValueError(reply.error.message)
-            states = [RequestState.new(rid, sp.n) for rid, sp in zip(ids, params, strict=True)]
+            states = [RequestState.new(sp.n) for sp in params]
 
-            async def collect(state: RequestState) -> None:
-                async for delta in self._client.stream(state.request_id):
+            async def collect(rid: str, state: RequestState) -> None:
+                async for delta in self._client.stream(rid):
                     if delta.error is not None:
                         raise ValueError(delta.error.message)
                     state.add(delta)
                 bar.update(1)
 
-            await asyncio.gather(*(collect(state) for state in states))
+            await asyncio.gather(*(collect(rid, state) for rid, state in zip(ids, states, strict=True)))
         except BaseException:
             await self._client.abort(ids)
             raise
         outputs = []
-        for state, item, sp, reply in zip(states, items, params, replies, strict=True):
+        for rid, state, item, sp, reply in zip(ids, states, items, params, replies, strict=True):
             prompt = item.get("prompt")
             # chat: the rendered text; token ids: None, as vLLM's LLM
             text = reply.prompt if "messages" in item else prompt if isinstance(prompt, str) else None
-            outputs.append(request_output(state, text, list(reply.prompt_token_ids),
+            outputs.append(request_output(rid, state, text, list(reply.prompt_token_ids),
                                           sp.logprobs is not None or sp.use_beam_search))
         return outputs
 

@@ -57,11 +57,12 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
-def request_output(state: RequestState, prompt: str | None, prompt_token_ids: list[int],
+def request_output(request_id: str, state: RequestState, prompt: str | None, prompt_token_ids: list[int],
                    logprobs: bool) -> RequestOutput:
     """The ``RequestOutput`` of one finished engine request, from its folded deltas.
 
     Args:
+        request_id: its id.
         state: its deltas folded.
         prompt: the prompt text to report (None for token ids, as vLLM's ``LLM``).
         prompt_token_ids: the prompt's token ids, from the tokenizer.
@@ -80,7 +81,7 @@ def request_output(state: RequestState, prompt: str | None, prompt_token_ids: li
         for i, s in enumerate(state.samples)
     ]
     return RequestOutput(
-        request_id=state.request_id,
+        request_id=request_id,
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
         outputs=outputs,

@@ -273,12 +273,12 @@ def test_an_engine_error_ends_its_prompt_and_names_it_in_a_batch():
     gen.update(deltas[0])
     error = ServiceError(message="executor group g0 failed", type="internal_error", status=500)
     with pytest.raises(APIError) as exc:
-        gen.update(RequestDelta(request_id=gen.parts[1].request_id, finished=True, finish_reason="error",
+        gen.update(RequestDelta(request_id=gen.engine_ids[1], finished=True, finish_reason="error",
                                 error=error))
     assert exc.value.status == 500
     assert exc.value.body() == {"error": {"message": "prompt 1 of the batch: executor group g0 failed",
                                           "type": "internal_error", "param": None, "code": None}}
-    assert gen.unfinished_parts() == [gen.parts[0]] and not gen.finished
+    assert gen.unfinished_ids() == [gen.engine_ids[0]] and not gen.finished
     gen, _ = begin({"prompt": "one two"})
     with pytest.raises(APIError) as exc:
         gen.update(RequestDelta(request_id=gen.request_id, finished=True, finish_reason="error"))
@@ -291,11 +291,11 @@ def test_the_offline_llm_folds_the_same_deltas_into_vllm_shapes():
     ``Logprob``s per token (sampled first, then the likeliest; a sampled token among them is
     not repeated) and their sum; the prompt's with None first; the prompt's cached tokens."""
     params = SamplingParams(n=2, max_tokens=3, logprobs=1, prompt_logprobs=1)
-    state = RequestState.new("llm-1", params.n)
+    state = RequestState.new(params.n)
     for step in answer_steps("llm-1", PROMPT, 6, params):
         for delta in step:
             state.add(msgspec.structs.replace(delta, num_cached_tokens=4 if delta.index else 2))
-    out = request_output(state, PROMPT, list(range(6)), logprobs=True)
+    out = request_output("llm-1", state, PROMPT, list(range(6)), logprobs=True)
     assert (out.request_id, out.prompt, out.prompt_token_ids, out.finished) == ("llm-1", PROMPT, list(range(6)), True)
     assert out.num_cached_tokens == 4
     for i, sample in enumerate(out.outputs):
@@ -305,13 +305,13 @@ def test_the_offline_llm_folds_the_same_deltas_into_vllm_shapes():
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 6
     assert out.prompt_logprobs[1] == {1: Logprob(-1.0, 1, " is"), 900: Logprob(-10.0, 1, "alt0")}
 
-    state = RequestState.new("llm-2")
+    state = RequestState.new()
     state.add(RequestDelta(request_id="llm-2", text="Hi", token_ids=[5], logprobs=[fake_logprobs(1, "Hi", 0)]))
     state.add(RequestDelta(request_id="llm-2", text=" you", token_ids=[6], logprobs=[fake_logprobs(2, " you", 0)],
                            finished=True, finish_reason="stop", stop_reason="\n"))
-    sample = request_output(state, None, [1], logprobs=True).outputs[0]
+    sample = request_output("llm-2", state, None, [1], logprobs=True).outputs[0]
     assert sample.cumulative_logprob == -0.1 + -0.2 and sample.logprobs[1] == {102: Logprob(-0.2, 1, " you")}
-    out = request_output(state, None, [1], logprobs=False)
+    out = request_output("llm-2", state, None, [1], logprobs=False)
     sample = out.outputs[0]
     assert (sample.text, sample.token_ids, sample.logprobs, sample.cumulative_logprob) == ("Hi you", [5, 6], None, None)
     assert (sample.finish_reason, sample.stop_reason) == ("stop", "\n")
