@@ -1,7 +1,8 @@
 """The paged KV cache's block bookkeeping, scheduler side (no I/O, no tensors).
 
 ``BlockPool`` holds one executor group's physical blocks: refcounts, a free queue in LRU
-order, and the prefix-cache map from a full block's hash to the block holding that content.
+order, and the prefix-cache map from a full block's key (``block_hash.py``: a sha256 digest
+chained through the prefix) to the block holding that content.
 ``KVCacheManager`` maps requests to blocks: ``get_computed_blocks`` finds the longest cached
 prefix of full blocks, ``allocate_slots`` grows a request's block table to hold its next
 tokens or returns ``None`` when the pool is short, ``allocate_running`` does the same for a
@@ -14,19 +15,14 @@ hash-chained full blocks, LRU eviction of freed cached blocks).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
+from services.scheduler.block_hash import ROOT_PARENT, BlockHash, chain, encode_extra_keys, pack_token_ids
 from services.scheduler.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def hash_block(parent: int | None, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] = ()) -> int:
-    """The prefix-cache key of one full block: a hash chained through its parent's key, so a
-    key stands for the whole prefix up to and including this block."""
-    return hash((parent, tuple(token_ids), extra_keys))
 
 
 class BlockPool:
@@ -42,8 +38,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}  # block hash -> block id
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.num_evictions = 0
 
@@ -51,7 +47,7 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
-    def get_cached_block(self, block_hash: int) -> int | None:
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
         return self.cached.get(block_hash)
 
     def touch(self, block_ids: Sequence[int]) -> None:
@@ -91,7 +87,7 @@ class BlockPool:
             if self.ref_counts[b] == 0:
                 self.free_queue[b] = None
 
-    def cache_block(self, block_id: int, block_hash: int) -> None:
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
         """Record that ``block_id`` holds the content keyed by ``block_hash`` (first one wins)."""
         if block_hash in self.cached or self.block_hash[block_id] is not None:
             return
@@ -126,17 +122,21 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         """Extend ``request.block_hashes`` to cover ``num_full_blocks`` full blocks."""
         hashes = request.block_hashes.setdefault(self.block_size, [])
-        tokens = None
+        first = len(hashes)
+        if first >= num_full_blocks:
+            return hashes
+        # the new blocks' tokens packed in one call; each block's key is hash_block's
         bs = self.block_size
-        while len(hashes) < num_full_blocks:
-            if tokens is None:
-                tokens = request.all_token_ids
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], request.cache_extra_keys))
+        packed = pack_token_ids(request.all_token_ids[first * bs : num_full_blocks * bs])
+        extra_keys = encode_extra_keys(request.cache_extra_keys)
+        parent = hashes[-1] if hashes else ROOT_PARENT
+        width = 8 * bs
+        for start in range(0, len(packed), width):
+            parent = chain(parent, extra_keys, packed[start : start + width])
+            hashes.append(parent)
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

@@ -58,7 +58,7 @@ class Request:
     prompt_logprobs: list[SampleLogprobs] = field(default_factory=list)
     # prefix caching: hashes of the full blocks of all_token_ids, and how many of the
     # request's blocks are registered in the cache
-    block_hashes: dict[int, list[int]] = field(default_factory=dict)  # block size -> hashes
+    block_hashes: dict[int, list[bytes]] = field(default_factory=dict)  # block size -> hashes
     num_cached_blocks: int = 0
     # n > 1 (parallel sampling): sample 0 is the parent request itself; samples 1..n-1 are
     # children forked from it when its prefill completes, sharing its blocks

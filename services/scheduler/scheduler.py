@@ -19,7 +19,8 @@ token it sampled itself), and its stop checks happen when the result arrives, so
 that stops on EOS may compute one token that is dropped. ``num_computed_tokens`` advances
 when a step is planned (as in vLLM V1).
 
-The parts: ``request.py`` (a request's state), ``block_manager.py`` (its blocks),
+The parts: ``request.py`` (a request's state), ``block_manager.py`` (its blocks;
+``block_hash.py``: their prefix-cache keys),
 ``group.py`` (one group's queues and the routing), ``blame.py`` (who fails with a failed
 step), ``admission.py`` (waiting requests admitted into a step), ``step_plan.py`` (the plan
 sent for a step), ``results.py`` (a step's result applied to its requests).

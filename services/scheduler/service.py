@@ -7,8 +7,8 @@ errors to gateways: ``Outputs``). Each group steps independently, while the othe
 groups compute: with async scheduling it gets its next plan as soon as it has been sent the
 previous one (two in flight), else when its last result arrives. The liveness policy (lost
 steps, heartbeats, peers gone) is ``Liveness``; ``Watchdog`` (``watchdog.py``) carries out
-its verdicts and watches the groups and the peers, through this service's ``kick``,
-``finish_requests``, ``fail_requests``, ``send_error`` and ``release_detokenizer``.
+its verdicts and watches the groups and the peers, through this service's ``WatchdogActions``
+(``kick``, ``finish_requests``, ``fail_requests``, ``send_error``, ``release_detokenizer``).
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class SchedulerService(BusService):
         self.liveness = Liveness(settings.heartbeat_timeout_s, settings.step_timeout_s,
                                  settings.executor_wait_timeout_s)
         self.outputs = Outputs(self.subjects, settings.num_detokenizer_shards)
-        self.watchdog = Watchdog(self)  # carries out the verdicts of self.liveness
+        self.watchdog = Watchdog(self, self.scheduler, self.liveness, shard_of=self.outputs.shard,
+                                 model=model_info.name, heartbeat_interval_s=settings.heartbeat_interval_s)
         self.stopping = False  # stop() began: no plan is sent any more (its requests are about to fail)
         self.instance_id = uuid.uuid4().hex
 
@@ -97,7 +98,7 @@ class SchedulerService(BusService):
         await self.subscribe(s.grammar_ready, GrammarReady, self._on_grammar_ready)
         await self.subscribe(s.stats_get, StatsQuery, self._on_stats_query)
         await self.subscribe(s.requests_get, RequestsQuery, self._on_requests_query)
-        for loop in (self.watchdog.watch_groups(), self._publish_stats(), self.watchdog.watch_peers()):
+        for loop in (self.watchdog.watch_groups(), self._publish_stats(), self.watchdog.watch_peers(b)):
             self.spawn(loop)
         # the gateways resubmit what a scheduler before this one took with it
         await b.publish(s.scheduler_started, SchedulerStarted(instance_id=self.instance_id))
