@@ -14,7 +14,7 @@ import pytest
 from services.scheduler.block_hash import ROOT_PARENT, encode_extra_keys, hash_block
 from services.scheduler.block_manager import KVCacheManager
 from services.scheduler.request import Request
-from shared.messages import SamplingParams
+from shared.messages import RequestSpec, SamplingParams
 
 BS = 4
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # two full blocks of 4, then the last token's block
@@ -24,9 +24,10 @@ CRAFTED = {"modulus": [1 + 2**61 - 1] + PROMPT[1:], "minus_one": [-1] + PROMPT[1
 CRAFTED_BASE = {"modulus": PROMPT, "minus_one": [-2] + PROMPT[1:]}
 
 
-def request(rid: str, prompt: list[int], extra_keys: tuple = ()) -> Request:
-    return Request(request_id=rid, gateway_id="gw", prompt_token_ids=list(prompt),
-                   sampling_params=SamplingParams(max_tokens=1), max_model_len=64, cache_extra_keys=extra_keys)
+def request(rid: str, prompt: list[int], cache_salt: str | None = None) -> Request:
+    spec = RequestSpec(request_id=rid, gateway_id="gw", sampling_params=SamplingParams(max_tokens=1),
+                       cache_salt=cache_salt)
+    return Request(spec=spec, prompt_token_ids=list(prompt), max_model_len=64)
 
 
 def admit(kv: KVCacheManager, req: Request) -> tuple[list[int], list[int]]:
@@ -61,7 +62,7 @@ def test_a_key_is_sha256_of_parent_extra_keys_and_int64_tokens():
 
 def test_the_manager_keys_each_block_with_hash_block_chained_however_it_extends():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
-    req = request("r", list(range(100, 117)), ("s",))
+    req = request("r", list(range(100, 117)), "s")
     assert len(kv._block_hashes(req, 1)) == 1
     keys = kv._block_hashes(req, 4)  # extended
     parent, want = ROOT_PARENT, []
@@ -95,8 +96,8 @@ def test_a_crafted_prompt_never_gets_another_requests_cached_blocks(craft, monke
 def test_requests_with_other_cache_salts_never_share_blocks():
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     assert admit(kv, request("plain", PROMPT)) == ([], [0, 1, 2])
-    assert admit(kv, request("s1", PROMPT, ("s1",))) == ([], [3, 4, 5])
-    assert admit(kv, request("s2", PROMPT, ("s2",))) == ([], [6, 7, 8])
-    assert admit(kv, request("s1-again", PROMPT, ("s1",))) == ([3, 4], [9])
+    assert admit(kv, request("s1", PROMPT, "s1")) == ([], [3, 4, 5])
+    assert admit(kv, request("s2", PROMPT, "s2")) == ([], [6, 7, 8])
+    assert admit(kv, request("s1-again", PROMPT, "s1")) == ([3, 4], [9])
     assert admit(kv, request("plain-again", PROMPT)) == ([0, 1], [10])
-    assert admit(kv, request("s2-again", PROMPT, ("s2",))) == ([6, 7], [11])
+    assert admit(kv, request("s2-again", PROMPT, "s2")) == ([6, 7], [11])

@@ -18,7 +18,7 @@ from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.service import SchedulerService
 from services.scheduler.watchdog import Watchdog, WatchdogActions
-from shared.messages import FinishReason, SamplingParams, ServiceError
+from shared.messages import FinishReason, RequestSpec, SamplingParams, ServiceError
 
 ACTIONS = [name for name, value in vars(WatchdogActions).items() if inspect.iscoroutinefunction(value)]
 
@@ -47,8 +47,8 @@ class Recorder:
 
 
 def request(rid: str) -> Request:
-    return Request(request_id=rid, gateway_id="gw", prompt_token_ids=[7] * 20,
-                   sampling_params=SamplingParams(max_tokens=8), max_model_len=4096)
+    return Request(spec=RequestSpec(request_id=rid, gateway_id="gw", sampling_params=SamplingParams(max_tokens=8)),
+                   prompt_token_ids=[7] * 20, max_model_len=4096)
 
 
 @pytest.fixture
