@@ -12,7 +12,8 @@ encode and decode time of each message, its size, and the total per step.
 ``--baseline DIR`` runs the same measurement on another checkout (its ``shared/`` package,
 e.g. the commit before a change) in a subprocess first, so both figures come from one run.
 The messages are built from keyword arguments only, so any version of ``shared.messages``
-with these fields can be measured.
+with these fields can be measured (a plan's running requests as ``CachedRequests`` columns, or
+as one ``CachedRequestData`` each before them).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def build(num: int, logprobs: int) -> list:
     """The four messages of one decode step of ``num`` requests."""
+    import shared.messages as messages
     from shared.messages import (
-        CachedRequests,
         DecodedLogprobs,
         DetokStep,
         GatewayStep,
@@ -44,11 +45,13 @@ def build(num: int, logprobs: int) -> list:
     )
 
     ids = [f"chatcmpl-{i:032x}" for i in range(num)]
-    plan = StepPlan(step_id=7, group_id="host-1234",
-                    cached_requests=CachedRequests(req_ids=ids,
-                                                   new_block_ids=[[i] if i % 16 == 0 else [] for i in range(num)],
-                                                   num_computed_tokens=[100 + i for i in range(num)]),
-                    num_scheduled_tokens=dict.fromkeys(ids, 1))
+    new_blocks, computed = [[i] if i % 16 == 0 else [] for i in range(num)], [100 + i for i in range(num)]
+    if hasattr(messages, "CachedRequests"):  # the running requests as columns
+        cached = messages.CachedRequests(req_ids=ids, new_block_ids=new_blocks, num_computed_tokens=computed)
+    else:  # before: one CachedRequestData per request
+        cached = [messages.CachedRequestData(request_id=rid, new_block_ids=blocks, num_computed_tokens=c)
+                  for rid, blocks, c in zip(ids, new_blocks, computed, strict=True)]
+    plan = StepPlan(step_id=7, group_id="host-1234", cached_requests=cached, num_scheduled_tokens=dict.fromkeys(ids, 1))
     sample = [SampleLogprobs(logprob=-0.5, rank=1, top_token_ids=list(range(logprobs)),
                              top_logprobs=[-0.5 - k for k in range(logprobs)])] if logprobs else []
     result = StepResult(step_id=7, group_id="host-1234", sampled_token_ids={rid: 1000 + i for i, rid in enumerate(ids)},
