@@ -16,7 +16,7 @@ A program computes a ``BLOCK_M x BLOCK_N`` tile of ``out``. Each step over ``K``
 ``BLOCKS`` ggml blocks (``32 BLOCKS`` elements) of ``BLOCK_N`` weight rows: it reads their
 scales from the bytes, splits each block into its elements 0-15 and 16-31, dequantizes both
 halves in registers (float32, as ``gguf.py``'s ``dequantize``), and multiplies each with its
-half of the ``x`` columns (two ``tl.dot``), accumulating in float32 (``dequant.py``'s arithmetic). The operands are x's dtype,
+half of the ``x`` columns (two ``tl.dot``), accumulating in float32 (``formats.dequantize``'s arithmetic). The operands are x's dtype,
 or float32 when the output is float32 (the logits: exact products, as the CPU paths compute).
 
 The K-quants (``_gemm_gguf_k_kernel``; super-blocks of 256 elements) take

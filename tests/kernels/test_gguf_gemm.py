@@ -1,5 +1,5 @@
 """The native GGUF-block GEMM (kernels/cpu/csrc/cpu_gguf_gemm.c) against the torch path
-(services/executor/layers/quantization/gguf/dequant.py: dequantize, then a float32 matmul), and its int8-activation
+(services/executor/layers/quantization/gguf/formats.py: dequantize, then a float32 matmul), and its int8-activation
 path for bf16 activations (cpu_gguf_q8.c) against a torch reference quantizing the same way."""
 
 from __future__ import annotations

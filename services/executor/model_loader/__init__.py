@@ -4,8 +4,9 @@
   parameter's ``weight_loader``;
 - ``gguf_loader.py``: a GGUF file, its blocks handed to the GGUF methods the model was built
   with; ``gguf_tensors.py`` maps each GGUF architecture's tensors onto our modules and reads the
-  file's formats into a ``GGUFConfig`` (:func:`quantization_config`); ``gguf_shards.py`` takes
-  a tensor-parallel rank's share of a tensor, blocks kept.
+  file's formats into a ``GGUFConfig`` (:func:`quantization_config`) from its header
+  (``gguf_header.py``: the tensor types alone, in milliseconds); ``gguf_shards.py`` takes a
+  tensor-parallel rank's share of a tensor, blocks kept.
 
 The models (``services/executor/models/``) call :func:`loader.load_weights` or
 :func:`gguf_loader.load_gguf_weights` from their ``load_weights``; whoever builds a model first

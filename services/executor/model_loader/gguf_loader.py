@@ -19,8 +19,8 @@ embeddings are tied; GPT-2's ``position_embd`` to ``wpe``).
 A MoE layer's experts (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, stacked ``[E,
 I, hidden]`` / ``[E, hidden, I]``) stay quantized too, matmul by matmul: the ``FusedMoE``'s
 ``GGUFMoEMethod`` holds each expert's gate | up blocks when gate and up are both of kept formats
-and its down blocks when down is, the other matmul (e.g. Q5_0 down experts beside Q4_K gate and
-up, as in llama.cpp's Q4_K_M files of Qwen1.5-MoE) dequantized into the model's dtype, and
+and its down blocks when down is, the other matmul (e.g. down experts in a 5-bit format not kept,
+as in llama.cpp's Q4_K_M files of Qwen1.5-MoE) dequantized into the model's dtype, and
 multiplies each expert's tokens; experts with neither matmul kept are dequantized into the
 unquantized method's ``w13`` / ``w2``. The router (``ffn_gate_inp``, F32 in llama.cpp's files) is
 loaded as values.
@@ -41,7 +41,7 @@ file's tensors whole and copies out its share.
 
 A merged layer (q | k | v, gate | up, or Phi-3's fused tensors) whose shards are all of one kept
 format keeps its blocks (``GGUFLinearMethod``), one whose shards are of several kept formats
-keeps each shard's (``GGUFShardedLinearMethod``: llama.cpp's Q4_K_M mixes Q4_K and Q6_K in
+keeps each shard's (``GGUFShardedLinearMethod``: llama.cpp's Q4_K_M mixes two K-quants in
 q | k | v); any other (F32, F16, BF16, other quantizations) is dequantized by ``gguf.quants`` into
 the model's dtype and loaded as usual. Biases and norms (F32 in llama.cpp's files) are loaded
 as values.
@@ -66,6 +66,7 @@ from services.executor.layers.quantization.gguf import (
     kept_formats,
 )
 from services.executor.layers.quantization.gguf.config import linear_method_of
+from services.executor.model_loader.gguf_header import architecture
 from services.executor.model_loader.gguf_shards import (
     column_shares,
     expert_shares,
@@ -73,7 +74,7 @@ from services.executor.model_loader.gguf_shards import (
     row_share,
     vocab_share,
 )
-from services.executor.model_loader.gguf_tensors import GGUFTensorMap, architecture, tensor_map
+from services.executor.model_loader.gguf_tensors import GGUFTensorMap, tensor_map
 
 
 def gguf_file(model_dir: Path | str) -> Path | None:

@@ -60,9 +60,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from services.executor.layers.quantization.gguf import GGUFConfig
+from services.executor.model_loader.gguf_header import read_header
 
 #: our module (from the model's root) -> its GGUF tensor, for the ``model.layers`` architectures
 MODEL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -152,31 +152,17 @@ def tensor_map(architecture: str) -> GGUFTensorMap:
     return found
 
 
-def architecture(reader: Any) -> str:
-    """A ``GGUFReader``'s ``general.architecture``.
-
-    Raises:
-        ValueError: the file does not state it.
-    """
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise ValueError("the GGUF file has no general.architecture")
-    return bytes(field.parts[field.data[0]]).decode()
-
-
 def gguf_quant_config(path: Path | str) -> GGUFConfig:
     """The ``GGUFConfig`` of the GGUF file at ``path``: each of our modules' tensor types (ggml ids)
     in row order, a MoE layer's gate, up and down experts apart (llama.cpp's ``*_exps`` tensors),
-    from the header (no tensor data is read). Modules whose tensors the file lacks are left out.
+    from the header (``gguf_header.py``: no metadata value or tensor data is read). Modules whose
+    tensors the file lacks are left out.
 
     Raises:
         ValueError: an architecture not served from GGUF, or no ``general.architecture``.
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    tmap = tensor_map(architecture(reader))
-    types = {t.name: int(t.tensor_type) for t in reader.tensors}
+    arch, types = read_header(path)
+    tmap = tensor_map(arch)
     blocks = {int(m.group(1)) for name in types if (m := re.match(r"blk\.(\d+)\.", name))}
     linear: dict[str, list[int]] = {}
     experts: dict[str, list[int]] = {}

@@ -10,7 +10,7 @@ blocks, its config read from the file's header (``services/executor/model_loader
 Their kernels: ``kernels/cpu/quant_ops.py`` (the C library's int4 and GGUF matmuls,
 ``kernels/cpu/csrc/cpu_gemm_w4.c`` and ``cpu_gguf_*.c``) on CPU, ``kernels/triton/gemm_w4.py``
 and ``kernels/triton/gemm_gguf.py`` on CUDA; their torch references are here (``int4.py``'s
-``Int4Weights``, ``gguf/dequant.py``).
+``Int4Weights``, ``gguf/formats.py``'s ``dequantize``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """GGUF files' quantization: the fifth registered method (``quant_method: "gguf"``), whose blocks
-(Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) stay quantized in memory and are dequantized inside the
-matmul.
+of the kept formats stay quantized in memory and are dequantized inside the matmul.
 
 - ``formats.py``: the block formats, one :class:`BlockFormat` registry (``FORMATS``) that every
-  consumer reads: dequantization, the 16-row interleave, the methods, the loader, the Triton
-  kernels and the C bindings (handed a format by their caller);
-- ``dequant.py``: blocks -> values in torch (the kernels' reference, the long-prefill path);
+  consumer reads (the 16-row interleave, the methods, the loader, the Triton kernels and the C
+  bindings, handed a format by their caller), and their dequantization in torch (the kernels'
+  reference, the long-prefill path);
 - ``r16.py``: the 16-row interleaved layout of the int8 VNNI kernels;
 - ``linear.py``: :class:`GGUFLinearMethod`, :class:`GGUFShardedLinearMethod` (a merged layer
   of several formats);
@@ -13,12 +12,11 @@ matmul.
 - ``config.py``: :class:`GGUFConfig`, read from the file's header before the model is built
   (``services/executor/model_loader/``), which gives each layer its method at build time.
 
-A format of another kind is added in ``formats.py`` (and ``dequant.py``), with its kernels in
+A format of another kind is added in ``formats.py``, with its kernels in
 ``kernels/cpu/csrc/cpu_gguf_*.c`` (an ABI bump) and ``kernels/triton/gemm_gguf.py``.
 """
 
 from services.executor.layers.quantization.gguf.config import GGUFConfig
-from services.executor.layers.quantization.gguf.dequant import dequantize
 from services.executor.layers.quantization.gguf.formats import (
     FORMATS,
     Q4_0,
@@ -28,6 +26,7 @@ from services.executor.layers.quantization.gguf.formats import (
     Q6_K,
     Q8_0,
     BlockFormat,
+    dequantize,
     kept,
 )
 from services.executor.layers.quantization.gguf.linear import (

@@ -11,7 +11,7 @@ merged layers (q | k | v, gate | up) concatenate their shards' rows and rows can
 without dequantizing (the loader does so before :meth:`GGUFLinearMethod.load`, which, with
 the native kernels and AVX512-VNNI, may then interleave the rows by 16: ``r16.py``). A merged
 layer whose shards come in different formats (llama.cpp's Q4_K_M files keep some layers'
-``attn_v`` in Q6_K beside Q4_K ``attn_q`` / ``attn_k``) keeps each shard's blocks apart, one
+``attn_v`` in a 6-bit K-quant beside 4-bit ``attn_q`` / ``attn_k``) keeps each shard's blocks apart, one
 matmul per shard (in the all-layers C call too: ``layers/cpu/native_layers.py``).
 
 :meth:`GGUFLinearMethod.apply` runs the native kernel (``kernels/cpu/csrc/cpu_gguf_gemm.c``: each
@@ -21,12 +21,12 @@ count of bf16 activations on interleaved rows, on CPU where the native kernels a
 products (AVX512-VNNI: ``quant_ops.gguf_int8_dot``; elsewhere they are widened to float32), bf16
 activations with 32-element blocks, or weights of any format in the interleaved layout, are
 quantized to int8 per 32-element block, ``d_a = max|x| / 127``, ``q = round-half-even(x * (127 /
-max|x|))``, as llama.cpp's Q8_0 / Q8_1, and each block's (Q6_K: half-block's) integer dot product
+max|x|))``, as llama.cpp quantizes activations, and each block's (or 16-element scale's) integer dot product
 is exact, scaled in float32: ``cpu_gguf_q8.c``, ``cpu_gguf_r16.c``, ``cpu_gguf_r16k.c``; the
 error against the unquantized activations is at most ``d_a / 2`` per element times ``|w|``;
 K-quants in the file's layout keep float32 sums), the Triton kernel
 (``kernels/triton/gemm_gguf.py``, the same contract) on CUDA, else dequantizes the whole weight
-into the activation dtype and calls ``F.linear`` (``dequant.py``).
+into the activation dtype and calls ``F.linear`` (``formats.dequantize``).
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ from torch import nn
 from kernels.cpu import quant_ops
 from services.executor.layers.linear import LinearMethodBase
 from services.executor.layers.quantization.gguf import r16
-from services.executor.layers.quantization.gguf.dequant import dequantize
-from services.executor.layers.quantization.gguf.formats import BlockFormat
+from services.executor.layers.quantization.gguf.formats import BlockFormat, dequantize
 
 # above (float32 activations, or K-quants in the file's layout): dequantize once per call, torch's GEMM
 NATIVE_MAX_ROWS = 16

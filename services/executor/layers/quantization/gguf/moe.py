@@ -13,7 +13,7 @@ so the loop is over the experts that have tokens, with the same rounding as the 
 
 Each of the two matmuls is kept on its own (:func:`kept_formats`): gate | up when the gate and up
 tensors are both of formats ``formats.py`` keeps, down when its tensor is. A matmul not kept
-(llama.cpp's Q4_K_M files of Qwen1.5-MoE write Q5_0 ``ffn_down_exps`` beside Q4_K gate and up)
+(llama.cpp's Q4_K_M files of Qwen1.5-MoE write ``ffn_down_exps`` in a 5-bit format not kept)
 holds its weight dequantized into the model's dtype and is multiplied by ``F.linear``
 (:class:`~services.executor.layers.linear.UnquantizedLinearMethod`). Experts with neither matmul
 kept are no business of this method: ``GGUFConfig.moe_method`` gives none, and the loader

@@ -11,9 +11,9 @@ of each row's block, in the file's
 order, cut into 4-byte chunks: chunk ``c`` is a 64-byte vector whose 4-byte lane ``r`` holds row
 ``r``'s chunk ``c``. Chunks of quants hold 4 consecutive k of one row (nibble bytes; int8 quants,
 ``int8_quants``: ``q + 128``, stored XOR 0x80, so every weight byte is unsigned for ``vpdpbusd``); the
-K-quants' 6-bit scales and mins (Q4_K: 3 chunks, Q5_K: 3, then 8 of ``qh``) and Q6_K's ``qh`` and
-int8 scales are chunks as well, one row's 4 bytes per 32-bit lane, decoded with shifts in the
-lanes (``cpu_gguf_r16k.c``'s header lists each chunk). The tensor keeps the file's size exactly
+K-quants' 6-bit scales and mins, high bits (``qh``) and int8 scales are chunks as well, one row's
+4 bytes per 32-bit lane, decoded with shifts in the lanes (``cpu_gguf_r16k.c``'s header lists
+each format's chunks). The tensor keeps the file's size exactly
 (``block_bytes`` per row and block) and the shape ``[N, K / block_size * block_bytes]`` of its rows
 of blocks; a permutation of the bytes within each group-block, plus the int8 quants' XOR, so
 :func:`unpack_rows` gives back the file's bytes exactly.
