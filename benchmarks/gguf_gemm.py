@@ -24,10 +24,11 @@ import torch  # noqa: E402
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 
 from kernels.cpu import native, quant_ops  # noqa: E402
-from services.executor.layers import gguf_r16  # noqa: E402
+from services.executor.layers.quantization import gguf as G  # noqa: E402
+from services.executor.layers.quantization.gguf import r16 as gguf_r16  # noqa: E402
 
 SHAPES = {"down": (576, 1536), "up": (1536, 576), "lm_head": (49152, 576)}
-TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+TYPES = {"q4_0": G.Q4_0, "q4_1": G.Q4_1, "q8_0": G.Q8_0}
 
 
 def ms(fn, budget_s: float = 0.3) -> float:
@@ -58,21 +59,22 @@ def main() -> None:
         sys.exit("the native CPU kernels did not build (see the log)")
     rng = np.random.default_rng(0)
     for tname in args.types.split(","):
-        qtype = TYPES[tname]
+        fmt = TYPES[tname]
         for sname in args.shapes.split(","):
             n, k = SHAPES[sname]
             blocks = torch.from_numpy(quants.quantize(rng.standard_normal((n, k)).astype(np.float32),
-                                                      GGMLQuantizationType(qtype)))
-            packed = gguf_r16.pack(blocks, qtype)
+                                                      GGMLQuantizationType(fmt.ggml_type)))
+            packed = gguf_r16.pack(blocks, fmt)
             for m in [int(r) for r in args.rows.split(",")]:
                 x = torch.randn(m, k)
                 cells = []
                 for threads in [int(t) for t in args.threads.split(",")]:
                     torch.set_num_threads(threads)
-                    for name, dtype, w, kind in (("bf16", torch.bfloat16, blocks, qtype),
-                                                 ("r16", torch.bfloat16, packed, qtype | quant_ops.GGUF_R16),
-                                                 ("float32", torch.float32, blocks, qtype)):
-                        t = ms(partial(quant_ops.gemm_gguf, x.to(dtype), w, kind, k, dtype, lib=lib, validate=False))
+                    for name, dtype, w, r16 in (("bf16", torch.bfloat16, blocks, False),
+                                                ("r16", torch.bfloat16, packed, True),
+                                                ("float32", torch.float32, blocks, False)):
+                        t = ms(partial(quant_ops.gemm_gguf, x.to(dtype), w, fmt, k, dtype, lib=lib, validate=False,
+                                       r16=r16))
                         cells.append(f"{threads}t {name:>7} {t:7.3f} ms")
                 print(f"{tname} {sname:>7} {n}x{k} M={m:<3} " + " | ".join(cells), flush=True)
 

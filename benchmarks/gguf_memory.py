@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import AutoConfig  # noqa: E402
 
 from services.executor.layers.selection import restore_weights  # noqa: E402
+from services.executor.model_loader import quantization_config  # noqa: E402
 from services.executor.models import get_model_class  # noqa: E402
 from shared.config import Settings  # noqa: E402
 from shared.model_source import _gguf_path, load_model_info  # noqa: E402
@@ -52,7 +53,8 @@ def load(path: Path) -> tuple[torch.nn.Module, int]:
     gc.collect()
     rss0 = psutil.Process().memory_info().rss
     config = AutoConfig.from_pretrained(path)
-    model = get_model_class(config)(config, dtype=torch.bfloat16, device="cpu", native_cpu_kernels=True)
+    model = get_model_class(config)(config, dtype=torch.bfloat16, device="cpu", native_cpu_kernels=True,
+                                     quant_config=quantization_config(path, config))
     model.load_weights(path)
     gc.collect()
     return model, psutil.Process().memory_info().rss - rss0

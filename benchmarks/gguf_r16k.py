@@ -25,8 +25,8 @@ from gguf_fixtures import random_blocks  # noqa: E402
 from gguf_gemm import ms  # noqa: E402
 
 from kernels.cpu import native, quant_ops  # noqa: E402
-from services.executor.layers import gguf as G  # noqa: E402
-from services.executor.layers import gguf_r16  # noqa: E402
+from services.executor.layers.quantization import gguf as G  # noqa: E402
+from services.executor.layers.quantization.gguf import r16 as gguf_r16  # noqa: E402
 
 SHAPES = {"down": (576, 1536), "up": (1536, 768)}
 TYPES = {"q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K}
@@ -46,15 +46,15 @@ def main() -> None:
         fmt = TYPES[tname]
         for sname, (n, k) in SHAPES.items():
             blocks = random_blocks(fmt, n, k, seed=0, scale=0.05)
-            packed = gguf_r16.pack(blocks, fmt.ggml_type)
+            packed = gguf_r16.pack(blocks, fmt)
             for m in [int(r) for r in args.rows.split(",")]:
                 x = torch.randn(m, k).bfloat16()
                 for threads in [int(t) for t in args.threads.split(",")]:
                     torch.set_num_threads(threads)
                     cells = []
-                    for label, w, kind in (("file f32", blocks, fmt.ggml_type),
-                                           ("r16 int8", packed, fmt.ggml_type | quant_ops.GGUF_R16)):
-                        call = partial(quant_ops.gemm_gguf, x, w, kind, k, torch.bfloat16, lib=lib, validate=False)
+                    for label, w, r16 in (("file f32", blocks, False), ("r16 int8", packed, True)):
+                        call = partial(quant_ops.gemm_gguf, x, w, fmt, k, torch.bfloat16, lib=lib, validate=False,
+                                       r16=r16)
                         runs = [ms(call) for _ in range(args.runs)]
                         cells.append((label, min(runs), statistics.median(runs)))
                     ratio = cells[0][1] / cells[1][1]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from gguf_fixtures import pack_k
 
-from services.executor.layers import gguf as G
+from services.executor.layers.quantization import gguf as G
 
 #: Hugging Face ``model_type`` -> the ``general.architecture`` llama.cpp writes for it
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.executor.layers import gguf as G
+from services.executor.layers.quantization import gguf as G
 
 #: byte offsets of each format's fp16 fields (scales, mins), the rest of a block being free bits
 FP16_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}

@@ -3,13 +3,16 @@
 
 :func:`gemm_w4` runs ``cpu_gemm_w4.c``: weight-only int4 group-quantized matmuls (GPTQ, AWQ,
 compressed-tensors W4A16 in the layout of ``services/executor/layers/quantization/int4.py``);
-:func:`gemm_gguf` runs ``cpu_gguf_gemm.c``: GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks
-multiplied as they are.
+:func:`gemm_gguf` runs ``cpu_gguf_gemm.c``: GGUF blocks multiplied as they are, of a format the
+caller hands in (a ``BlockFormat`` of ``services/executor/layers/quantization/gguf/formats.py``,
+the one registry of the formats, which ``kernels/`` does not import: the C type code is its
+``kernel_type``, the row's bytes its ``row_bytes``).
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -64,9 +67,9 @@ def gemm_w4(
     return out
 
 
-#: (elements, bytes) per block of each GGML type :func:`gemm_gguf` reads (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
-GGUF_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
-GGUF_R16 = 0x100  #: flag on any of them: rows interleaved by 16 (services/executor/layers/gguf_r16.py)
+#: flag on a GGUF type code: rows interleaved by 16 (GGUF_R16 of csrc/pagedllm_abi.h; the layout:
+#: services/executor/layers/quantization/gguf/r16.py)
+GGUF_R16 = 0x100
 
 
 def gguf_int8_dot(lib: ctypes.CDLL | None = None) -> bool:
@@ -81,16 +84,16 @@ def gguf_int8_dot(lib: ctypes.CDLL | None = None) -> bool:
 def gemm_gguf(
     x: torch.Tensor,  # [M, K] bfloat16 or float32, unit stride along K
     blocks: torch.Tensor,  # [N, K / block_size * block_bytes] uint8, dense: each weight row's GGUF blocks
-    ggml_type: int,  # a key of GGUF_BLOCKS: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K);
-    # any of them | GGUF_R16: blocks in gguf_r16.py's layout (N a multiple of 16)
-    k: int,  # K, the weight's input features (a multiple of the block size: 32, or 256 for the K-quants)
+    fmt: Any,  # the blocks' BlockFormat (name, block_size, kernel_type, r16, row_bytes): formats.py's
+    k: int,  # K, the weight's input features (a multiple of the format's block size)
     out_dtype: torch.dtype = torch.bfloat16,  # bfloat16 or float32
     lib: ctypes.CDLL | None = None,
     validate: bool = True,  # False: the caller vouches for the tensors (the model's hot path)
+    r16: bool = False,  # blocks in r16.py's 16-row interleaved layout (type | GGUF_R16; N a multiple of 16)
 ) -> torch.Tensor:  # [M, N] out_dtype
     """``F.linear(x, dequantize(blocks))`` with the weight kept quantized (``cpu_gguf_gemm.c``:
     each block dequantized in registers, float32 sums, one rounding per output; bf16 ``x`` with
-    Q4_0 / Q4_1 / Q8_0, or any type ``| GGUF_R16``, where :func:`gguf_int8_dot`: int8
+    32-element blocks, or any format interleaved (``r16``), where :func:`gguf_int8_dot`: int8
     activations, ``cpu_gguf_q8.c``, ``cpu_gguf_r16.c`` or ``cpu_gguf_r16k.c``). Runs on
     ``torch.get_num_threads()`` OpenMP threads.
 
@@ -105,21 +108,19 @@ def gemm_gguf(
     if validate:
         if x.dim() != 2 or x.dtype not in _DTYPES or x.device.type != "cpu" or x.stride(1) != 1 or x.shape[1] != k:
             raise ValueError(f"x must be a float32/bfloat16 [M, {k}] CPU tensor with unit stride along K")
-        base = ggml_type & ~GGUF_R16
-        if base not in GGUF_BLOCKS or k % GGUF_BLOCKS[base][0]:
-            raise ValueError(f"ggml_type must be one of {sorted(GGUF_BLOCKS)} (| GGUF_R16) and k a multiple of its "
-                             "block size")
-        if ggml_type & GGUF_R16 and blocks.shape[0] % 16:
+        if fmt.kernel_type is None or k % fmt.block_size or (r16 and not fmt.r16):
+            raise ValueError(f"ggml_type {fmt.name} must have a kernel{' interleaved by 16' if r16 else ''} and k "
+                             f"(got {k}) a multiple of its block size {fmt.block_size}")
+        if r16 and blocks.shape[0] % 16:
             raise ValueError(f"blocks in the 16-row interleaved layout need a multiple of 16 rows, got {blocks.shape[0]}")
-        size, nbytes = GGUF_BLOCKS[base]
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous() \
-                or blocks.shape[1] != k // size * nbytes or blocks.device.type != "cpu":
-            raise ValueError(f"blocks must be a dense [N, {k // size * nbytes}] uint8 CPU tensor")
+                or blocks.shape[1] != fmt.row_bytes(k) or blocks.device.type != "cpu":
+            raise ValueError(f"blocks must be a dense [N, {fmt.row_bytes(k)}] uint8 CPU tensor")
         if out_dtype not in _DTYPES:
             raise ValueError("out_dtype must be torch.float32 or torch.bfloat16")
     n = blocks.shape[0]
     out = torch.empty((m, n), dtype=out_dtype)
-    status = lib.pagedllm_gemm_gguf(ggml_type, blocks.data_ptr(), _DTYPES[x.dtype], x.data_ptr(),
+    status = lib.pagedllm_gemm_gguf(fmt.kernel_type | (GGUF_R16 if r16 else 0), blocks.data_ptr(), _DTYPES[x.dtype], x.data_ptr(),
                                     x.stride(0) if m > 1 else k, _DTYPES[out_dtype], out.data_ptr(), n, m, n, k,
                                     torch.get_num_threads())
     if status != 0:

@@ -1,8 +1,13 @@
-"""Triton matmuls over GGUF weight rows kept as raw blocks (Q4_0 / Q4_1 / Q8_0, and the K-quants
-Q4_K / Q5_K / Q6_K): the CUDA side of :func:`kernels.cpu.quant_ops.gemm_gguf`.
+"""Triton matmuls over GGUF weight rows kept as raw blocks (the 32-element formats and the
+K-quants): the CUDA side of :func:`kernels.cpu.quant_ops.gemm_gguf`.
+
+A format is handed in by the caller (``fmt``: a ``BlockFormat`` of
+``services/executor/layers/quantization/gguf/formats.py``, the one registry, which this package
+does not import): its ``kernel_type`` is the kernels' ``GGML_TYPE`` constexpr, its
+``block_bytes`` their ``BLOCK_BYTES``, and its ``k_quant`` picks the kernel.
 
 ``out = x @ W.T`` where each row of ``W`` ``[N, K]`` is stored as ``K / 32`` ggml blocks of 32
-consecutive input elements (layouts in ``services/executor/layers/gguf.py``): an fp16 scale
+consecutive input elements (layouts in ``formats.py``): an fp16 scale
 ``d`` (Q4_1: then an fp16 minimum ``m``), then the quants: Q4_0 / Q4_1 16 bytes, element ``j``
 in the low nibble of byte ``j`` and ``j + 16`` in its high nibble (value ``d (q - 8)`` /
 ``d q + m``); Q8_0 32 int8 (value ``d q``).
@@ -11,10 +16,10 @@ A program computes a ``BLOCK_M x BLOCK_N`` tile of ``out``. Each step over ``K``
 ``BLOCKS`` ggml blocks (``32 BLOCKS`` elements) of ``BLOCK_N`` weight rows: it reads their
 scales from the bytes, splits each block into its elements 0-15 and 16-31, dequantizes both
 halves in registers (float32, as ``gguf.py``'s ``dequantize``), and multiplies each with its
-half of the ``x`` columns (two ``tl.dot``), accumulating in float32. The operands are x's dtype,
+half of the ``x`` columns (two ``tl.dot``), accumulating in float32 (``formats.dequantize``'s arithmetic). The operands are x's dtype,
 or float32 when the output is float32 (the logits: exact products, as the CPU paths compute).
 
-The K-quants (``_gemm_gguf_k_kernel``; super-blocks of 256 elements, layouts in ``gguf.py``) take
+The K-quants (``_gemm_gguf_k_kernel``; super-blocks of 256 elements) take
 one 32-element sub-block per step: each weight row's sub-block scale and min (Q6_K: a scale per
 16 elements) are read from its super-block's bytes, the 32 quants assembled from their bit
 fields, and the ``[32, BLOCK_N]`` dequantized tile multiplied with 32 columns of ``x``.
@@ -24,15 +29,14 @@ Nothing here queries CUDA at import time; under ``TRITON_INTERPRET=1`` it runs o
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.triton.utils import KernelLaunch, is_interpreted, round_bf16
 
-#: bytes per block of each GGML type: Q4_0, Q4_1, Q8_0 (32 elements), Q4_K, Q5_K, Q6_K (256)
-GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 144, 13: 176, 14: 210}
-K_QUANTS = (12, 13, 14)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -58,7 +62,7 @@ def _gemm_gguf_kernel(
     stride_om: tl.int64,
     stride_on: tl.int64,
     GGML_TYPE: tl.constexpr,  # 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)
-    BLOCK_BYTES: tl.constexpr,  # 18, 20 or 34: GGUF_BLOCK_BYTES[GGML_TYPE]
+    BLOCK_BYTES: tl.constexpr,  # 18, 20 or 34: the format's block_bytes
     F32_OPERANDS: tl.constexpr,  # multiply in float32 (exact products): float32 x or output
     EMULATE_BF16: tl.constexpr,  # bf16 operands or output under the interpreter (see below)
     BLOCK_M: tl.constexpr,  # power of two >= 16
@@ -138,7 +142,7 @@ def _gemm_gguf_k_kernel(
     stride_om: tl.int64,
     stride_on: tl.int64,
     GGML_TYPE: tl.constexpr,  # 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)
-    BLOCK_BYTES: tl.constexpr,  # 144, 176 or 210: GGUF_BLOCK_BYTES[GGML_TYPE]
+    BLOCK_BYTES: tl.constexpr,  # 144, 176 or 210: the format's block_bytes
     F32_OPERANDS: tl.constexpr,  # as _gemm_gguf_kernel
     EMULATE_BF16: tl.constexpr,  # as _gemm_gguf_kernel
     BLOCK_M: tl.constexpr,  # power of two >= 16
@@ -197,49 +201,41 @@ def _gemm_gguf_k_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def plan_gemm_gguf(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out: torch.Tensor,
+def plan_gemm_gguf(x: torch.Tensor, blocks: torch.Tensor, fmt: Any, out: torch.Tensor,
                    block_m: int | None = None, block_n: int = 64) -> KernelLaunch:
     """The launch of ``out = x @ dequantize(blocks).T`` (:func:`gemm_gguf`'s arguments, ``out``
     ``[M, N]``). ``block_m``: rows per program (default 16 up to 16 rows, else 64)."""
     m, k = x.shape
     n = blocks.shape[0]
-    assert ggml_type in GGUF_BLOCK_BYTES, ggml_type
+    assert fmt.kernel_type is not None, fmt
     assert x.dtype in _DTYPES and out.dtype in _DTYPES, (x.dtype, out.dtype)
-    size = 256 if ggml_type in K_QUANTS else 32
-    assert k % size == 0, k
+    assert k % fmt.block_size == 0, k
     assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.stride(1) == 1
-    assert blocks.shape[1] == k // size * GGUF_BLOCK_BYTES[ggml_type], (tuple(blocks.shape), k)
+    assert blocks.shape[1] == fmt.row_bytes(k), (tuple(blocks.shape), k)
     assert tuple(out.shape) == (m, n)
     if block_m is None:
         block_m = 16 if m <= 16 else 64
     f32 = torch.float32 in (x.dtype, out.dtype)
-    kernel = _gemm_gguf_k_kernel if ggml_type in K_QUANTS else _gemm_gguf_kernel
+    kernel = _gemm_gguf_k_kernel if fmt.k_quant else _gemm_gguf_kernel
     emulate = torch.bfloat16 in (x.dtype, out.dtype) and is_interpreted(kernel)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    if ggml_type in K_QUANTS:
-        return KernelLaunch(kernel, grid, dict(
-            x_ptr=x, blocks_ptr=blocks, out_ptr=out, M=m, N=n, K=k, stride_xm=x.stride(0), stride_xk=x.stride(1),
-            stride_bn=blocks.stride(0), stride_om=out.stride(0), stride_on=out.stride(1), GGML_TYPE=ggml_type,
-            BLOCK_BYTES=GGUF_BLOCK_BYTES[ggml_type], F32_OPERANDS=f32, EMULATE_BF16=emulate, BLOCK_M=block_m,
-            BLOCK_N=block_n, num_warps=4, num_stages=2,
-        ))
-    per_step = 2 if k % 64 == 0 else 1
+    per_step = {} if fmt.k_quant else {"BLOCKS": 2 if k % 64 == 0 else 1}
     return KernelLaunch(kernel, grid, dict(
         x_ptr=x, blocks_ptr=blocks, out_ptr=out, M=m, N=n, K=k, stride_xm=x.stride(0), stride_xk=x.stride(1),
-        stride_bn=blocks.stride(0), stride_om=out.stride(0), stride_on=out.stride(1), GGML_TYPE=ggml_type,
-        BLOCK_BYTES=GGUF_BLOCK_BYTES[ggml_type], F32_OPERANDS=f32, EMULATE_BF16=emulate, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCKS=per_step, num_warps=4, num_stages=2,
+        stride_bn=blocks.stride(0), stride_om=out.stride(0), stride_on=out.stride(1), GGML_TYPE=fmt.kernel_type,
+        BLOCK_BYTES=fmt.block_bytes, F32_OPERANDS=f32, EMULATE_BF16=emulate, BLOCK_M=block_m,
+        BLOCK_N=block_n, **per_step, num_warps=4, num_stages=2,
     ))
 
 
 def gemm_gguf(
     x: torch.Tensor,  # [M, K] float32 / float16 / bfloat16
     blocks: torch.Tensor,  # [N, K / block_size * block_bytes] uint8: each weight row's GGUF blocks
-    ggml_type: int,  # a key of GGUF_BLOCK_BYTES: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K)
+    fmt: Any,  # the blocks' BlockFormat (ggml_type, block_size, block_bytes, kernel_type, k_quant, row_bytes)
     out_dtype: torch.dtype | None = None,  # default x's dtype
 ) -> torch.Tensor:  # [M, N] out_dtype
     """``F.linear(x, dequantize(blocks))`` with the weight kept quantized (float32 sums, one
     rounding per output): :func:`kernels.cpu.quant_ops.gemm_gguf`'s contract on the GPU (or the interpreter)."""
     out = torch.empty((x.shape[0], blocks.shape[0]), dtype=out_dtype or x.dtype, device=x.device)
-    plan_gemm_gguf(x, blocks, ggml_type, out)()
+    plan_gemm_gguf(x, blocks, fmt, out)()
     return out

@@ -30,7 +30,7 @@ from kernels.cpu import native
 from services.executor.attention import AttentionMetadata, get_attention_backend
 from services.executor.cpu_threads import CpuThreadGovernor
 from services.executor.device import resolve_device
-from services.executor.layers.quantization import get_quantization_config
+from services.executor.model_loader import quantization_config
 from services.executor.models import get_model_class, kv_cache_bytes_per_block, kv_cache_shape
 from services.executor.models.base import QUANTIZED_ARCHITECTURES
 from services.executor.parallel.group import SINGLE_RANK, TensorParallelGroup, use_tp_group
@@ -76,7 +76,7 @@ class ModelRunner:
         if native_cpu:  # prepare-model built it, else now
             native.load(kernel_cache_dir(settings.cache_dir))
         model_cls = get_model_class(self.hf_config)
-        quant = get_quantization_config(self.hf_config, settings.quantization)  # ValueError naming what is refused
+        quant = quantization_config(model_info.path, self.hf_config, settings.quantization)  # ValueError naming it
         quant_kwargs = {} if quant is None else {"quant_config": quant}
         if quant is not None and "quant_config" not in inspect.signature(model_cls).parameters:
             raise ValueError(f"{quant.name} quantization is not supported for {model_cls.__name__} "

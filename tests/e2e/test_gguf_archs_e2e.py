@@ -35,9 +35,10 @@ from transformers import (
 )
 
 from pagedllm import LLM, SamplingParams
-from services.executor.layers import gguf as G
 from services.executor.layers.embedding import VocabParallelEmbedding
 from services.executor.layers.linear import LinearBase
+from services.executor.layers.quantization import gguf as G
+from services.executor.model_loader import quantization_config
 from services.executor.models import get_model_class
 from shared.config import kernel_cache_dir
 from shared.model_source import GGUF_ARCHITECTURES, ModelNotFoundError, prepare_gguf_model
@@ -95,7 +96,8 @@ def reference_greedy(hf, max_tokens: int) -> list[list[int]]:
 def served_model(served):
     """The served directory's model, as the executor reads its config and weights (float32, CPU)."""
     config = AutoConfig.from_pretrained(served)
-    model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+    model = get_model_class(config)(config, torch.float32, torch.device("cpu"),
+                                     quant_config=quantization_config(served, config))
     model.load_weights(served)
     return model
 
@@ -211,7 +213,8 @@ def test_the_served_config_takes_what_the_file_states_beyond_transformers_readin
         assert config.rope_parameters["full_attention"] == original.rope_parameters["full_attention"]
         assert config.layer_types == original.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
         assert (read["query_pre_attn_scalar"], config.query_pre_attn_scalar) == (256, 64)  # head_dim
-    model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+    model = get_model_class(config)(config, torch.float32, torch.device("cpu"),
+                                     quant_config=quantization_config(served, config))
     model.load_weights(served)
     hf = AutoModelForCausalLM.from_config(original, dtype=torch.float32)
     hf.load_state_dict(state)

@@ -1,7 +1,7 @@
 """GPT-2, Falcon, Qwen2-MoE and Qwen3-MoE served from GGUF files (``tests/gguf_files.py`` writes
 them as llama.cpp's converter does: GPT-2's ``Conv1D`` weights transposed, Falcon's fused
 q | k | v de-interleaved, the MoE experts stacked ``[E, rows, K]``), every matrix kept in its
-blocks but the MoE routers (F32 in llama.cpp's files), the experts too (``layers/gguf_moe.py``:
+blocks but the MoE routers (F32 in llama.cpp's files), the experts too (``layers/quantization/gguf/moe.py``:
 one GGUF matmul per expert); greedy tokens in float32 equal Hugging Face's ``generate`` on the
 model transformers loads from the same file.
 
@@ -29,10 +29,11 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from services.executor.layers import gguf as G
 from services.executor.layers.embedding import VocabParallelEmbedding
-from services.executor.layers.gguf_moe import GGUFMoEMethod
 from services.executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from services.executor.layers.quantization import gguf as G
+from services.executor.layers.quantization.gguf import GGUFMoEMethod
+from services.executor.model_loader import quantization_config
 from services.executor.models import get_model_class
 from shared.model_source import prepare_gguf_model
 
@@ -71,8 +72,8 @@ def _check_kept(model, model_type: str) -> None:
     else:
         for i, down in enumerate((G.Q8_0, G.Q4_0)):  # layer 1's down experts Q4_0
             experts = model.model.layers[i].mlp.experts
-            assert isinstance(experts.experts_method, GGUFMoEMethod) and experts.w13.numel() == 0
-            assert experts.experts_method.fmts == (G.Q4_K, G.Q8_0, down)
+            assert isinstance(experts.quant_method, GGUFMoEMethod) and experts.w13.numel() == 0
+            assert experts.quant_method.fmts == (G.Q4_K, G.Q8_0, down)
             assert expert_matmuls(experts, torch.float32) == ("blocks", "blocks")
             assert [p.fmt for p in experts.gguf_experts[0].gate_up.quant_method.parts] == [G.Q4_K, G.Q8_0]
 
@@ -81,7 +82,7 @@ def expert_matmuls(experts, dtype: torch.dtype) -> tuple[str, str]:
     """How a ``FusedMoE`` holds its experts' gate | up and down matmuls, every expert alike:
     ``"blocks"`` (a GGUF linear method), ``"dense"`` (``F.linear`` on values in ``dtype`` beside the
     other matmul's blocks), or ``FusedMoE``'s own ``"w13"`` / ``"w2"`` (``dtype``)."""
-    if experts.experts_method is None:
+    if not experts.quant_method.quantized:  # the unquantized method's w13 / w2
         assert experts.w13.dtype == experts.w2.dtype == dtype and experts.w13.numel() > 0 and experts.w2.numel() > 0
         return "w13", "w2"
     held = []
@@ -138,7 +139,8 @@ def test_the_served_config_takes_the_architecture_the_file_states(name, tmp_path
              "tie_word_embeddings") if name.startswith("falcon") else
             ("moe_intermediate_size", "shared_expert_intermediate_size"))
     assert [getattr(config, k) for k in keys] == pytest.approx([getattr(original, k) for k in keys], rel=1e-7)
-    model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+    model = get_model_class(config)(config, torch.float32, torch.device("cpu"),
+                                     quant_config=quantization_config(served, config))
     model.load_weights(served)
     hf = AutoModelForCausalLM.from_config(original, dtype=torch.float32)
     hf.load_state_dict(state)
@@ -147,7 +149,7 @@ def test_the_served_config_takes_the_architecture_the_file_states(name, tmp_path
     assert paged_greedy(model, prompts, 6)[0] == [hf_greedy(hf, p, 6)[0] for p in prompts]
 
 
-#: MoE files whose experts are kept matmul by matmul (``gguf_moe.kept_formats``): the model, the
+#: MoE files whose experts are kept matmul by matmul (``gguf/moe.py``'s ``kept_formats``): the model, the
 #: experts' formats (by kind, then by tensor) and each layer's gate | up and down as held
 EXPERTS = {
     # layer 0 as llama.cpp's Q4_K_M files of Qwen1.5-MoE: Q4_K gate and up kept, Q5_0 down dense;
@@ -177,7 +179,7 @@ def test_moe_experts_are_kept_matmul_by_matmul(name, tmp_path, smollm2_path):
     for i, layer in enumerate(model.model.layers):
         experts = layer.mlp.experts
         assert expert_matmuls(experts, torch.float32) == held[i]
-        method = experts.experts_method
+        method = experts.quant_method if experts.quant_method.quantized else None  # GGUFMoEMethod
         assert (method.fmts if method else None) == fmts[i]
         w13, w2 = method.weights(experts) if method else (experts.w13, experts.w2)  # [E, 2 I, hidden], [E, hidden, I]
         assert torch.equal(w13, state[f"model.layers.{i}.mlp.experts.gate_up_proj"])
@@ -226,7 +228,8 @@ def test_moe_experts_kept_matmul_by_matmul_in_bf16_follow_float32(tmp_path, smol
     prompts = [[1, 2, 3, 400, 500, 700], [900, 17, 31], [5, 60, 7, 80, 9, 100, 11, 120], list(range(300, 340))]
     runs = {}
     for dtype in (torch.bfloat16, torch.float32):
-        model = get_model_class(config)(config, dtype=dtype, device="cpu", native_cpu_kernels=True)
+        model = get_model_class(config)(config, dtype=dtype, device="cpu", native_cpu_kernels=True,
+                                         quant_config=quantization_config(served, config))
         model.load_weights(served)
         assert [expert_matmuls(layer.mlp.experts, dtype) for layer in model.model.layers] == held
         runs[dtype] = paged_greedy(model, prompts, 1)

@@ -14,7 +14,8 @@ from processes import start_serve, stop_all
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams
-from services.executor.layers.gguf import GGUFLinearMethod, GGUFShardedLinearMethod
+from services.executor.layers.quantization.gguf import GGUFLinearMethod, GGUFShardedLinearMethod
+from services.executor.model_loader import quantization_config
 from services.executor.models import get_model_class
 from shared.config import kernel_cache_dir
 from shared.model_source import _gguf_path
@@ -65,7 +66,8 @@ def test_k_quant_gguf_served_directly_gives_the_tokens_of_its_dequantized_weight
     assert len({tuple(t) for t in ref}) > 1
 
     config = AutoConfig.from_pretrained(served)  # the served directory's config, as the executor reads it
-    model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+    model = get_model_class(config)(config, torch.float32, torch.device("cpu"),
+                                     quant_config=quantization_config(served, config))
     model.load_weights(served)
     layer = model.model.layers[1]
     kept = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,

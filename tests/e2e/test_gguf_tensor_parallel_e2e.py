@@ -18,7 +18,7 @@ from gguf_files import TINY_FORMATS, tiny_hf_config, write_gguf
 from transformers import LlamaConfig
 
 from pagedllm import LLM, SamplingParams
-from services.executor.layers import gguf as G
+from services.executor.layers.quantization import gguf as G
 from shared.config import kernel_cache_dir
 
 PROMPTS = [[1, 2, 3, 400, 500, 700], [900, 18, 31], list(range(300, 340))]

@@ -1,4 +1,4 @@
-"""GGUF blocks kept quantized (services/executor/layers/gguf.py): the torch dequantization
+"""GGUF blocks kept quantized (services/executor/layers/quantization/gguf/): the torch dequantization
 against ``gguf.quants.dequantize``, and the linear method's torch path against ``F.linear``."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from gguf_fixtures import pack_k, random_blocks
 from torch import nn
 
 from kernels.cpu import quant_ops
-from services.executor.layers import gguf as G
-from services.executor.layers import gguf_r16
+from services.executor.layers.quantization import gguf as G
+from services.executor.layers.quantization.gguf import r16 as gguf_r16
 
 FORMATS = [G.Q4_0, G.Q4_1, G.Q8_0, G.Q4_K, G.Q5_K, G.Q6_K]
 
@@ -99,14 +99,14 @@ def test_native_method_keeps_16_row_groups_interleaved(fmt, kernel_library, inte
     method.install(layer, blocks, k)
     assert method.r16 and method.kernel_type == fmt.ggml_type | 0x100
     assert layer.weight.shape == blocks.shape and not torch.equal(layer.weight, blocks)
-    assert torch.equal(gguf_r16.unpack_rows(layer.weight, fmt.ggml_type), blocks)
+    assert torch.equal(gguf_r16.unpack_rows(layer.weight, fmt), blocks)
     torch.testing.assert_close(method.weight(layer, torch.float32), torch.from_numpy(reference), rtol=0, atol=0)
     ids = torch.tensor([47, 0, 17, 16])
     torch.testing.assert_close(method.embed(layer, ids), torch.from_numpy(reference)[ids].bfloat16(), rtol=0, atol=0)
     x = torch.randn(G.NATIVE_MAX_ROWS + 5, k, generator=torch.Generator().manual_seed(4)).bfloat16()
     out = method.apply_logits(layer, x)
     if fmt.block_size == 32:
-        expected = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32)  # the file layout's int8 kernel
+        expected = quant_ops.gemm_gguf(x, blocks, fmt, k, torch.float32)  # the file layout's int8 kernel
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     else:  # |x - d_a qa| <= d_a / 2 per element, d_a = max |x| / 127 per 32-element block
         weight = torch.from_numpy(reference).double()  # [48, k]
@@ -122,7 +122,7 @@ def test_native_method_keeps_16_row_groups_interleaved(fmt, kernel_library, inte
 def test_moe_experts_keep_gate_up_only_with_both_formats_kept_and_down_on_its_own():
     """``kept_formats``: gate | up is one matmul, kept only when gate and up both are; down apart.
     ``GGUFMoEMethod`` refuses formats that keep half of gate | up, or nothing (dense ``w13`` / ``w2``)."""
-    from services.executor.layers.gguf_moe import GGUFMoEMethod, kept_formats
+    from services.executor.layers.quantization.gguf import GGUFMoEMethod, kept_formats
 
     assert kept_formats((G.Q4_K, G.Q8_0, None)) == (G.Q4_K, G.Q8_0, None)
     assert kept_formats((G.Q4_K, None, G.Q6_K)) == (None, None, G.Q6_K)

@@ -14,8 +14,9 @@ from transformers import AutoConfig
 
 from kernels.cpu import ops
 from services.executor.attention import AttentionMetadata
-from services.executor.layers import gguf as G
 from services.executor.layers.cpu.native_layers import NativeLayers
+from services.executor.layers.quantization import gguf as G
+from services.executor.model_loader import quantization_config
 from services.executor.models import get_model_class, kv_cache_shape
 from shared.model_source import _gguf_path, prepare_gguf_model
 
@@ -29,7 +30,8 @@ def test_gguf_blocks_run_in_the_all_layers_c_call(smollm2_path, monkeypatch, int
     # it (tests/e2e/test_gguf_e2e.py): written once (~10 s: transformers reads the whole file), not per test
     path = prepare_gguf_model(_gguf_path(), smollm2_path.parent)
     config = AutoConfig.from_pretrained(path)
-    model = get_model_class(config)(config, dtype=torch.bfloat16, device="cpu", native_cpu_kernels=True)
+    model = get_model_class(config)(config, dtype=torch.bfloat16, device="cpu", native_cpu_kernels=True,
+                                     quant_config=quantization_config(path, config))
     model.load_weights(path)
     assert model.use_native_norms(True) and model.use_native_matmuls(True)
     layer = model.model.layers[0]
@@ -63,7 +65,8 @@ def _tiny_k_quant_model(tmp_path, smollm2_path, overrides: dict[str, G.BlockForm
     write_gguf(tmp_path / "tiny.gguf", tiny_hf_config(1024), smollm2_path, TINY_FORMATS, overrides)
     path = prepare_gguf_model(tmp_path / "tiny.gguf", tmp_path / "cache")
     config = AutoConfig.from_pretrained(path)
-    model = get_model_class(config)(config, dtype=torch.bfloat16, device="cpu", native_cpu_kernels=True)
+    model = get_model_class(config)(config, dtype=torch.bfloat16, device="cpu", native_cpu_kernels=True,
+                                     quant_config=quantization_config(path, config))
     model.load_weights(path)
     assert model.use_native_norms(True) and model.use_native_matmuls(True)
     return model
@@ -181,7 +184,8 @@ def test_qwen2_gguf_with_qkv_biases_runs_layer_by_layer(tmp_path, smollm2_path, 
     prompts = [[1, 2, 3, 400, 500, 700], [900, 17, 31]]
     runs = {}
     for dtype, native in ((torch.bfloat16, True), (torch.float32, False)):
-        model = get_model_class(config)(config, dtype=dtype, device="cpu", native_cpu_kernels=native)
+        model = get_model_class(config)(config, dtype=dtype, device="cpu", native_cpu_kernels=native,
+                                         quant_config=quantization_config(path, config))
         model.load_weights(path)
         assert model.model.native_layers_enabled == native  # the kernels would take the C call ...
         assert model.model.layers[0].self_attn.qkv_proj.bias is not None

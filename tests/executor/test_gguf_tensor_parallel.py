@@ -12,11 +12,12 @@ import torch
 from gguf_files import F32, TINY_FORMATS, tiny_hf_config, write_gguf
 from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
 
-from services.executor.layers import gguf as G
 from services.executor.layers.fused_moe import fused_moe_reference, topk_softmax
-from services.executor.layers.gguf import GGUFLinearMethod, GGUFShardedLinearMethod
 from services.executor.layers.linear import UnquantizedLinearMethod
-from services.executor.models import get_model_class, gguf_loader
+from services.executor.layers.quantization import gguf as G
+from services.executor.layers.quantization.gguf import GGUFLinearMethod, GGUFShardedLinearMethod
+from services.executor.model_loader import gguf_loader, gguf_quant_config
+from services.executor.models import get_model_class
 from services.executor.parallel.group import TensorParallelGroup, use_tp_group
 
 #: 9 heads / 3 KV heads (3 ranks: 3 + 3 + 3; 2 ranks: 6 + 3), 32-element blocks only, shards of
@@ -49,7 +50,8 @@ QWEN2 = Qwen2Config(vocab_size=1024, hidden_size=288, intermediate_size=192, num
 
 def _load(config, path, rank: int, world: int, native: bool = False):
     with use_tp_group(TensorParallelGroup(rank, world)):  # sizes only: no process group behind it
-        model = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+        model = get_model_class(config)(config, torch.float32, torch.device("cpu"),
+                                        quant_config=gguf_quant_config(path))
     gguf_loader.load_gguf_weights(model, path, native=native)
     return model
 
@@ -150,13 +152,13 @@ def test_rank_shares_of_moe_experts_put_together_are_one_rank_experts(tmp_path, 
     path = tmp_path / "moe.gguf"
     write_gguf(path, QWEN2_MOE, smollm2_path, MOE_FORMATS, {})
     whole = _load(QWEN2_MOE, path, 0, 1).model.layers[0].mlp
-    w13, w2 = whole.experts.experts_method.weights(whole.experts)  # [4, 384, 288], [4, 288, 192]
+    w13, w2 = whole.experts.quant_method.weights(whole.experts)  # [4, 384, 288], [4, 288, 192]
     gates, ups, downs = [], [], []
     for rank in range(world):
         mlp = _load(QWEN2_MOE, path, rank, world).model.layers[0].mlp
-        r13, r2 = mlp.experts.experts_method.weights(mlp.experts)
+        r13, r2 = mlp.experts.quant_method.weights(mlp.experts)
         inter = r2.shape[2]
-        assert inter == 192 // world and mlp.experts.experts_method.fmts == (G.Q4_0, G.Q8_0, G.Q4_1)
+        assert inter == 192 // world and mlp.experts.quant_method.fmts == (G.Q4_0, G.Q8_0, G.Q4_1)
         gates.append(r13[:, :inter])
         ups.append(r13[:, inter:])
         downs.append(r2)
@@ -181,8 +183,8 @@ def test_rank_partial_outputs_of_moe_experts_sum_to_the_layer_output(tmp_path, s
     x = torch.randn(12, 288, generator=torch.Generator().manual_seed(0))  # [T, hidden]
     weights, ids = topk_softmax(whole.gate(x), 2, renormalize=False)  # [T, 2] each
     assert ids.unique().tolist() == [0, 1, 2, 3]  # every expert has tokens
-    out = whole.experts.experts_method.apply(whole.experts, x, weights, ids)  # [T, hidden]
-    torch.testing.assert_close(out, fused_moe_reference(x, *whole.experts.experts_method.weights(whole.experts),
+    out = whole.experts.quant_method.apply(whole.experts, x, weights, ids)  # [T, hidden]
+    torch.testing.assert_close(out, fused_moe_reference(x, *whole.experts.quant_method.weights(whole.experts),
                                                         weights, ids), rtol=1e-4, atol=1e-4)
     scale = out.abs().max().item()
     for world in (2, 3):
@@ -191,6 +193,6 @@ def test_rank_partial_outputs_of_moe_experts_sum_to_the_layer_output(tmp_path, s
             moe = _load(QWEN2_MOE, path, rank, world).model.layers[0].mlp.experts
             assert moe.intermediate_range[1] == 192 // world
             assert tuple(type(getattr(moe.gguf_experts[0], m).quant_method) for m in ("gate_up", "down")) == methods
-            parts.append(moe.experts_method.apply(moe, x, weights, ids))
+            parts.append(moe.quant_method.apply(moe, x, weights, ids))
             assert (parts[-1] - out).abs().max() > 0.1 * scale
         torch.testing.assert_close(sum(parts), out, rtol=1e-5, atol=1e-5 * scale)

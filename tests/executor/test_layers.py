@@ -21,7 +21,7 @@ from services.executor.layers.linear import (
 )
 from services.executor.layers.selection import select_kernels, use_linear_method
 from services.executor.layers.utils import FastModule
-from services.executor.models import loader
+from services.executor.model_loader import loader
 
 
 def test_qkv_weight_loader_puts_each_shard_in_its_rows():

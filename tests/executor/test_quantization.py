@@ -21,7 +21,7 @@ from services.executor.layers.linear import MergedColumnParallelLinear, QKVParal
 from services.executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 from services.executor.layers.quantization.int4 import PackedInt4
 from services.executor.layers.selection import restore_weights
-from services.executor.models.loader import open_safetensors
+from services.executor.model_loader.loader import open_safetensors
 from services.executor.parallel.group import TensorParallelGroup, use_tp_group
 
 FORMATS = sorted(qf.QUANT_CONFIGS)
@@ -35,7 +35,7 @@ def _method(fmt: str, prefix: str, shards: list[str]):
 
 def _load(layer, tensors: dict[str, torch.Tensor], tmp_path, shard=None) -> None:
     """Every tensor into its parameter through the parameter's loader, read from a file as
-    ``models/loader.py`` reads it (not-yet-read ``CheckpointTensor``s)."""
+    ``model_loader/loader.py`` reads it (not-yet-read ``CheckpointTensor``s)."""
     file = tmp_path / f"t{len(list(tmp_path.iterdir()))}.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, file)
     with open_safetensors(file) as stored:

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from services.executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from services.executor.models.loader import open_safetensors
+from services.executor.model_loader.loader import open_safetensors
 from services.executor.parallel.group import TensorParallelGroup, current_tp_group, use_tp_group
 from services.executor.parallel.partition import HeadShard, attention_heads, balanced_range
 from shared.nats_server import free_port
@@ -134,7 +134,7 @@ def test_a_checkpoint_tensor_of_the_wrong_shape_is_refused_before_it_is_read(tmp
 def test_a_checkpoint_tensor_is_read_in_chunks_rows_and_columns(tmp_path, monkeypatch):
     """The pread reader gives safetensors' values: whole, a row range, a column range, and
     copied into a parameter of another dtype in chunks smaller than the tensor."""
-    from services.executor.models import loader
+    from services.executor.model_loader import loader
 
     tensors = {"f32": torch.randn(37, 12), "bf16": torch.randn(5, 3, 4).to(torch.bfloat16), "i64": torch.arange(3)}
     save_file(tensors, tmp_path / "w.safetensors")

@@ -1,5 +1,5 @@
 """The native GGUF-block GEMM (kernels/cpu/csrc/cpu_gguf_gemm.c) against the torch path
-(services/executor/layers/gguf.py: dequantize, then a float32 matmul), and its int8-activation
+(services/executor/layers/quantization/gguf/formats.py: dequantize, then a float32 matmul), and its int8-activation
 path for bf16 activations (cpu_gguf_q8.c) against a torch reference quantizing the same way."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from gguf_fixtures import random_blocks
 from native_builds import X86
 
 from kernels.cpu import native, quant_ops
-from services.executor.layers import gguf as G
-from services.executor.layers import gguf_r16
+from services.executor.layers.quantization import gguf as G
+from services.executor.layers.quantization.gguf import r16 as gguf_r16
 
 
 def _portable_kernel(tmp_path, flag: str = "-mno-avx512f") -> ctypes.CDLL:
@@ -72,7 +72,7 @@ def test_gemm_gguf_matches_the_torch_path(lib, fmt, m):
     blocks = _blocks(fmt, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     reference = x @ G.dequantize(blocks, fmt).t()  # [m, n] float32
-    torch.testing.assert_close(quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=lib), reference,
+    torch.testing.assert_close(quant_ops.gemm_gguf(x, blocks, fmt, k, torch.float32, lib=lib), reference,
                                rtol=1e-5, atol=1e-4)
 
 
@@ -123,12 +123,12 @@ def test_gemm_gguf_bf16_activations(lib, fmt, m, k):
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
     x[0, :32] = 0  # a block of zeros: d_a = 0
     if not quant_ops.gguf_int8_dot(lib):
-        _check_widened(lib, x, blocks, fmt.ggml_type, blocks, fmt)
+        _check_widened(lib, x, blocks, False, blocks, fmt)
         return
     exact = _int8_reference(x, blocks, fmt)
-    out32 = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=lib)
+    out32 = quant_ops.gemm_gguf(x, blocks, fmt, k, torch.float32, lib=lib)
     torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
-    out = quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.bfloat16, lib=lib)
+    out = quant_ops.gemm_gguf(x, blocks, fmt, k, torch.bfloat16, lib=lib)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, out32.bfloat16(), rtol=0, atol=0)  # one rounding of the same sums
     # |x - d_a qa| <= d_a / 2 per element: against the unquantized activations
@@ -138,15 +138,15 @@ def test_gemm_gguf_bf16_activations(lib, fmt, m, k):
     assert ((out32.double() - x.double() @ weight.t()).abs() <= bound * (1 + 1e-4) + 1e-5).all()
 
 
-def _check_widened(lib, x: torch.Tensor, weight: torch.Tensor, kind: int, blocks: torch.Tensor,
+def _check_widened(lib, x: torch.Tensor, weight: torch.Tensor, r16: bool, blocks: torch.Tensor,
                    fmt: G.BlockFormat) -> None:
-    """A library without int8 dot products: bf16 ``x [m, k]`` times ``weight`` (type ``kind``: the file's
-    ``blocks`` or their interleaved rows) is the float32 path of ``x`` widened, bit for bit (float32 out;
+    """A library without int8 dot products: bf16 ``x [m, k]`` times ``weight`` (the file's ``blocks``, or
+    their interleaved rows where ``r16``) is the float32 path of ``x`` widened, bit for bit (float32 out;
     bf16 out one rounding of it)."""
     k = x.shape[1]
-    widened = quant_ops.gemm_gguf(x.float(), blocks, fmt.ggml_type, k, torch.float32, lib=lib)
-    assert torch.equal(quant_ops.gemm_gguf(x, weight, kind, k, torch.float32, lib=lib), widened)
-    assert torch.equal(quant_ops.gemm_gguf(x, weight, kind, k, torch.bfloat16, lib=lib), widened.bfloat16())
+    widened = quant_ops.gemm_gguf(x.float(), blocks, fmt, k, torch.float32, lib=lib)
+    assert torch.equal(quant_ops.gemm_gguf(x, weight, fmt, k, torch.float32, lib=lib, r16=r16), widened)
+    assert torch.equal(quant_ops.gemm_gguf(x, weight, fmt, k, torch.bfloat16, lib=lib, r16=r16), widened.bfloat16())
 
 
 @pytest.mark.skipif(not X86, reason="-mno-avx512f is x86")
@@ -162,9 +162,9 @@ def test_a_build_without_vnni_widens_bf16_activations(kernel_library, request, b
     m, n, k = 17, 32, 1536
     blocks = random_blocks(fmt, n, k, seed=7, scale=0.05)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).bfloat16()
-    _check_widened(lib, x, blocks, fmt.ggml_type, blocks, fmt)
-    packed = gguf_r16.pack(blocks, fmt.ggml_type)
-    _check_widened(lib, x, packed, fmt.ggml_type | quant_ops.GGUF_R16, blocks, fmt)
+    _check_widened(lib, x, blocks, False, blocks, fmt)
+    packed = gguf_r16.pack(blocks, fmt)
+    _check_widened(lib, x, packed, True, blocks, fmt)
 
 
 def test_the_layer_interleaves_rows_only_with_int8_dot_products(monkeypatch, kernel_library):
@@ -176,7 +176,7 @@ def test_the_layer_interleaves_rows_only_with_int8_dot_products(monkeypatch, ker
         layer, method = torch.nn.Module(), G.GGUFLinearMethod(G.Q4_1, torch.bfloat16, native=True)
         method.install(layer, blocks, 64)
         assert method.r16 is int8_dot
-        assert torch.equal(layer.weight, gguf_r16.pack(blocks, G.Q4_1.ggml_type) if int8_dot else blocks)
+        assert torch.equal(layer.weight, gguf_r16.pack(blocks, G.Q4_1) if int8_dot else blocks)
         assert torch.equal(method.file_blocks(layer), blocks)
 
 
@@ -189,28 +189,28 @@ def test_gemm_gguf_k_quants_match_gguf_dequantize(lib, fmt, m, n, k):
     weight = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(fmt.ggml_type)))  # [n, k]
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     reference = x @ weight.t()
-    torch.testing.assert_close(quant_ops.gemm_gguf(x, blocks, fmt.ggml_type, k, torch.float32, lib=lib), reference,
+    torch.testing.assert_close(quant_ops.gemm_gguf(x, blocks, fmt, k, torch.float32, lib=lib), reference,
                                rtol=1e-5, atol=1e-4)
     xb = x.bfloat16()
-    out = quant_ops.gemm_gguf(xb, blocks, fmt.ggml_type, k, torch.bfloat16, lib=lib)
+    out = quant_ops.gemm_gguf(xb, blocks, fmt, k, torch.bfloat16, lib=lib)
     torch.testing.assert_close(out, (xb.float() @ weight.t()).bfloat16(), rtol=1.6e-2, atol=1e-2)
 
 
 def test_gemm_gguf_reads_strided_rows(lib):
     blocks = _blocks(G.Q4_1, 16, 64, seed=5)
     x = torch.randn(4, 128)[:, 32:96]  # [4, 64], row stride 128
-    torch.testing.assert_close(quant_ops.gemm_gguf(x, blocks, G.Q4_1.ggml_type, 64, torch.float32, lib=lib),
+    torch.testing.assert_close(quant_ops.gemm_gguf(x, blocks, G.Q4_1, 64, torch.float32, lib=lib),
                                x @ G.dequantize(blocks, G.Q4_1).t(), rtol=1e-5, atol=1e-4)
 
 
 def test_gemm_gguf_refuses_bad_arguments(lib):
     blocks = _blocks(G.Q4_1, 4, 64, seed=0)
     with pytest.raises(ValueError, match="ggml_type"):
-        quant_ops.gemm_gguf(torch.randn(1, 64), blocks, 12, 64, lib=lib)
+        quant_ops.gemm_gguf(torch.randn(1, 64), blocks, G.Q4_K, 64, lib=lib)
     with pytest.raises(ValueError, match="blocks must be"):
-        quant_ops.gemm_gguf(torch.randn(1, 64), blocks, G.Q8_0.ggml_type, 64, lib=lib)
+        quant_ops.gemm_gguf(torch.randn(1, 64), blocks, G.Q8_0, 64, lib=lib)
     with pytest.raises(ValueError, match="multiple of its block size"):  # K-quants: super-blocks of 256
-        quant_ops.gemm_gguf(torch.randn(1, 64), blocks, G.Q4_K.ggml_type, 64, lib=lib)
+        quant_ops.gemm_gguf(torch.randn(1, 64), blocks, G.Q4_K, 64, lib=lib)
 
 
 def _check_r16(lib, x: torch.Tensor, blocks: torch.Tensor, packed: torch.Tensor, fmt: G.BlockFormat,
@@ -219,17 +219,17 @@ def _check_r16(lib, x: torch.Tensor, blocks: torch.Tensor, packed: torch.Tensor,
     operands (``exact``, float64) up to float32 rounding; bf16 out one rounding of the float32 out; float32
     activations: the file layout's float32 path bit for bit (the same code on the unpacked rows). A library
     without int8 dot products: :func:`_check_widened`."""
-    (m, k), kind = x.shape, fmt.ggml_type | quant_ops.GGUF_R16
+    m, k = x.shape
     if not quant_ops.gguf_int8_dot(lib):
-        _check_widened(lib, x, packed, kind, blocks, fmt)
+        _check_widened(lib, x, packed, True, blocks, fmt)
         return
-    out32 = quant_ops.gemm_gguf(x, packed, kind, k, torch.float32, lib=lib)
+    out32 = quant_ops.gemm_gguf(x, packed, fmt, k, torch.float32, lib=lib, r16=True)
     torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
-    out = quant_ops.gemm_gguf(x, packed, kind, k, torch.bfloat16, lib=lib)
+    out = quant_ops.gemm_gguf(x, packed, fmt, k, torch.bfloat16, lib=lib, r16=True)
     torch.testing.assert_close(out, out32.bfloat16(), rtol=0, atol=0)
     xf = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1))
-    assert torch.equal(quant_ops.gemm_gguf(xf, packed, kind, k, torch.float32, lib=lib),
-                       quant_ops.gemm_gguf(xf, blocks, fmt.ggml_type, k, torch.float32, lib=lib))
+    assert torch.equal(quant_ops.gemm_gguf(xf, packed, fmt, k, torch.float32, lib=lib, r16=True),
+                       quant_ops.gemm_gguf(xf, blocks, fmt, k, torch.float32, lib=lib))
 
 
 @pytest.mark.parametrize("fmt", [G.Q4_0, G.Q4_1, G.Q8_0], ids=lambda f: f.name)
@@ -241,7 +241,7 @@ def test_gemm_gguf_r16_int8_equals_exact_sums(lib, fmt, m, k):
     activations give the file layout's float32 path bit for bit (the same code on unpacked rows)."""
     n = 48
     blocks = _blocks(fmt, n, k, seed=m + k)
-    packed = gguf_r16.pack(blocks, fmt.ggml_type)
+    packed = gguf_r16.pack(blocks, fmt)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
     x[0, :32] = 0  # a block of zeros: d_a = 0
     _check_r16(lib, x, blocks, packed, fmt, _int8_reference(x, blocks, fmt))
@@ -249,19 +249,18 @@ def test_gemm_gguf_r16_int8_equals_exact_sums(lib, fmt, m, k):
 
 def test_gemm_gguf_r16_reads_strided_rows_and_refuses_bad_layouts(lib):
     blocks = _blocks(G.Q8_0, 32, 64, seed=5)
-    packed = gguf_r16.pack(blocks, G.Q8_0.ggml_type)
+    packed = gguf_r16.pack(blocks, G.Q8_0)
     x = torch.randn(4, 128)[:, 32:96].bfloat16()  # [4, 64], row stride 128
-    kind = G.Q8_0.ggml_type | quant_ops.GGUF_R16
     reference = (_int8_reference(x, blocks, G.Q8_0) if quant_ops.gguf_int8_dot(lib)
                  else x.double() @ G.dequantize(blocks, G.Q8_0).double().t())
-    torch.testing.assert_close(quant_ops.gemm_gguf(x, packed, kind, 64, torch.float32, lib=lib).double(),
+    torch.testing.assert_close(quant_ops.gemm_gguf(x, packed, G.Q8_0, 64, torch.float32, lib=lib, r16=True).double(),
                                reference, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="multiple of 16 rows"):
-        quant_ops.gemm_gguf(x, packed[:24], kind, 64, lib=lib)
+        quant_ops.gemm_gguf(x, packed[:24], G.Q8_0, 64, lib=lib, r16=True)
     with pytest.raises(ValueError, match="ggml_type"):  # interleaved K-quants: super-blocks of 256 too
-        quant_ops.gemm_gguf(x, packed, G.Q4_K.ggml_type | quant_ops.GGUF_R16, 64, lib=lib)
+        quant_ops.gemm_gguf(x, packed, G.Q4_K, 64, lib=lib, r16=True)
     with pytest.raises(ValueError, match="no 16-row interleaved layout"):
-        gguf_r16.pack(blocks[:24], G.Q8_0.ggml_type)
+        gguf_r16.pack(blocks[:24], G.Q8_0)
 
 
 def _k_integer_blocks(blocks: torch.Tensor, fmt: G.BlockFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -328,8 +327,8 @@ def test_gemm_gguf_r16k_int8_equals_exact_sums(lib, fmt, m, n, k):
     more, several), bf16 out one rounding of the float32 out; float32 activations give the file layout's float32
     path bit for bit (the same code on the unpacked rows)."""
     blocks = random_blocks(fmt, n, k, seed=m + k + fmt.ggml_type, scale=0.05)
-    packed = gguf_r16.pack(blocks, fmt.ggml_type)
-    assert packed.shape == blocks.shape and torch.equal(gguf_r16.unpack_rows(packed, fmt.ggml_type), blocks)
+    packed = gguf_r16.pack(blocks, fmt)
+    assert packed.shape == blocks.shape and torch.equal(gguf_r16.unpack_rows(packed, fmt), blocks)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
     x[0, :32] = 0  # a block of zeros: d_a = 0
     _check_r16(lib, x, blocks, packed, fmt, _k_int8_reference(x, blocks, fmt))

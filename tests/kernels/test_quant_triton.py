@@ -1,6 +1,6 @@
 """The Triton quantized matmuls vs torch references: the int4 group-quantized weight of
 ``layers/quantization/int4.py`` (``kernels/triton/gemm_w4.py``) and GGUF Q4_0 / Q4_1 / Q8_0 / K-quant
-blocks (``kernels/triton/gemm_gguf.py``, reference ``layers/gguf.py``'s ``dequantize``).
+blocks (``kernels/triton/gemm_gguf.py``, reference ``layers/quantization/gguf/``'s ``dequantize``).
 
 The kernel tests run natively on a GPU, else under the Triton CPU interpreter, set up as in
 ``test_triton_kernels.py`` (whose docstring explains why ``TRITON_INTERPRET`` must be set
@@ -27,7 +27,7 @@ if DEVICE == "cpu":
 import triton.language as tl  # noqa: E402
 
 from kernels.triton.utils import is_interpreted  # noqa: E402
-from services.executor.layers import gguf  # noqa: E402
+from services.executor.layers.quantization import gguf  # noqa: E402
 from services.executor.layers.quantization.int4 import Int4Weights, int4_matmul, pack_int4  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,7 +110,7 @@ def test_triton_gemm_gguf_matches_reference(fmt, dtype, out_dtype, m, n, k):
     operand = torch.float32 if out_dtype == torch.float32 else dtype
     expected = x.float() @ gguf.dequantize(blocks, fmt, operand).float().T  # [M, N]
 
-    out = gemm_gguf.gemm_gguf(x.to(DEVICE), blocks.to(DEVICE), fmt.ggml_type, out_dtype)
+    out = gemm_gguf.gemm_gguf(x.to(DEVICE), blocks.to(DEVICE), fmt, out_dtype)
 
     assert out.dtype == out_dtype and out.shape == (m, n)
     atol, rtol = TOL[out_dtype]
@@ -137,7 +137,7 @@ def test_triton_gemm_gguf_k_quants_match_gguf_dequantize(fmt, dtype, out_dtype, 
     operand = torch.float32 if out_dtype == torch.float32 else dtype
     expected = x.float() @ weight.to(operand).float().T  # [M, N]
 
-    out = gemm_gguf.gemm_gguf(x.to(DEVICE), blocks.to(DEVICE), fmt.ggml_type, out_dtype)
+    out = gemm_gguf.gemm_gguf(x.to(DEVICE), blocks.to(DEVICE), fmt, out_dtype)
 
     assert out.dtype == out_dtype and out.shape == (m, n)
     atol, rtol = TOL[out_dtype]
@@ -196,9 +196,10 @@ def test_kernel_tests_in_fresh_process():
 
 _COMPILE_SCRIPT = r"""
 import torch
-from kernels.triton.gemm_gguf import GGUF_BLOCK_BYTES, plan_gemm_gguf
+from kernels.triton.gemm_gguf import plan_gemm_gguf
 from kernels.triton.gemm_w4 import plan_gemm_w4
 from kernels.triton.utils import compile_launch, is_interpreted
+from services.executor.layers.quantization.gguf import FORMATS
 
 n, k = 2048, 1024
 launches = []
@@ -209,9 +210,9 @@ for dtype, m in ((torch.bfloat16, 64), (torch.float32, 1)):
 for ggml_type, dtype, out_dtype in ((2, torch.bfloat16, torch.bfloat16), (8, torch.float16, torch.float16),
                                     (3, torch.bfloat16, torch.float32), (12, torch.bfloat16, torch.bfloat16),
                                     (13, torch.float16, torch.float16), (14, torch.bfloat16, torch.float32)):
-    size = 256 if ggml_type >= 12 else 32
-    blocks = torch.empty(n, k // size * GGUF_BLOCK_BYTES[ggml_type], dtype=torch.uint8)
-    launches.append(plan_gemm_gguf(torch.empty(16, k, dtype=dtype), blocks, ggml_type,
+    fmt = FORMATS[ggml_type]
+    blocks = torch.empty(n, fmt.row_bytes(k), dtype=torch.uint8)
+    launches.append(plan_gemm_gguf(torch.empty(16, k, dtype=dtype), blocks, fmt,
                                    torch.empty(16, n, dtype=out_dtype)))
 assert not any(is_interpreted(launch.kernel) for launch in launches)
 for arch in (90, 80):

@@ -60,8 +60,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     ``LogitsProcessor``): :meth:`compute_logits`."""
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
-        """Share the embedding's table (``tie_word_embeddings``)."""
+        """Share the embedding's table (``tie_word_embeddings``), and its method where that holds
+        the table quantized (a GGUF file's blocks: one method reads them for both)."""
         self.weight = embed_tokens.weight
+        if embed_tokens.quant_method.quantized:
+            self.quant_method = embed_tokens.quant_method
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] f32
         """Logits in float32. The matmul runs in the weight's dtype, as in HF; in bf16/fp16 the

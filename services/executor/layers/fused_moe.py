@@ -13,8 +13,11 @@ rows, as ``MergedColumnParallelLinear``) and ``w2 [E, hidden, I]``, and computes
 a batched torch path (the token copies sorted by expert, two matmuls per expert over its
 tokens, no per-token loop). :func:`fused_moe_reference` is the per-token oracle of the tests.
 
-A method may keep the experts in another form and multiply them itself (``experts_method``:
-``layers/gguf_moe.py``'s GGUF blocks, one GGUF matmul per expert over its tokens).
+The experts' weights and their matmuls belong to the layer's ``quant_method`` (a
+:class:`FusedMoEMethodBase`, as a linear layer's belong to its linear method): by default
+:class:`UnquantizedFusedMoEMethod` (``w13`` / ``w2`` and :func:`fused_moe`); a quantization's
+``moe_method`` may keep them in another form and multiply them itself
+(``layers/quantization/gguf/moe.py``: GGUF blocks, one GGUF matmul per expert over its tokens).
 
 Tensor parallelism (vLLM's): each rank holds a balanced range of every expert's intermediate
 size (column-parallel ``w13``, row-parallel ``w2``), so its output is a partial sum that the
@@ -24,6 +27,7 @@ shared expert, reduces once itself).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -133,6 +137,44 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return fused_moe_cpu(hidden_states, w13, w2, topk_weights, topk_ids)
 
 
+class FusedMoEMethodBase(ABC):
+    """How a :class:`FusedMoE` keeps its experts' weights and computes their weighted sum (vLLM's
+    ``FusedMoEMethodBase``). ``quantized``: a form only this method reads."""
+
+    quantized = False
+
+    @abstractmethod
+    def create_weights(self, moe: FusedMoE, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        """Register the experts' parameters on ``moe`` (``intermediate_size``: this rank's ``I``)."""
+
+    @abstractmethod
+    def apply(self, moe: FusedMoE, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum ``[T, hidden]`` of the chosen experts' outputs (shapes as
+        :func:`fused_moe`), in ``hidden_states``' dtype."""
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    """``w13 [E, 2 I_rank, hidden]`` (gate rows | up rows) and ``w2 [E, hidden, I_rank]`` in the
+    parameters' dtype, loaded through ``moe.weight_loader``; :func:`fused_moe` multiplies."""
+
+    def create_weights(self, moe: FusedMoE, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=params_dtype),
+                           requires_grad=False)
+        w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=params_dtype),
+                          requires_grad=False)
+        for param in (w13, w2):
+            set_weight_attrs(param, {"weight_loader": moe.weight_loader})
+        moe.register_parameter("w13", w13)
+        moe.register_parameter("w2", w2)
+
+    def apply(self, moe: FusedMoE, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_moe(hidden_states, moe.w13, moe.w2, topk_weights, topk_ids)
+
+
 class FusedMoE(FastModule):
     """``num_experts`` SwiGLU expert MLPs, their weights stacked (this rank's part of each).
 
@@ -142,27 +184,22 @@ class FusedMoE(FastModule):
         intermediate_size: each expert's ``I`` (whole; a rank holds a balanced range of it).
         params_dtype: the parameters' dtype.
         reduce_results: all-reduce the partial outputs of the ranks (False: the caller does).
+        quant_method: a :class:`FusedMoEMethodBase` (default :class:`UnquantizedFusedMoEMethod`).
 
-    Parameters: ``w13 [E, 2 I_rank, hidden]`` (gate rows | up rows) and ``w2 [E, hidden,
-    I_rank]``, loaded from the checkpoint's per-expert tensors with the shard ids of
-    :meth:`expert_params_mapping`.
+    Parameters (the unquantized method's): ``w13 [E, 2 I_rank, hidden]`` (gate rows | up rows)
+    and ``w2 [E, hidden, I_rank]``, loaded from the checkpoint's per-expert tensors with the
+    shard ids of :meth:`expert_params_mapping`.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, params_dtype: torch.dtype,
-                 reduce_results: bool = True) -> None:
+                 reduce_results: bool = True, quant_method: FusedMoEMethodBase | None = None) -> None:
         super().__init__()
         self.tp = current_tp_group()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.intermediate_range = balanced_range(intermediate_size, self.tp.world_size, self.tp.rank)
-        inter = self.intermediate_range[1]  # this rank's I
         self.reduce_results = reduce_results
-        w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=params_dtype), requires_grad=False)
-        w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=params_dtype), requires_grad=False)
-        for param in (w13, w2):
-            set_weight_attrs(param, {"weight_loader": self.weight_loader})
-        self.register_parameter("w13", w13)
-        self.register_parameter("w2", w2)
-        self.experts_method: Any = None  # set by a method keeping the experts in its own form (layers/gguf_moe.py)
+        self.quant_method = quant_method or UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_range[1], params_dtype)
 
     @staticmethod
     def expert_params_mapping(num_experts: int, gate: str = "w1", up: str = "w3",
@@ -192,10 +229,7 @@ class FusedMoE(FastModule):
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:  # [T, hidden], [T, K], [T, K] -> [T, hidden]
-        if self.experts_method is not None:  # e.g. GGUF blocks: the method multiplies
-            out = self.experts_method.apply(self, hidden_states, topk_weights, topk_ids)
-        else:
-            out = fused_moe(hidden_states, self.w13, self.w2, topk_weights, topk_ids)
+        out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
         if self.reduce_results and self.tp.world_size > 1:
             self.tp.all_reduce(out)
         return out

@@ -44,8 +44,9 @@ from services.executor.parallel.partition import HeadShard, attention_heads, bal
 class LinearMethodBase(ABC):
     """How a linear layer keeps its weights and multiplies by them (vLLM's ``LinearMethodBase``).
 
-    ``quantized``: the weights are held in a quantized form that only this method reads (GGUF
-    blocks, ``layers/gguf.py``); the kernel choice of ``layers/selection.py`` leaves it in place."""
+    ``quantized``: the weights are held in a quantized form that only this method reads (a
+    checkpoint's quantized tensors, GGUF blocks: ``layers/quantization/``); the kernel choice of
+    ``layers/selection.py`` leaves it in place."""
 
     quantized = False
 
@@ -57,12 +58,17 @@ class LinearMethodBase(ABC):
         weight = nn.Parameter(torch.empty(rows, input_size, dtype=params_dtype), requires_grad=False)
         set_weight_attrs(weight, {"weight_loader": layer.weight_loader})
         layer.register_parameter("weight", weight)
-        if bias:
-            b = nn.Parameter(torch.empty(rows, dtype=params_dtype), requires_grad=False)
-            set_weight_attrs(b, {"weight_loader": layer.weight_loader})
-            layer.register_parameter("bias", b)
-        else:
+        self.register_bias(layer, rows, params_dtype, bias)
+
+    def register_bias(self, layer: nn.Module, rows: int, params_dtype: torch.dtype, bias: bool) -> None:
+        """``bias`` ``[rows]`` in ``params_dtype`` with the layer's own loader (or ``None``): every
+        method's bias is the unquantized layer's."""
+        if not bias:
             layer.register_parameter("bias", None)
+            return
+        b = nn.Parameter(torch.empty(rows, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(b, {"weight_loader": layer.weight_loader})
+        layer.register_parameter("bias", b)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Derive what :meth:`apply` reads from the loaded parameters (nothing here)."""

@@ -1,6 +1,7 @@
 """Model implementations of the executor, chosen by the Hugging Face ``architectures`` entry
 (``registry.py``), built from the layer library (``services/executor/layers/``); ``hf_config.py``
-reads the config, ``loader.py`` the safetensors checkpoint."""
+reads the config, ``base.py`` holds what every architecture shares. The weights are read by
+``services/executor/model_loader/`` (safetensors and GGUF)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What every decoder-only model class gives the model runner, written once: the attention
 backend shared by its layers, logits, loading a Hugging Face checkpoint (or a GGUF file:
-``gguf_loader.py``) and the kernels' weight forms. Each architecture (``gpt2.py``,
+``model_loader/``) and the kernels' weight forms. Each architecture (``gpt2.py``,
 ``gpt_neox.py``, ...) builds its layers in ``__init__`` and writes ``forward``; ``llama.py``
 keeps its own (its CPU fast path).
 
@@ -32,7 +32,7 @@ from services.executor.layers.selection import (
     use_linear_methods,
 )
 from services.executor.layers.utils import FastModule
-from services.executor.models import gguf_loader, loader
+from services.executor.model_loader import gguf_loader, loader
 from services.executor.parallel.group import current_tp_group
 
 #: the architectures whose linear layers take a checkpoint's quantization (the error's list)
@@ -53,7 +53,8 @@ class PagedCausalLM(KernelSwitches, FastModule):
         quant_config: the checkpoint's quantization (``layers/quantization/``); default: read from
             ``hf_config``'s ``quantization_config``. A subclass that sets ``takes_quantization``
             gives its decoder's linear layers its methods (``linear_method_for``); the others
-            refuse a quantized checkpoint.
+            refuse a quantized checkpoint. A GGUF file's (``model_loader.quantization_config``)
+            every GGUF-served architecture takes, for every layer of the file's map.
 
     A subclass sets ``self.lm_head`` (with ``compute_logits``), ``num_kv_heads_per_rank`` and
     ``head_dim``, and may set ``stacked_params_mapping`` (checkpoint shards loaded into merged
@@ -75,7 +76,7 @@ class PagedCausalLM(KernelSwitches, FastModule):
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.quant_config = quant_config if quant_config is not None else get_quantization_config(hf_config)
-        if self.quant_config is not None and not self.takes_quantization:
+        if self.quant_config is not None and self.quant_config.from_checkpoint and not self.takes_quantization:
             raise ValueError(f"{self.quant_config.name} quantization is not supported for {type(self).__name__} "
                              f"(quantized checkpoints: {QUANTIZED_ARCHITECTURES})")
         device = torch.device(device)
@@ -126,7 +127,8 @@ class PagedCausalLM(KernelSwitches, FastModule):
         """Load the Hugging Face safetensors checkpoint (``loader.load_weights``, each tensor
         renamed by :meth:`checkpoint_name`), or the GGUF file the directory is served from
         (``gguf_loader``: Phi-3, Gemma 2/3, GPT-2, Falcon and Qwen2/3-MoE files, their kept
-        formats' matrices, MoE experts included, kept quantized), then derive the kernels' weight forms.
+        formats' matrices, MoE experts included, kept quantized by the GGUF methods the model
+        was built with), then derive the kernels' weight forms.
 
         Raises:
             FileNotFoundError: no ``*.safetensors`` in ``model_dir``.

@@ -33,6 +33,7 @@ from services.executor.layers.attention import Attention
 from services.executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.executor.layers.layernorm import LayerNorm
 from services.executor.layers.linear import ColumnParallelLinear, GroupedQKVParallelLinear, RowParallelLinear
+from services.executor.layers.quantization import QuantizationConfig, layer_method_for, linear_method_for
 from services.executor.layers.rotary_embedding import apply_rope, get_rope
 from services.executor.layers.utils import FastModule
 from services.executor.models.base import PagedCausalLM
@@ -46,15 +47,18 @@ class FalconAttention(FastModule):
     fused q/k/v (one matmul), RoPE on q and k, paged attention, ``dense``. Under tensor
     parallelism: this rank's heads, ``dense`` summing over the ranks."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "transformer.h.0.self_attention") -> None:
         super().__init__()
         hidden, heads = config_value(hf_config, "hidden_size"), config_value(hf_config, "num_attention_heads")
         self.head_dim = hidden // heads
         bias = bool(config_value(hf_config, "bias", False))
-        self.query_key_value = GroupedQKVParallelLinear(hidden, self.head_dim, heads, num_kv_heads_of(hf_config),
-                                                        bias=bias, params_dtype=dtype)
+        self.query_key_value = GroupedQKVParallelLinear(
+            hidden, self.head_dim, heads, num_kv_heads_of(hf_config), bias=bias, params_dtype=dtype,
+            quant_method=linear_method_for(quant_config, f"{prefix}.query_key_value"))
         self.num_heads, self.num_kv_heads = self.query_key_value.num_heads, self.query_key_value.num_kv_heads
         self.dense = RowParallelLinear(hidden, hidden, bias=bias, params_dtype=dtype,
+                                       quant_method=linear_method_for(quant_config, f"{prefix}.dense"),
                                        input_range=self.query_key_value.row_ranges[0])
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend)
 
@@ -77,14 +81,17 @@ class FalconAttention(FastModule):
 class FalconMLP(FastModule):
     """``dense_4h_to_h(act(dense_h_to_4h(x)))`` (``activation``, GELU by default)."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "transformer.h.0.mlp") -> None:
         super().__init__()
         hidden = config_value(hf_config, "hidden_size")
         inner = config_value(hf_config, "ffn_hidden_size") or 4 * hidden
         bias = bool(config_value(hf_config, "bias", False))
-        self.dense_h_to_4h = ColumnParallelLinear(hidden, inner, bias=bias, params_dtype=dtype)
+        self.dense_h_to_4h = ColumnParallelLinear(hidden, inner, bias=bias, params_dtype=dtype,
+                                                  quant_method=linear_method_for(quant_config, f"{prefix}.dense_h_to_4h"))
         self.act = Activation(config_value(hf_config, "activation", "gelu"))
         self.dense_4h_to_h = RowParallelLinear(inner, hidden, bias=bias, params_dtype=dtype,
+                                               quant_method=linear_method_for(quant_config, f"{prefix}.dense_4h_to_h"),
                                                input_range=self.dense_h_to_4h.row_ranges[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -95,15 +102,16 @@ class FalconDecoderLayer(FastModule):
     """One block: parallel (``h + attn(ln_attn(h)) + mlp(ln_mlp(h))``, one norm or two) or
     sequential (``h' = h + attn(ln(h)); h' + mlp(post_ln(h'))``), as HF's ``FalconDecoderLayer``."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "transformer.h.0") -> None:
         super().__init__()
         hidden, eps = config_value(hf_config, "hidden_size"), config_value(hf_config, "layer_norm_epsilon", 1e-5)
         new_arch = bool(config_value(hf_config, "new_decoder_architecture", False))
         # the new architecture is always parallel (HF's forward adds attention to the MLP output)
         self.parallel = new_arch or bool(config_value(hf_config, "parallel_attn", True))
         num_ln = config_value(hf_config, "num_ln_in_parallel_attn") or (2 if new_arch else 1)
-        self.self_attention = FalconAttention(hf_config, dtype, backend)
-        self.mlp = FalconMLP(hf_config, dtype)
+        self.self_attention = FalconAttention(hf_config, dtype, backend, quant_config, f"{prefix}.self_attention")
+        self.mlp = FalconMLP(hf_config, dtype, quant_config, f"{prefix}.mlp")
         self.input_layernorm = self.post_attention_layernorm = self.ln_attn = self.ln_mlp = None
         if new_arch and num_ln == 2:
             self.ln_attn, self.ln_mlp = LayerNorm(hidden, eps, dtype), LayerNorm(hidden, eps, dtype)
@@ -128,12 +136,14 @@ class FalconDecoderLayer(FastModule):
 class FalconModel(FastModule):
     """``word_embeddings``, the layers ``h``, ``ln_f``; RoPE's cos/sin computed once per step."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         hidden = config_value(hf_config, "hidden_size")
-        self.word_embeddings = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), hidden, dtype)
-        self.h = nn.ModuleList(FalconDecoderLayer(hf_config, dtype, backend)
-                               for _ in range(config_value(hf_config, "num_hidden_layers")))
+        self.word_embeddings = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), hidden, dtype,
+                                                      layer_method_for(quant_config, "transformer.word_embeddings"))
+        self.h = nn.ModuleList(FalconDecoderLayer(hf_config, dtype, backend, quant_config, f"transformer.h.{i}")
+                               for i in range(config_value(hf_config, "num_hidden_layers")))
         self.ln_f = LayerNorm(hidden, config_value(hf_config, "layer_norm_epsilon", 1e-5), dtype)
         head_dim = hidden // config_value(hf_config, "num_attention_heads")
         self.rotary_emb = get_rope(head_dim, rope_parameters(hf_config), dtype, device)
@@ -161,16 +171,17 @@ class FalconForCausalLM(PagedCausalLM):
     """
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False) -> None:
+                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False,
+                 quant_config: QuantizationConfig | None = None) -> None:
         if config_value(hf_config, "alibi", False):
             raise ValueError("Falcon with alibi=True (ALiBi position biases, e.g. Falcon-RW) is not supported: "
                              "only rotary Falcon models load")
-        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels)
+        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels, quant_config)
         hidden, vocab = config_value(hf_config, "hidden_size"), config_value(hf_config, "vocab_size")
         self.tie_word_embeddings = bool(config_value(hf_config, "tie_word_embeddings", True))
         with torch.device(self.device):  # uninitialised: load_weights fills every parameter
-            self.transformer = FalconModel(hf_config, dtype, self.device, self.attn_backend)
-            self.lm_head = ParallelLMHead(vocab, hidden, dtype)
+            self.transformer = FalconModel(hf_config, dtype, self.device, self.attn_backend, self.quant_config)
+            self.lm_head = ParallelLMHead(vocab, hidden, dtype, layer_method_for(self.quant_config, "lm_head"))
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.transformer.word_embeddings)
         attention = self.transformer.h[0].self_attention

@@ -36,7 +36,7 @@ from services.executor.layers.attention import Attention
 from services.executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.executor.layers.layernorm import GemmaRMSNorm
 from services.executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from services.executor.layers.quantization import QuantizationConfig, linear_method_for
+from services.executor.layers.quantization import QuantizationConfig, layer_method_for, linear_method_for
 from services.executor.layers.rotary_embedding import apply_rope, get_rope
 from services.executor.layers.utils import FastModule
 from services.executor.models.base import PagedCausalLM
@@ -192,7 +192,8 @@ class GemmaModel(FastModule):
     def __init__(self, hf_config: Any, args: GemmaArgs, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype,
+                                                   layer_method_for(quant_config, "model.embed_tokens"))
         # HF: a float32 scalar sqrt(hidden_size), cast to the weight's dtype before the product
         self.normalizer = torch.tensor(args.hidden_size**0.5).to(dtype=dtype, device=device)
         windows = layer_sliding_windows(hf_config) if args.version >= 2 else [None] * config_value(hf_config, "num_hidden_layers")
@@ -251,7 +252,8 @@ class GemmaForCausalLM(PagedCausalLM):
         self.final_logit_softcapping: float | None = cap
         with torch.device(self.device):  # uninitialised: load_weights fills every parameter
             self.model = GemmaModel(hf_config, args, dtype, self.device, self.attn_backend, self.quant_config)
-            self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
+            self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, dtype,
+                                          layer_method_for(self.quant_config, "lm_head"))
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.num_kv_heads_per_rank = self.model.layers[0].self_attn.num_kv_heads

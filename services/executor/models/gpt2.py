@@ -12,6 +12,9 @@ sequence concatenated into T rows). What sets it apart from Llama:
   rank's heads from the columns of ``c_attn`` and its input rows of ``c_proj``;
 - the LM head tied to ``wte`` (``tie_word_embeddings``, True by default).
 
+Checkpoint quantization is refused (``PagedCausalLM.takes_quantization``); a GGUF file's
+``quant_config`` gives each layer its method by its name (``transformer.h.0.attn.c_attn``).
+
 Checkpoints name tensors ``transformer.h.0.attn.c_attn.weight`` (``GPT2LMHeadModel``) or, the
 original OpenAI conversions, ``h.0.attn.c_attn.weight``: both load. The causal-mask buffers
 ``attn.bias`` / ``attn.masked_bias`` of old checkpoints are skipped.
@@ -34,6 +37,7 @@ from services.executor.layers.embedding import (
 )
 from services.executor.layers.layernorm import LayerNorm
 from services.executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from services.executor.layers.quantization import QuantizationConfig, layer_method_for, linear_method_for
 from services.executor.layers.utils import FastModule
 from services.executor.models.base import PagedCausalLM
 from services.executor.models.hf_config import config_value
@@ -46,7 +50,7 @@ class Conv1DWeight:
     the linear layers load: ``shape`` reversed, ``narrow(dim, ...)`` reads the source's other
     dimension (only that slice of a lazy ``CheckpointTensor``), ``load()`` the whole transpose."""
 
-    def __init__(self, source: Any) -> None:  # torch.Tensor or models/loader.py's CheckpointTensor
+    def __init__(self, source: Any) -> None:  # torch.Tensor or model_loader/loader.py's CheckpointTensor
         self.source = source
         self.shape = tuple(source.shape)[::-1]
 
@@ -85,14 +89,17 @@ class GPT2Attention(FastModule):
     Scale ``head_dim ** -0.5`` (1 without ``scale_attn_weights``), divided by ``layer_idx + 1``
     with ``scale_attn_by_inverse_layer_idx``. Under tensor parallelism: this rank's heads."""
 
-    def __init__(self, hf_config: Any, layer_idx: int, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, layer_idx: int, dtype: torch.dtype, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "transformer.h.0.attn") -> None:
         super().__init__()
         hidden, total_heads = hf_config.hidden_size, hf_config.num_attention_heads
         self.head_dim = hidden // total_heads
         self.c_attn = Conv1DQKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, bias=True,
-                                              params_dtype=dtype)
+                                              params_dtype=dtype,
+                                              quant_method=linear_method_for(quant_config, f"{prefix}.c_attn"))
         self.num_heads = self.c_attn.num_heads  # this rank's
         self.c_proj = Conv1DRowParallelLinear(hidden, hidden, bias=True, params_dtype=dtype,
+                                              quant_method=linear_method_for(quant_config, f"{prefix}.c_proj"),
                                               input_range=self.c_attn.row_ranges[0])
         scale = self.head_dim**-0.5 if config_value(hf_config, "scale_attn_weights", True) else 1.0
         if config_value(hf_config, "scale_attn_by_inverse_layer_idx", False):
@@ -110,12 +117,15 @@ class GPT2Attention(FastModule):
 class GPT2MLP(FastModule):
     """``c_proj(act(c_fc(x)))``, ``act`` = ``activation_function`` (``gelu_new``: GELU's tanh form)."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "transformer.h.0.mlp") -> None:
         super().__init__()
         hidden = hf_config.hidden_size
         inner = config_value(hf_config, "n_inner") or 4 * hidden
-        self.c_fc = Conv1DColumnParallelLinear(hidden, inner, bias=True, params_dtype=dtype)
+        self.c_fc = Conv1DColumnParallelLinear(hidden, inner, bias=True, params_dtype=dtype,
+                                               quant_method=linear_method_for(quant_config, f"{prefix}.c_fc"))
         self.c_proj = Conv1DRowParallelLinear(inner, hidden, bias=True, params_dtype=dtype,
+                                              quant_method=linear_method_for(quant_config, f"{prefix}.c_proj"),
                                               input_range=self.c_fc.row_ranges[0])
         self.act = Activation(config_value(hf_config, "activation_function", "gelu_new"))
 
@@ -126,13 +136,15 @@ class GPT2MLP(FastModule):
 class GPT2Block(FastModule):
     """Pre-norm block: ``h += attn(ln_1(h)); h += mlp(ln_2(h))``."""
 
-    def __init__(self, hf_config: Any, layer_idx: int, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, layer_idx: int, dtype: torch.dtype, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         hidden, eps = hf_config.hidden_size, config_value(hf_config, "layer_norm_epsilon", 1e-5)
+        prefix = f"transformer.h.{layer_idx}"
         self.ln_1 = LayerNorm(hidden, eps, dtype)
-        self.attn = GPT2Attention(hf_config, layer_idx, dtype, backend)
+        self.attn = GPT2Attention(hf_config, layer_idx, dtype, backend, quant_config, f"{prefix}.attn")
         self.ln_2 = LayerNorm(hidden, eps, dtype)
-        self.mlp = GPT2MLP(hf_config, dtype)
+        self.mlp = GPT2MLP(hf_config, dtype, quant_config, f"{prefix}.mlp")
 
     def forward(self, hidden_states: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:  # [T, hidden], the residual stream
@@ -143,12 +155,15 @@ class GPT2Block(FastModule):
 class GPT2Model(FastModule):
     """``wte(ids) + wpe(positions)``, the blocks, ``ln_f``."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
-        self.wte = VocabParallelEmbedding(hf_config.vocab_size, hidden, dtype)
+        self.wte = VocabParallelEmbedding(hf_config.vocab_size, hidden, dtype,
+                                          layer_method_for(quant_config, "transformer.wte"))
         self.wpe = LearnedPositionEmbedding(hf_config.max_position_embeddings, hidden, dtype)
-        self.h = nn.ModuleList(GPT2Block(hf_config, i, dtype, backend) for i in range(hf_config.num_hidden_layers))
+        self.h = nn.ModuleList(GPT2Block(hf_config, i, dtype, backend, quant_config)
+                               for i in range(hf_config.num_hidden_layers))
         self.ln_f = LayerNorm(hidden, config_value(hf_config, "layer_norm_epsilon", 1e-5), dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -168,16 +183,18 @@ class GPT2LMHeadModel(PagedCausalLM):
     """
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False) -> None:
-        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels)
+                 attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels, quant_config)
         if config_value(hf_config, "add_cross_attention", False):
             raise ValueError("GPT-2 with add_cross_attention=True (cross-attention to an encoder) is not supported")
         # reorder_and_upcast_attn only changes HF's eager attention to float32 scores and softmax,
         # which our attention backends compute in float32 anyway: nothing to do
         self.tie_word_embeddings = bool(config_value(hf_config, "tie_word_embeddings", True))
         with torch.device(self.device):  # uninitialised: load_weights fills every parameter
-            self.transformer = GPT2Model(hf_config, dtype, self.attn_backend)
-            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
+            self.transformer = GPT2Model(hf_config, dtype, self.attn_backend, self.quant_config)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype,
+                                          layer_method_for(self.quant_config, "lm_head"))
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.transformer.wte)
         attn = self.transformer.h[0].attn

@@ -51,6 +51,7 @@ from services.executor.layers.linear import MergedColumnParallelLinear, QKVParal
 from services.executor.layers.quantization import (
     QuantizationConfig,
     get_quantization_config,
+    layer_method_for,
     linear_method_for,
 )
 from services.executor.layers.rotary_embedding import apply_rope, get_rope
@@ -62,7 +63,7 @@ from services.executor.layers.selection import (
     use_linear_methods,
 )
 from services.executor.layers.utils import FastModule
-from services.executor.models import gguf_loader, loader
+from services.executor.model_loader import gguf_loader, loader
 from services.executor.models.hf_config import (
     architectures_of,
     check_supported,
@@ -207,7 +208,8 @@ class LlamaModel(FastModule):
                  backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.dtype = dtype
-        self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype,
+                                                   layer_method_for(quant_config, "model.embed_tokens"))
         self.sliding_windows = layer_sliding_windows(hf_config)  # Mistral's, Qwen2's sliding layers
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype, backend, window, quant_config, f"model.layers.{i}")
                                     for i, window in enumerate(self.sliding_windows))
@@ -265,7 +267,7 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
             (``layers/selection.py``; ``Settings.native_cpu_kernels``).
         quant_config: the checkpoint's quantization (``layers/quantization/``); default: read
             from ``hf_config``'s ``quantization_config``. Its linear methods serve the decoder's
-            matmuls (the LM head and embedding stay unquantized).
+            matmuls (the LM head and embedding stay unquantized but in a GGUF file).
 
     Built under ``use_tp_group`` (``services/executor/parallel/group.py``) it is one rank's part
     of the model: its heads, MLP columns and vocabulary rows; ``num_kv_heads_per_rank`` sizes
@@ -299,7 +301,8 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         self.tp_size = current_tp_group().world_size  # layers built under use_tp_group take their rank's part
         with torch.device(device):  # uninitialised: load_weights fills every parameter
             self.model = LlamaModel(hf_config, args, dtype, device, attn_backend, self.quant_config)
-            self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
+            self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, dtype,
+                                          layer_method_for(self.quant_config, "lm_head"))
         self.num_kv_heads_per_rank = self.model.layers[0].self_attn.num_kv_heads  # this rank's KV cache heads
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
@@ -341,7 +344,8 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         self.model.single_row_gemv = kernels.single_row_gemv
         # one C call for every layer has no all-reduce between them (a single rank only) and
         # no sliding window
-        self.model.native_layers_enabled = (kernels.native_matmuls and self.tp_size == 1 and self.quant_config is None
+        self.model.native_layers_enabled = (kernels.native_matmuls and self.tp_size == 1
+                                            and (self.quant_config is None or not self.quant_config.from_checkpoint)
                                             and not any(self.model.sliding_windows)
                                             and self.model.layers[0].self_attn.q_norm is None)
         self.model.native_layers = None
@@ -350,7 +354,7 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
     @torch.no_grad()
     def load_weights(self, model_dir: Path | str) -> None:
         """Load HF safetensors (one file, or shards listed in ``model.safetensors.index.json``)
-        through :func:`services.executor.models.loader.load_weights`, or the GGUF file the
+        through :func:`services.executor.model_loader.loader.load_weights`, or the GGUF file the
         directory is served from (``gguf_loader``: llama, qwen2 and qwen3 files, their Q4_0 /
         Q4_1 / Q8_0 / K-quant matrices kept quantized), then derive the kernels' weight forms.
         ``lm_head.weight`` is ignored when embeddings are tied.

@@ -25,7 +25,7 @@ from services.executor.layers.embedding import ParallelLMHead, VocabParallelEmbe
 from services.executor.layers.fused_moe import FusedMoE, topk_softmax
 from services.executor.layers.layernorm import RMSNorm
 from services.executor.layers.linear import ReplicatedLinear
-from services.executor.layers.quantization import QuantizationConfig
+from services.executor.layers.quantization import QuantizationConfig, layer_method_for
 from services.executor.layers.rotary_embedding import get_rope
 from services.executor.layers.utils import FastModule
 from services.executor.models.base import PagedCausalLM
@@ -102,7 +102,8 @@ class MoeModel(FastModule):
                  backend: AttentionBackend, make_mlp: Callable[[int], nn.Module],
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype,
+                                                   layer_method_for(quant_config, "model.embed_tokens"))
         self.layers = nn.ModuleList(MoeDecoderLayer(args, dtype, backend, window, make_mlp(i), quant_config,
                                                     f"model.layers.{i}")
                                     for i, window in enumerate(layer_sliding_windows(hf_config)))
@@ -141,7 +142,8 @@ class MoeForCausalLM(PagedCausalLM):
         with torch.device(self.device):
             self.model = MoeModel(hf_config, args, self.dtype, self.device, self.attn_backend, make_mlp,
                                   self.quant_config)
-            self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, self.dtype)
+            self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, self.dtype,
+                                          layer_method_for(self.quant_config, "lm_head"))
         for i, layer in enumerate(self.model.layers):
             expert = f"model.layers.{i}.{self.expert_module}.experts.0.{expert_names[0]}"
             if hasattr(layer.mlp, "experts") and self.quant_config is not None \

@@ -27,7 +27,7 @@ from torch import nn
 from services.executor.attention import AttentionBackend, AttentionMetadata
 from services.executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.executor.layers.layernorm import RMSNorm
-from services.executor.layers.quantization import QuantizationConfig
+from services.executor.layers.quantization import QuantizationConfig, layer_method_for
 from services.executor.layers.rotary_embedding import LongRopeRotaryEmbedding, get_rope
 from services.executor.layers.utils import FastModule
 from services.executor.models.base import PagedCausalLM
@@ -73,7 +73,8 @@ class Phi3Model(FastModule):
     def __init__(self, hf_config: Any, args: LlamaArgs, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype,
+                                                   layer_method_for(quant_config, "model.embed_tokens"))
         self.sliding_windows = layer_sliding_windows(hf_config)  # one window on every layer, or None
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype, backend, window, quant_config, f"model.layers.{i}")
                                     for i, window in enumerate(self.sliding_windows))
@@ -121,7 +122,8 @@ class Phi3ForCausalLM(PagedCausalLM):
         self.tie_word_embeddings = bool(config_value(hf_config, "tie_word_embeddings", False))
         with torch.device(self.device):  # uninitialised: load_weights fills every parameter
             self.model = Phi3Model(hf_config, args, dtype, self.device, self.attn_backend, self.quant_config)
-            self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, dtype)
+            self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, dtype,
+                                          layer_method_for(self.quant_config, "lm_head"))
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.num_kv_heads_per_rank = self.model.layers[0].self_attn.num_kv_heads  # this rank's KV cache heads

@@ -28,7 +28,7 @@ from torch import nn
 from services.executor.attention import AttentionBackend
 from services.executor.layers.fused_moe import FusedMoE, topk_softmax
 from services.executor.layers.linear import ReplicatedLinear
-from services.executor.layers.quantization import QuantizationConfig
+from services.executor.layers.quantization import QuantizationConfig, layer_method_for, moe_method_for
 from services.executor.layers.utils import FastModule
 from services.executor.models.hf_config import check_supported, config_value
 from services.executor.models.llama import LlamaArgs, LlamaMLP
@@ -47,15 +47,18 @@ class Qwen2MoeSparseMoeBlock(FastModule):
         self.tp = current_tp_group()
         self.top_k = config_value(hf_config, "num_experts_per_tok")
         self.norm_topk_prob = bool(config_value(hf_config, "norm_topk_prob", False))
-        self.gate = ReplicatedLinear(hidden, num_experts, bias=False, params_dtype=dtype)
+        self.gate = ReplicatedLinear(hidden, num_experts, bias=False, params_dtype=dtype,
+                                     quant_method=layer_method_for(quant_config, f"{prefix}.gate"))
         self.experts = FusedMoE(num_experts, hidden, config_value(hf_config, "moe_intermediate_size"), dtype,
-                                reduce_results=False)
+                                reduce_results=False, quant_method=moe_method_for(quant_config, f"{prefix}.experts"))
         shared_size = config_value(hf_config, "shared_expert_intermediate_size") or 0
         self.shared_expert = self.shared_expert_gate = None
         if shared_size:
             self.shared_expert = LlamaMLP(dataclasses.replace(args, intermediate_size=shared_size), dtype,
                                           quant_config, f"{prefix}.shared_expert")
-            self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False, params_dtype=dtype)
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False, params_dtype=dtype,
+                                                       quant_method=layer_method_for(quant_config,
+                                                                                     f"{prefix}.shared_expert_gate"))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         router_logits = self.gate(hidden_states)  # [T, E]

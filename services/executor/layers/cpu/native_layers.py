@@ -1,6 +1,6 @@
 """Every decoder layer of a bf16 Llama-family model in one C call per step (``kernels/cpu/csrc/cpu_llama_layers.c``).
 
-Where the panels (``panels.py``) or GGUF blocks (``layers/gguf.py``) serve every matmul and the C norms every norm, the per-layer
+Where the panels (``panels.py``) or GGUF blocks (``layers/quantization/gguf/``) serve every matmul and the C norms every norm, the per-layer
 path is ~25 Python-level calls per layer around C kernels; :class:`NativeLayers` strings the
 same kernels together in C with the same roundings, for steps whose every attention row the
 backend's C kernel serves (``AttentionBackend.native_rows``), of at most ``max_rows`` tokens
@@ -21,7 +21,11 @@ from torch import nn
 
 from kernels.cpu import native, ops
 from kernels.cpu.attention_plan import NativeRows
-from services.executor.layers.gguf import NATIVE_MAX_ROWS, GGUFLinearMethod, GGUFShardedLinearMethod
+from services.executor.layers.quantization.gguf import (
+    NATIVE_MAX_ROWS,
+    GGUFLinearMethod,
+    GGUFShardedLinearMethod,
+)
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V [num_blocks, block_size, Hkv, D]
 
@@ -96,7 +100,7 @@ class NativeLayers:
         methods = [m for m in gguf if m is not None] + [m for s in shards for _, m in s]
         # GGUF blocks in the file's layout (a weight whose rows are not a multiple of 16): the C kernel unpacks a
         # block once per 8 rows (16 on its int8 path); over NATIVE_MAX_ROWS the per-layer path (a dequantized weight
-        # in torch's GEMM) is quicker. The 16-row interleaved int8 kernels (gguf_r16: every type, K-quants included)
+        # in torch's GEMM) is quicker. The 16-row interleaved int8 kernels (gguf/r16.py: every type, K-quants included)
         # are quicker at every row count.
         self.max_rows = NATIVE_MAX_ROWS if any(not m.r16 for m in methods) else None
         a.k_cache = pointers([k for k, _ in kv_caches])

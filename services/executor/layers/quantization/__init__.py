@@ -1,8 +1,16 @@
-"""Quantized checkpoints: ``config.json``'s ``quantization_config`` -> a :class:`QuantizationConfig`
-whose linear methods read the checkpoint's tensors (one module per method: ``gptq.py``,
-``awq.py``, ``compressed_tensors.py``, ``fp8.py``; the int4 formats share ``int4.py``'s layout
-and kernel). Detected from the checkpoint, as vLLM does; ``Settings.quantization`` (vLLM's
-``--quantization``) only confirms it.
+"""Quantized weights: a :class:`QuantizationConfig` whose methods the models take for their layers
+when they build them (:func:`linear_method_for`, :func:`moe_method_for`, :func:`layer_method_for`).
+
+Five methods (:data:`QUANTIZATION_METHODS`), one module or package each: ``gptq.py``, ``awq.py``,
+``compressed_tensors.py``, ``fp8.py`` read ``config.json``'s ``quantization_config`` (detected
+from the checkpoint, as vLLM does; ``Settings.quantization``, vLLM's ``--quantization``, only
+confirms it), and the int4 formats share ``int4.py``'s layout; ``gguf/`` keeps a GGUF file's
+blocks, its config read from the file's header (``services/executor/model_loader/``).
+
+Their kernels: ``kernels/cpu/quant_ops.py`` (the C library's int4 and GGUF matmuls,
+``kernels/cpu/csrc/cpu_gemm_w4.c`` and ``cpu_gguf_*.c``) on CPU, ``kernels/triton/gemm_w4.py``
+and ``kernels/triton/gemm_gguf.py`` on CUDA; their torch references are here (``int4.py``'s
+``Int4Weights``, ``gguf/formats.py``'s ``dequantize``).
 """
 
 from __future__ import annotations
@@ -14,15 +22,16 @@ from services.executor.layers.quantization.awq import AWQConfig
 from services.executor.layers.quantization.base import QuantizationConfig, QuantizedLinearMethod
 from services.executor.layers.quantization.compressed_tensors import CompressedTensorsConfig
 from services.executor.layers.quantization.fp8 import Fp8Config
+from services.executor.layers.quantization.gguf import GGUFConfig
 from services.executor.layers.quantization.gptq import GPTQConfig
 
 #: quant_method -> its config class
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
-    cls.name: cls for cls in (GPTQConfig, AWQConfig, CompressedTensorsConfig, Fp8Config)
+    cls.name: cls for cls in (GPTQConfig, AWQConfig, CompressedTensorsConfig, Fp8Config, GGUFConfig)
 }
 
 __all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "QuantizedLinearMethod", "get_quantization_config",
-           "linear_method_for"]
+           "layer_method_for", "linear_method_for", "moe_method_for"]
 
 
 def get_quantization_config(hf_config: Any, requested: str | None = None) -> QuantizationConfig | None:
@@ -61,3 +70,14 @@ def linear_method_for(quant_config: QuantizationConfig | None, prefix: str,
     if quant_config is None:
         return None
     return quant_config.linear_method(prefix, shard_names or [])
+
+
+def moe_method_for(quant_config: QuantizationConfig | None, prefix: str) -> Any | None:
+    """The method of the ``FusedMoE`` named ``prefix`` under ``quant_config``; None: unquantized experts."""
+    return None if quant_config is None else quant_config.moe_method(prefix)
+
+
+def layer_method_for(quant_config: QuantizationConfig | None, prefix: str) -> LinearMethodBase | None:
+    """The method of layer ``prefix`` that checkpoint quantization leaves unquantized (embedding, LM
+    head, MoE router or gate) under ``quant_config``; None: unquantized (a GGUF file may keep it)."""
+    return None if quant_config is None else quant_config.layer_method(prefix)

@@ -2,7 +2,8 @@
 loader that puts a checkpoint's quantized tensors into a (tensor-parallel) layer.
 
 A :class:`QuantizationConfig` is read from ``config.json``'s ``quantization_config`` (vLLM's
-``QuantizationConfig``); :meth:`QuantizationConfig.linear_method` gives the
+``QuantizationConfig``; a GGUF file's from its header: ``gguf/config.py``);
+:meth:`QuantizationConfig.linear_method` gives the
 :class:`QuantizedLinearMethod` of one linear layer (or ``None``: that layer is not quantized,
 e.g. one in compressed-tensors' ``ignore`` list). A quantized layer keeps its method for good:
 ``layers/selection.py`` gives the kernel choice (oneDNN, panels, ...) only to the others.
@@ -29,9 +30,15 @@ from services.executor.layers.utils import copy_checked, narrow_checked, set_wei
 
 
 class QuantizationConfig:
-    """One checkpoint's ``quantization_config`` (a subclass per method)."""
+    """One checkpoint's ``quantization_config`` (a subclass per method), or a GGUF file's block
+    formats (``gguf/``). The models ask it for each layer's method when they build the layer:
+    :meth:`linear_method` for the decoder's linear layers, :meth:`moe_method` for a ``FusedMoE``'s
+    experts, :meth:`layer_method` for the layers a checkpoint's quantization leaves unquantized."""
 
     name: ClassVar[str]  # the quant_method name, as vLLM's --quantization takes it
+    #: read from config.json's quantization_config (False: a GGUF file's formats, which quantize
+    #: every GGUF-served architecture and which the all-layers C call reads)
+    from_checkpoint: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod
@@ -43,6 +50,16 @@ class QuantizationConfig:
         """The method of the linear layer named ``prefix`` (checkpoint names, e.g.
         ``model.layers.0.self_attn.qkv_proj``) whose checkpoint shards are ``shard_names``
         (``q_proj``, ``k_proj``, ``v_proj``); ``None``: the layer is not quantized."""
+
+    def moe_method(self, prefix: str) -> Any | None:
+        """The method of the ``FusedMoE`` named ``prefix`` (e.g. ``model.layers.0.mlp.experts``);
+        ``None``: unquantized experts (every checkpoint method here)."""
+        return None
+
+    def layer_method(self, prefix: str) -> LinearMethodBase | None:
+        """The method of a layer that checkpoint quantization leaves in the model's dtype (the
+        embedding, the LM head, a MoE router or gate); ``None`` (every checkpoint method here)."""
+        return None
 
 
 class QuantizedLinearMethod(LinearMethodBase):
@@ -68,15 +85,6 @@ class QuantizedLinearMethod(LinearMethodBase):
     @abstractmethod
     def apply_checkpoint(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` from the checkpoint's tensors, ``[T, in]`` -> ``[T, out]`` in ``x``'s dtype."""
-
-    def register_bias(self, layer: nn.Module, rows: int, params_dtype: torch.dtype, bias: bool) -> None:
-        """``bias`` ``[rows]`` (or None) with the layer's own loader, as the unquantized layer has it."""
-        if not bias:
-            layer.register_parameter("bias", None)
-            return
-        b = nn.Parameter(torch.empty(rows, dtype=params_dtype), requires_grad=False)
-        set_weight_attrs(b, {"weight_loader": layer.weight_loader})
-        layer.register_parameter("bias", b)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "quant_derived", None) is not None:

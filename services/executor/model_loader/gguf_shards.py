@@ -8,8 +8,8 @@ checkpoint (vLLM's semantics), read off the layer built under the rank's group:
   by balanced ranges); a fused file tensor holding every shard's rows (Phi-3's ``attn_qkv``,
   ``ffn_up``) is cut into its shards (``layer.output_sizes``) first. Biases likewise;
 - a row-parallel layer (``o_proj``, ``down_proj``) takes the input columns ``layer.input_range``:
-  whole blocks of each row, so the range must start and end on a block boundary (32 elements,
-  256 for the K-quants), else :class:`ValueError`. Its bias stays whole;
+  whole blocks of each row, so the range must start and end on a block boundary (the format's
+  ``block_size``), else :class:`ValueError`. Its bias stays whole;
 - a vocabulary-parallel embedding or LM head takes the vocabulary rows
   ``[vocab_start, vocab_start + num_embeddings_per_partition)`` (balanced, no padding rows);
   ``VocabParallelEmbedding.forward`` already shifts the ids to the rank's rows and zeroes the
@@ -33,8 +33,8 @@ from torch import nn
 
 from services.executor.layers.embedding import VocabParallelEmbedding
 from services.executor.layers.fused_moe import FusedMoE
-from services.executor.layers.gguf import BlockFormat
 from services.executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from services.executor.layers.quantization.gguf.formats import BlockFormat
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:  # a view's values in their own (contiguous) storage
@@ -73,7 +73,7 @@ def _columns(t: torch.Tensor, fmt: BlockFormat | None, start: int, size: int, wh
         raise ValueError(f"{name}: tensor_parallel_size={tp_size} gives rank {tp_rank} the input columns "
                          f"[{start}, {start + size}) of {whole}, which cut {fmt.name}'s blocks of "
                          f"{bs} elements (each rank's share must be whole blocks: a multiple of {bs})")
-    return _copy(t.narrow(-1, start // bs * fmt.block_bytes, size // bs * fmt.block_bytes))
+    return _copy(t.narrow(-1, fmt.row_bytes(start), fmt.row_bytes(size)))
 
 
 def row_share(layer: RowParallelLinear, rows: torch.Tensor, fmt: BlockFormat | None, name: str) -> torch.Tensor:

@@ -1,5 +1,11 @@
-"""A GGUF file -> a model's parameters, its Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices kept
-quantized (``layers/gguf.py``).
+"""A GGUF file -> a model's parameters, the matrices of kept formats (``formats.py`` of
+``layers/quantization/gguf/``) kept quantized.
+
+The model is built for the file: ``gguf_tensors.gguf_quant_config`` reads the file's formats
+from its header into a ``GGUFConfig``, which gives each layer its GGUF method (or none) when the
+model builds it. Loading checks that each layer's method is the one the file's formats ask for
+(``ValueError`` otherwise: a model built without the file's config, or for another file) and
+hands the method its blocks (``load``); it never installs or swaps a method.
 
 The file's ``general.architecture`` picks the map of its tensors onto our modules
 (``gguf_tensors.py``: llama, qwen2, qwen3, phi3, gemma2, gemma3, qwen2moe, qwen3moe, gpt2, falcon,
@@ -11,12 +17,12 @@ decoder layer ``N``'s modules take ``blk.N``'s tensors, and ``token_embd`` / ``o
 embeddings are tied; GPT-2's ``position_embd`` to ``wpe``).
 
 A MoE layer's experts (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, stacked ``[E,
-I, hidden]`` / ``[E, hidden, I]``) stay quantized too, matmul by matmul: ``layers/gguf_moe.py``'s
+I, hidden]`` / ``[E, hidden, I]``) stay quantized too, matmul by matmul: the ``FusedMoE``'s
 ``GGUFMoEMethod`` holds each expert's gate | up blocks when gate and up are both of kept formats
-and its down blocks when down is, the other matmul (e.g. Q5_0 down experts beside Q4_K gate and
-up, as in llama.cpp's Q4_K_M files of Qwen1.5-MoE) dequantized into the model's dtype, and
-multiplies each expert's tokens; experts with neither matmul kept are dequantized into
-``FusedMoE``'s ``w13`` / ``w2``. The router (``ffn_gate_inp``, F32 in llama.cpp's files) is
+and its down blocks when down is, the other matmul (e.g. down experts in a 5-bit format not kept,
+as in llama.cpp's Q4_K_M files of Qwen1.5-MoE) dequantized into the model's dtype, and
+multiplies each expert's tokens; experts with neither matmul kept are dequantized into the
+unquantized method's ``w13`` / ``w2``. The router (``ffn_gate_inp``, F32 in llama.cpp's files) is
 loaded as values.
 
 What llama.cpp's converter changed is undone as transformers undoes it: the llama files' q and
@@ -35,7 +41,7 @@ file's tensors whole and copies out its share.
 
 A merged layer (q | k | v, gate | up, or Phi-3's fused tensors) whose shards are all of one kept
 format keeps its blocks (``GGUFLinearMethod``), one whose shards are of several kept formats
-keeps each shard's (``GGUFShardedLinearMethod``: llama.cpp's Q4_K_M mixes Q4_K and Q6_K in
+keeps each shard's (``GGUFShardedLinearMethod``: llama.cpp's Q4_K_M mixes two K-quants in
 q | k | v); any other (F32, F16, BF16, other quantizations) is dequantized by ``gguf.quants`` into
 the model's dtype and loaded as usual. Biases and norms (F32 in llama.cpp's files) are loaded
 as values.
@@ -51,17 +57,24 @@ from torch import nn
 
 from kernels.cpu import ops
 from services.executor.layers.fused_moe import FusedMoE
-from services.executor.layers.gguf import FORMATS, GGUFLinearMethod, GGUFShardedLinearMethod
-from services.executor.layers.gguf_moe import GGUFMoEMethod, kept_formats
 from services.executor.layers.linear import ColumnParallelLinear, RowParallelLinear
-from services.executor.models.gguf_shards import (
+from services.executor.layers.quantization.gguf import (
+    GGUFLinearMethod,
+    GGUFMoEMethod,
+    GGUFShardedLinearMethod,
+    kept,
+    kept_formats,
+)
+from services.executor.layers.quantization.gguf.config import linear_method_of
+from services.executor.model_loader.gguf_header import architecture
+from services.executor.model_loader.gguf_shards import (
     column_shares,
     expert_shares,
     is_split,
     row_share,
     vocab_share,
 )
-from services.executor.models.gguf_tensors import GGUFTensorMap, tensor_map
+from services.executor.model_loader.gguf_tensors import GGUFTensorMap, tensor_map
 
 
 def gguf_file(model_dir: Path | str) -> Path | None:
@@ -88,18 +101,6 @@ def _dequantized(tensor) -> torch.Tensor:  # [rows, cols] or [rows] float32
     return torch.from_numpy(np.array(quants.dequantize(tensor.data, tensor.tensor_type), copy=True)).reshape(shape)
 
 
-def architecture(reader) -> str:
-    """A ``GGUFReader``'s ``general.architecture``.
-
-    Raises:
-        ValueError: the file does not state it.
-    """
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise ValueError("the GGUF file has no general.architecture")
-    return bytes(field.parts[field.data[0]]).decode()
-
-
 class _Tensors:
     """The file's tensors by name, what has been read, and how rows are put back in order."""
 
@@ -111,7 +112,7 @@ class _Tensors:
             qkv = model.get_submodule(tmap.layers)[0].self_attn.qkv_proj  # the model's heads (not a rank's)
             heads = {"q": qkv.output_sizes[0] // qkv.head_size, "kv": qkv.output_sizes[1] // qkv.head_size}
             self.permuted = {kind: heads[which] for kind, which in tmap.permuted.items()}
-        self.norm_offset, self.dtype, self.native, self.path = tmap.norm_offset, model.dtype, native, path
+        self.norm_offset, self.native, self.path = tmap.norm_offset, native, path
 
     def _rows(self, name: str, raw: bool) -> torch.Tensor:  # one tensor's rows in Hugging Face's order
         kind = name.split(".")[-2]  # blk.N.<kind>.weight
@@ -138,7 +139,7 @@ class _Tensors:
         if missing:
             raise ValueError(f"{self.path}: tensors missing: {missing}")
         self.used.update(names)
-        return [FORMATS.get(int(self.tensors[n].tensor_type)) for n in names]
+        return [kept(self.tensors[n].tensor_type) for n in names]
 
     def load(self, module: nn.Module, stems: list[str]) -> None:
         """``module``'s weight (and bias, if it has one) from the tensors ``<stem>.weight`` (``.bias``),
@@ -154,18 +155,17 @@ class _Tensors:
         bias = getattr(module, "bias", None)
         biases = [f"{s}.bias" for s in stems] if isinstance(bias, torch.Tensor) else []
         fmts = self._used(names + biases)[: len(names)]
-        kept = None not in fmts and hasattr(module, "quant_method")
-        rows = [self._rows(n, raw=kept) for n in names]
-        expected = tuple(module.weight.shape)
-        if not kept and len(expected) == 2 and expected[0] == 1 and rows[0].dim() == 1:
+        method = getattr(module, "quant_method", None)
+        blocks = _check_method(names, fmts, _formats(method), _formats(linear_method_of(fmts) if method else None))
+        rows = [self._rows(n, raw=blocks) for n in names]
+        expected = (method.rows,) if blocks else tuple(module.weight.shape)  # blocks: their rows
+        if not blocks and len(expected) == 2 and expected[0] == 1 and rows[0].dim() == 1:
             rows = [r[None] for r in rows]  # llama.cpp's converter squeezes [1, K] (Qwen2-MoE's shared expert gate)
-        rows = self._share(module, rows, fmts if kept else [None] * len(names), names)  # each tensor's (this rank's)
-        if sum(r.shape[0] for r in rows) != expected[0] or (not kept and tuple(torch.cat(rows).shape) != expected):
+        rows = self._share(module, rows, fmts if blocks else [None] * len(names), names)  # each tensor's (this rank's)
+        if sum(r.shape[0] for r in rows) != expected[0] or (not blocks and tuple(torch.cat(rows).shape) != expected):
             raise ValueError(f"{names}: GGUF shapes {[tuple(r.shape) for r in rows]} do not fit {expected}")
-        if kept and len(set(fmts)) > 1:  # each shard's blocks apart
-            GGUFShardedLinearMethod(fmts, self.dtype, self.native).install(module, rows, expected[1])
-        elif kept:  # [rows, K / block_size * block_bytes] uint8
-            GGUFLinearMethod(fmts[0], self.dtype, self.native).install(module, torch.cat(rows), expected[1])
+        if blocks:  # [rows, K / block_size * block_bytes] uint8 each: the layer's GGUF method takes them
+            method.load(module, rows, self.native)
         else:  # [rows, K] float32 (a norm: [rows])
             module.weight.data.copy_(torch.cat(rows))
         if biases:
@@ -180,19 +180,23 @@ class _Tensors:
         """A MoE layer's stacked experts from ``<gate>``, ``<up>``, ``<down>.weight`` (``[E, I,
         hidden]``, ``[E, I, hidden]``, ``[E, hidden, I]``), each matmul on its own: gate | up kept
         as blocks when both tensors are of kept formats, down when its tensor is
-        (``gguf_moe.kept_formats``); a matmul not kept is dequantized into the model's dtype and
-        served dense beside the other's blocks (``GGUFMoEMethod``); neither kept, all three are
-        dequantized into ``w13`` / ``w2`` (the fused MoE kernels).
+        (``moe.kept_formats``); a matmul not kept is dequantized into the model's dtype and
+        served dense beside the other's blocks (the layer's ``GGUFMoEMethod``); neither kept, all
+        three are dequantized into ``w13`` / ``w2`` (the fused MoE kernels).
 
         Raises:
-            ValueError: a tensor is missing or of the wrong shape.
+            ValueError: a tensor is missing or of the wrong shape, or the layer's method is not
+                the one the file's formats ask for.
         """
         names = [f"{s}.weight" for s in stems]
         fmts = kept_formats(tuple(self._used(names)))
+        method = moe.quant_method
+        _check_method(names, fmts, method.fmts if isinstance(method, GGUFMoEMethod) else None,
+                      None if all(f is None for f in fmts) else fmts)
         rows = [self._rows(n, raw=f is not None) for n, f in zip(names, fmts, strict=True)]  # blocks or float32
         gate, up, down = expert_shares(moe, *rows, fmts[2], names)  # this rank's part of each
-        if any(f is not None for f in fmts):
-            GGUFMoEMethod(fmts, self.dtype, self.native).install(moe, gate, up, down)
+        if isinstance(method, GGUFMoEMethod):
+            method.load(moe, gate, up, down, self.native)
             return
         w13, w2 = torch.cat((gate, up), dim=1), down  # [E, 2 I_rank, hidden], [E, hidden, I_rank] float32
         if w13.shape != moe.w13.shape or w2.shape != moe.w2.shape:
@@ -200,6 +204,28 @@ class _Tensors:
                              f"not fit the experts' {tuple(moe.w13.shape)}, {tuple(moe.w2.shape)}")
         moe.w13.data.copy_(w13)
         moe.w2.data.copy_(w2)
+
+
+def _formats(method: object) -> tuple | None:
+    """The formats a GGUF linear method keeps (each shard's, or its one), else None."""
+    if isinstance(method, GGUFShardedLinearMethod):
+        return tuple(m.fmt for m in method.parts)
+    return (method.fmt,) if isinstance(method, GGUFLinearMethod) else None
+
+
+def _check_method(names: list[str], fmts: list, built: tuple | None, wanted: tuple | None) -> bool:
+    """Whether the layer keeps the tensors ``names`` (of ``fmts``) as blocks: its method's formats
+    (``built``, None: it takes values) must be those the file's formats ask for (``wanted``).
+
+    Raises:
+        ValueError: they differ (the model was built without this file's ``GGUFConfig``, or for another file).
+    """
+    if built != wanted:
+        raise ValueError(f"{names}: the file's formats {[f and f.name for f in fmts]} ask for "
+                         f"{wanted and [f and f.name for f in wanted]} blocks, the layer was built for "
+                         f"{built and [f and f.name for f in built]}: build the model with the file's quant_config "
+                         "(services.executor.model_loader.quantization_config)")
+    return built is not None
 
 
 def _submodule(root: nn.Module, path: str) -> nn.Module | None:
@@ -219,13 +245,15 @@ def load_gguf_weights(model: nn.Module, path: Path, native: bool) -> None:
     formats' matmuls may run in the C kernel (``GGUFLinearMethod``).
 
     ``model``: a model of the file's architecture (its layers at the map's ``layers``, its
-    ``lm_head`` and ``tie_word_embeddings``), whole or one tensor-parallel rank's part (its
-    layers take their rank's share).
+    ``lm_head`` and ``tie_word_embeddings``; a tied LM head shares the embedding's weight and
+    method), built with the file's ``GGUFConfig`` (:func:`gguf_tensors.gguf_quant_config`),
+    whole or one tensor-parallel rank's part (its layers take their rank's share).
 
     Raises:
         ValueError: an architecture not served from GGUF, a tensor missing or of the wrong
-            shape, tensors this architecture does not know, or a tensor-parallel rank's input
-            columns of a row-parallel layer that are not whole blocks (``gguf_shards.row_share``).
+            shape, tensors this architecture does not know, a layer whose method is not the one
+            the file's formats ask for, or a tensor-parallel rank's input columns of a
+            row-parallel layer that are not whole blocks (``gguf_shards.row_share``).
     """
     from gguf import GGUFReader
 
@@ -241,12 +269,6 @@ def load_gguf_weights(model: nn.Module, path: Path, native: bool) -> None:
         if attr == "lm_head" and model.tie_word_embeddings:
             continue
         tensors.load(model.get_submodule(attr), [name])
-    if model.tie_word_embeddings:
-        embed = model.get_submodule(next(attr for attr, name in tmap.model.items() if name == "token_embd"))
-        head = model.lm_head
-        head.weight, head.quant_method = embed.weight, embed.quant_method
-        if embed.quant_method.quantized:
-            head.gguf_input_size = embed.gguf_input_size
     unexpected = sorted(set(tensors.tensors) - tensors.used)
     if unexpected:
         raise ValueError(f"{len(unexpected)} unexpected tensors in {path}, e.g. {unexpected[:5]}")

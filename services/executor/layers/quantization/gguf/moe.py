@@ -4,19 +4,22 @@
 llama.cpp stores a MoE layer's experts stacked: gate and up ``[E, I, hidden]``, down ``[E,
 hidden, I]`` (rows = output features, each row whole blocks of its input, as a linear layer's).
 Expert ``e``'s rows are a plain GGUF weight, so each expert is multiplied by the GGUF matmul of
-``layers/gguf.py`` (:class:`~services.executor.layers.gguf.GGUFLinearMethod`: the native C
-kernel on CPU, the Triton kernel on CUDA, else dequantize + ``F.linear``): its gate | up rows in
-one matmul (each shard's blocks apart, :class:`~services.executor.layers.gguf.GGUFShardedLinearMethod`,
+``linear.py`` (:class:`~services.executor.layers.quantization.gguf.linear.GGUFLinearMethod`: the
+native C kernel on CPU, the Triton kernel on CUDA, else dequantize + ``F.linear``): its gate | up
+rows in one matmul (each shard's blocks apart, ``GGUFShardedLinearMethod``,
 when gate and up come in different formats), SiLU(gate) * up, then down. The tokens are grouped
 by expert as ``fused_moe_cpu`` groups them (:func:`~services.executor.layers.fused_moe.experts_weighted_sum`),
 so the loop is over the experts that have tokens, with the same rounding as the unquantized path.
 
 Each of the two matmuls is kept on its own (:func:`kept_formats`): gate | up when the gate and up
-tensors are both of formats ``layers/gguf.py`` keeps, down when its tensor is. A matmul not kept
-(llama.cpp's Q4_K_M files of Qwen1.5-MoE write Q5_0 ``ffn_down_exps`` beside Q4_K gate and up)
+tensors are both of formats ``formats.py`` keeps, down when its tensor is. A matmul not kept
+(llama.cpp's Q4_K_M files of Qwen1.5-MoE write ``ffn_down_exps`` in a 5-bit format not kept)
 holds its weight dequantized into the model's dtype and is multiplied by ``F.linear``
 (:class:`~services.executor.layers.linear.UnquantizedLinearMethod`). Experts with neither matmul
-kept are no business of this method: the loader dequantizes them into ``FusedMoE``'s ``w13`` / ``w2``.
+kept are no business of this method: ``GGUFConfig.moe_method`` gives none, and the loader
+dequantizes them into the unquantized method's ``w13`` / ``w2``. The model asks for this method
+when it builds the ``FusedMoE`` (its ``quant_method``); the loader hands it the file's experts
+(:meth:`GGUFMoEMethod.load`).
 
 The fused Triton MoE kernel (``kernels/triton/fused_moe.py``) takes dense ``w13`` / ``w2`` only:
 on CUDA the GGUF experts run as that loop of per-expert matmuls.
@@ -28,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.executor.layers.fused_moe import FusedMoE, experts_weighted_sum
-from services.executor.layers.gguf import BlockFormat, GGUFLinearMethod, GGUFShardedLinearMethod
+from services.executor.layers.fused_moe import FusedMoE, FusedMoEMethodBase, experts_weighted_sum
 from services.executor.layers.linear import UnquantizedLinearMethod
+from services.executor.layers.quantization.gguf.formats import BlockFormat
+from services.executor.layers.quantization.gguf.linear import GGUFLinearMethod, GGUFShardedLinearMethod
 
 Formats = tuple[BlockFormat | None, BlockFormat | None, BlockFormat | None]
 
@@ -42,7 +46,7 @@ def kept_formats(fmts: Formats) -> Formats:
     return (gate, up, down) if gate is not None and up is not None else (None, None, down)
 
 
-class GGUFMoEMethod:
+class GGUFMoEMethod(FusedMoEMethodBase):
     """A :class:`FusedMoE`'s experts, each matmul as GGUF blocks where its formats are kept: each
     expert ``e`` is the sub-module ``moe.gguf_experts[e]`` with ``gate_up`` (rows gate | up,
     ``[2 I_rank, hidden]``) and ``down`` (``[hidden, I_rank]``), each holding its weight and the
@@ -50,18 +54,39 @@ class GGUFMoEMethod:
     dense values in the model's dtype with ``UnquantizedLinearMethod``.
 
     ``fmts``: the gate, up and down tensors' formats as :func:`kept_formats` gives them (``None``:
-    that matmul is dense); ``dtype``: the model's activation dtype (and the dense weights');
-    ``native``: the C kernels may serve small row counts on CPU (as ``GGUFLinearMethod``).
+    that matmul is dense); ``dtype``: the model's activation dtype (and the dense weights';
+    default: the ``FusedMoE``'s ``params_dtype``); ``native``: the C kernels may serve small row
+    counts on CPU (as ``GGUFLinearMethod``; the loader sets it).
 
     Raises:
         ValueError: ``fmts`` keeps neither matmul, or gate | up only in part.
     """
 
-    def __init__(self, fmts: Formats, dtype: torch.dtype, native: bool = False) -> None:
+    quantized = True
+
+    def __init__(self, fmts: Formats, dtype: torch.dtype | None = None, native: bool = False) -> None:
         if kept_formats(fmts) != tuple(fmts) or all(f is None for f in fmts):
             raise ValueError(f"GGUF experts of formats {[f and f.name for f in fmts]}: each of gate | up and down "
                              f"is kept whole or not, and one of them must be (else dense w13 / w2)")
         self.fmts, self.dtype, self.native = tuple(fmts), dtype, native
+
+    def create_weights(self, moe: FusedMoE, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        """Empty ``w13`` / ``w2`` in ``params_dtype``: the experts come at :meth:`load`."""
+        self.dtype = self.dtype or params_dtype
+        empty = torch.empty(0, dtype=params_dtype)
+        moe.register_parameter("w13", nn.Parameter(empty, requires_grad=False))
+        moe.register_parameter("w2", nn.Parameter(empty.clone(), requires_grad=False))
+
+    def load(self, moe: FusedMoE, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, native: bool) -> None:
+        """The file's experts at load (this rank's part, as :meth:`install` takes them);
+        ``native``: as the constructor's.
+
+        Raises:
+            ValueError: as :meth:`install`.
+        """
+        self.native = native
+        self.install(moe, gate, up, down)
 
     def install(self, moe: FusedMoE, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """Make the tensors ``moe``'s experts, replacing its dense ``w13`` / ``w2`` (left empty).
@@ -103,7 +128,7 @@ class GGUFMoEMethod:
         empty = torch.empty(0, dtype=moe.w13.dtype)
         moe.w13 = nn.Parameter(empty, requires_grad=False)
         moe.w2 = nn.Parameter(empty.clone(), requires_grad=False)
-        moe.experts_method = self
+        moe.quant_method = self
 
     def _dense(self, values: torch.Tensor, columns: int, name: str) -> torch.Tensor:  # [E, rows, columns] dtype
         if not values.is_floating_point() or values.shape[2] != columns:

@@ -50,11 +50,19 @@ expert) is skipped; a file tensor nothing read is an error.
 RoPE factors stored as tensors (Llama 3.1's ``rope_freqs``, Phi-3's LongRoPE ``rope_factors_long``
 / ``rope_factors_short``) are no weights: ``shared/gguf_config.py`` puts them in the served
 config's RoPE scaling.
+
+:func:`gguf_quant_config` reads, from the file's header alone, each of our modules' tensor types
+through this map: the ``GGUFConfig`` the model is built with (``layers/quantization/gguf/``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.executor.layers.quantization.gguf import GGUFConfig
+from services.executor.model_loader.gguf_header import read_header
 
 #: our module (from the model's root) -> its GGUF tensor, for the ``model.layers`` architectures
 MODEL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -142,3 +150,26 @@ def tensor_map(architecture: str) -> GGUFTensorMap:
         raise ValueError(f"GGUF architecture {architecture!r} is not served from GGUF "
                          f"(served: {sorted(GGUF_TENSOR_MAPS)})")
     return found
+
+
+def gguf_quant_config(path: Path | str) -> GGUFConfig:
+    """The ``GGUFConfig`` of the GGUF file at ``path``: each of our modules' tensor types (ggml ids)
+    in row order, a MoE layer's gate, up and down experts apart (llama.cpp's ``*_exps`` tensors),
+    from the header (``gguf_header.py``: no metadata value or tensor data is read). Modules whose
+    tensors the file lacks are left out.
+
+    Raises:
+        ValueError: an architecture not served from GGUF, or no ``general.architecture``.
+    """
+    arch, types = read_header(path)
+    tmap = tensor_map(arch)
+    blocks = {int(m.group(1)) for name in types if (m := re.match(r"blk\.(\d+)\.", name))}
+    linear: dict[str, list[int]] = {}
+    experts: dict[str, list[int]] = {}
+    modules = [(f"{tmap.layers}.{i}.{attr}", [f"blk.{i}.{p}.weight" for p in parts])
+               for i in sorted(blocks) for attr, parts in tmap.layer.items()]
+    modules += [(attr, [f"{name}.weight"]) for attr, name in tmap.model.items()]
+    for module, names in modules:
+        if all(n in types for n in names):
+            (experts if names[-1].endswith("_exps.weight") else linear)[module] = [types[n] for n in names]
+    return GGUFConfig.from_config({"quant_method": GGUFConfig.name, "linear": linear, "experts": experts})
