@@ -9,13 +9,13 @@ checkpoint) and the tokenizer files with the chat template.
 
 An explicit ``.gguf`` path (``LLM(model="path/model.gguf")``, ``pagedllm serve path/model.gguf``)
 is served from the file itself, its quantized matrices kept quantized
-(``services/executor/models/gguf_loader.py``): :func:`prepare_gguf_model` writes, once per file,
+(``services/executor/model_loader/gguf_loader.py``): :func:`prepare_gguf_model` writes, once per file,
 a directory with what the services read (``config.json`` and the tokenizer files, from the GGUF
 metadata by transformers' GGUF support, completed by ``shared/gguf_config.py``) and a link
 ``model.gguf`` to the file; no weight is converted. Served architectures (the file's
 ``general.architecture``): llama (Llama, and Mistral where transformers reads it so), qwen2,
 qwen3, phi3 (LongRoPE included), gemma2, gemma3, qwen2moe, qwen3moe, gpt2 and falcon
-(:data:`GGUF_ARCHITECTURES`); their tensors' map is ``services/executor/models/gguf_tensors.py``.
+(:data:`GGUF_ARCHITECTURES`); their tensors' map is ``services/executor/model_loader/gguf_tensors.py``.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
 def copy_checked(dst: torch.Tensor, loaded_weight: torch.Tensor | Any) -> None:
     """``dst.copy_(loaded_weight)`` (cast to ``dst``'s dtype) after checking the shapes.
 
-    ``loaded_weight`` is a tensor, or a checkpoint tensor not read yet (``models/loader.py``'s
+    ``loaded_weight`` is a tensor, or a checkpoint tensor not read yet (``model_loader/loader.py``'s
     ``CheckpointTensor``: ``shape``, ``narrow``, ``load``, ``copy_into``), read only once the
     shapes agree, chunk by chunk into ``dst``.
 
