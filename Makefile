@@ -35,9 +35,12 @@ TEST_WORKERS ?= 2
 test: model
 	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=40 tests
 
-# the pure layer: no end-to-end or kernel tests (under a minute)
+# the pure layer (under a minute on two cores): no end-to-end or kernel tests (their folders are
+# not even collected) and no heavy ones: a test that loads a model, starts a process running the
+# engine's code or runs a stateful property search is marked heavy (tests/conftest.py)
 test-fast: model
-	$(BIN)/python -m pytest -q -x -m "not e2e and not kernel" --durations=10 tests
+	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not kernel and not heavy" \
+		--ignore=tests/e2e --ignore=tests/kernels --durations=10 tests
 
 lint: setup
 	$(BIN)/ruff check .

@@ -13,7 +13,10 @@ older than ``STALE_AFTER_S``). Request metrics are measured here, per request, f
   each of the ``n`` samples is an engine request); ``"error"`` when the engine failed,
   ``"abort"`` for each unfinished sample of a request whose client left;
 - ``vllm:prompt_tokens_total``: once per request, at its first token (prefill done);
-- ``vllm:generation_tokens_total``: every token delivered.
+- ``vllm:generation_tokens_total``: every token delivered;
+- ``pagedllm:request_resubmissions_total`` (pagedllm's own, vLLM has none): requests the
+  engine lost (a part died under them) sent again by this gateway's ``EngineClient``
+  (``num_resubmitted``), so their streams go on.
 
 A request whose client leaves before it finishes counts its tokens and its aborted samples
 but no end-to-end latency. A request the engine refused (a 4xx error: the scheduler's
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from nats.aio.subscription import Subscription
 from prometheus_client import (
@@ -88,6 +91,21 @@ class _SchedulerCollector:
         yield from (running, waiting, usage, queries, hits, preemptions)
 
 
+class _ResubmissionCollector:
+    """The engine client's resubmissions so far, as a counter."""
+
+    def __init__(self, model_name: str, resubmitted: Callable[[], int]) -> None:
+        self.model_name = model_name
+        self.resubmitted = resubmitted
+
+    def collect(self) -> Iterator[Metric]:
+        counter = CounterMetricFamily("pagedllm:request_resubmissions",
+                                      "Requests the engine lost, sent again with their client's tokens so far",
+                                      labels=["model_name"])
+        counter.add_metric([self.model_name], self.resubmitted())
+        yield counter
+
+
 class RequestTimer:
     """Measures one request (``n`` samples) from its deltas; ``observe`` each one in order."""
 
@@ -134,9 +152,10 @@ class RequestTimer:
 
 
 class GatewayMetrics:
-    """One gateway's Prometheus registry and the latest scheduler statistics."""
+    """One gateway's Prometheus registry and the latest scheduler statistics; ``resubmitted``
+    (its ``EngineClient.num_resubmitted``) is shown as ``pagedllm:request_resubmissions_total``."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, resubmitted: Callable[[], int] | None = None) -> None:
         self.model_name = model_name
         self.latest: SchedulerStats | None = None
         self.received = 0.0  # time.monotonic() of ``latest``
@@ -157,6 +176,8 @@ class GatewayMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token",
                              labels, buckets=E2E_BUCKETS, registry=r).labels(model_name)
         r.register(_SchedulerCollector(self))
+        if resubmitted is not None:
+            r.register(_ResubmissionCollector(model_name, resubmitted))
 
     def update(self, stats: SchedulerStats) -> None:
         """Keep ``stats`` as the latest scheduler statistics."""

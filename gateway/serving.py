@@ -86,7 +86,7 @@ class OpenAIServing:
         self.client = client
         self.model_names = {model_info.name, "HuggingFaceTB/" + model_info.name}
         self._background: set[asyncio.Task[None]] = set()
-        self.metrics = GatewayMetrics(model_info.name)
+        self.metrics = GatewayMetrics(model_info.name, resubmitted=lambda: client.num_resubmitted)
         self.draining = False  # set by GatewayService.stop: new requests get a 503
 
     def check_model(self, name: str | None) -> None:

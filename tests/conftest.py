@@ -4,7 +4,18 @@ markers of the test layout.
 The tests are laid out like the source (``tests/gateway/`` for ``gateway/``, ...). Every test
 under ``tests/e2e/`` is marked ``e2e`` (the whole engine, its processes or the default model
 end to end) and every test under ``tests/kernels/`` ``kernel`` (attention, GEMM and norm
-kernels against their references); ``make test-fast`` runs the rest.
+kernels against their references). Elsewhere a test is marked ``heavy`` by hand for what it
+does, not for how long it took:
+
+- it loads a model: builds one and reads a checkpoint or GGUF file into it (a tiny random one
+  or the default model), as the parity tests against transformers do;
+- it starts a process that runs the engine's code (a service, tensor-parallel ranks); a
+  nats-server, or a child of a few lines such as the supervisor's tests start, is not one;
+- it runs a stateful property search (the block manager's hypothesis state machine).
+
+``make test-fast`` runs the rest, the pure layer (``-m "not e2e and not kernel and not
+heavy"``): the scheduler, block manager, gateway, messages, tokenizer, detokenizer and the
+executor's layers, on fakes and the session's nats-server. ``make test`` runs every test.
 """
 
 from __future__ import annotations

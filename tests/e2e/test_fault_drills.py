@@ -5,7 +5,12 @@ with 16 greedy streams in flight, ``kill -9`` one part of the server. After each
   gateway itself gets a closed connection instead), none hangs;
 - ``/health`` said what was degraded while it was, and says ok again once the part is back
   (serve restarted it);
-- a new request succeeds, and no request or KV block is left behind (``/metrics``).
+- a new request succeeds, and no request or KV block is left behind (``/metrics``);
+- the part died under running streams: it is killed as soon as every stream has its first
+  text (its process found beforehand), whatever the machine's speed, and the streams that had
+  not ended then got more text afterwards. The gateway sent again the requests that a dead
+  scheduler or detokenizer lost (``pagedllm:request_resubmissions_total`` rose); running
+  streams never touch the tokenizer, so its death had none sent again.
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ MAX_TOKENS = 40
 #: what /health names while the part is gone (the gateway's own death: no answer at all)
 DEGRADED = {"executor": "executor", "tokenizer": "tokenizer", "detokenizer": "detokenizer.0",
             "scheduler": "scheduler", "nats-server": "NATS connection is down"}
+#: the parts whose death loses the requests they hold, which the gateway's ``EngineClient`` then
+#: sends again. Not the executor's (the scheduler requeues its group's requests), nor
+#: nats-server's (every part reconnects and holds its requests still; one whose deltas were lost
+#: in the outage may be sent again); the tokenizer's never (running streams do not touch it)
+RESENT = {"scheduler", "detokenizer"}
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +62,18 @@ def server(smollm2_path):
         proc.kill()
 
 
-async def stream(client: httpx.AsyncClient, port: int, prompt: str, first: asyncio.Event) -> str:
-    """One streaming completion's text (SSE), setting ``first`` at its first text."""
+class Progress:
+    """A stream's text so far and whether it ended."""
+
+    def __init__(self) -> None:
+        self.text, self.done = "", False
+
+
+async def stream(client: httpx.AsyncClient, port: int, prompt: str, first: asyncio.Event,
+                 progress: Progress | None = None) -> str:
+    """One streaming completion's text (SSE), setting ``first`` at its first text (and keeping
+    ``progress``)."""
+    progress = progress or Progress()
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True}
     text = ""
@@ -65,19 +85,23 @@ async def stream(client: httpx.AsyncClient, port: int, prompt: str, first: async
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
             text += chunk["choices"][0]["text"]
+            progress.text = text
             if text:
                 first.set()
+    progress.done = True
     return text
 
 
 async def run_streams(port: int, on_started=None) -> list[str | BaseException]:
-    """The 16 streams at once; ``on_started`` runs once each has its first text."""
+    """The 16 streams at once; ``on_started(progress)`` runs once each has its first text."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(240.0)) as client:
         firsts = [asyncio.Event() for _ in PROMPTS]
-        tasks = [asyncio.create_task(stream(client, port, p, e)) for p, e in zip(PROMPTS, firsts, strict=True)]
+        progress = [Progress() for _ in PROMPTS]
+        tasks = [asyncio.create_task(stream(client, port, p, e, g))
+                 for p, e, g in zip(PROMPTS, firsts, progress, strict=True)]
         if on_started is not None:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
-            await on_started()
+            await on_started(progress)
         return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 300)
 
 
@@ -122,6 +146,13 @@ def metric(text: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
+async def resubmissions(port: int) -> float:
+    """The gateway's ``pagedllm:request_resubmissions_total``."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        return metric((await client.get(f"http://127.0.0.1:{port}/metrics")).text,
+                      "pagedllm:request_resubmissions_total")
+
+
 async def idle(port: int) -> bool:
     try:
         async with httpx.AsyncClient(timeout=5) as client:
@@ -137,9 +168,10 @@ async def idle(port: int) -> bool:
 def test_a_killed_part_is_restarted_and_no_stream_is_lost(server, reference, name):
     port, logs, serve_pid = server
     seen: dict[str, object] = {}
+    proc = victim(port, name)  # found before the streams start: the kill follows their first text at once
 
-    async def kill_and_watch() -> None:
-        proc = victim(port, name)
+    async def kill_and_watch(progress: list[Progress]) -> None:
+        seen["at_kill"] = [None if p.done else p.text for p in progress]  # None: that stream had ended
         if name == "gateway":
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
@@ -155,11 +187,13 @@ def test_a_killed_part_is_restarted_and_no_stream_is_lost(server, reference, nam
             os.kill(serve_pid, signal.SIGCONT)
 
     async def drill() -> list[str | BaseException]:
+        seen["resubmitted_before"] = await resubmissions(port)
         texts = await run_streams(port, on_started=kill_and_watch)
         seen["healthy"] = await until(lambda: _healthy(port), 240, "/health ok again")
         async with httpx.AsyncClient(timeout=120) as client:
             seen["after"] = await stream(client, port, PROMPTS[0], asyncio.Event())
         seen["idle"] = await until(lambda: idle(port), 60, "no request running or waiting, every block free")
+        seen["resubmitted"] = await resubmissions(port) - seen["resubmitted_before"]
         return texts
 
     texts = asyncio.run(drill())
@@ -169,6 +203,14 @@ def test_a_killed_part_is_restarted_and_no_stream_is_lost(server, reference, nam
         assert texts == reference
         status, body = seen["degraded"]
         assert status == 503 and DEGRADED[name] in body, body
+        # the part died under running streams, and those went on after its death
+        running = [i for i, text in enumerate(seen["at_kill"]) if text is not None]
+        assert running, "every stream had ended before the kill"
+        assert all(len(texts[i]) > len(seen["at_kill"][i]) for i in running), (seen["at_kill"], texts)
+        if name in RESENT:
+            assert seen["resubmitted"] > 0, "the gateway sent none of the requests the part lost again"
+        if name == "tokenizer":  # no running stream touches it: none was sent again
+            assert seen["resubmitted"] == 0
     assert seen["after"] == reference[0]
     restarted = "nats_server_restarted" if name == "nats-server" else f"service='{name}'"
     assert any("service_restarting" in line or "nats_server_restarted" in line for line in logs

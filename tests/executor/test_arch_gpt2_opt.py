@@ -33,12 +33,14 @@ BIAS_STD = {"opt-post-norm-projected": 0.1}
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.heavy
 def test_greedy_parity_with_hugging_face(name, tmp_path):
     config = CONFIGS[name]()
     tiny_checkpoint(config, tmp_path, bias_std=BIAS_STD.get(name, 0.5))
     assert_model_parity(config, tmp_path)
 
 
+@pytest.mark.heavy
 def test_gpt2_loads_openai_names_and_skips_mask_buffers(tmp_path):
     """OpenAI's conversions name tensors without ``transformer.`` and carry the causal-mask
     buffers ``attn.bias`` / ``attn.masked_bias``: the same weights load."""

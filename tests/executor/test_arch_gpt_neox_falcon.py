@@ -43,6 +43,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.heavy
 def test_greedy_parity_with_hugging_face(name, tmp_path):
     config = CONFIGS[name]()
     tiny_checkpoint(config, tmp_path)

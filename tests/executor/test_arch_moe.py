@@ -30,12 +30,14 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.heavy
 def test_greedy_parity_with_hugging_face(name, tmp_path):
     config = CONFIGS[name]()
     tiny_checkpoint(config, tmp_path)
     assert_model_parity(config, tmp_path)
 
 
+@pytest.mark.heavy
 def test_qwen2_moe_layers_are_dense_and_sparse_as_configured(tmp_path):
     from architectures import ours
 

@@ -20,6 +20,8 @@ from services.executor.model_loader import quantization_config
 from services.executor.models import get_model_class, kv_cache_shape
 from shared.model_source import _gguf_path, prepare_gguf_model
 
+pytestmark = pytest.mark.heavy  # each test loads a GGUF model (tests/conftest.py)
+
 PROMPTS = [[1, 9690, 28, 314, 2234], [1, 504, 3458, 282, 4649, 314, 982, 30, 198], [1, 19556, 30]]
 
 

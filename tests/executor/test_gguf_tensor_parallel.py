@@ -20,6 +20,8 @@ from services.executor.model_loader import gguf_loader, gguf_quant_config
 from services.executor.models import get_model_class
 from services.executor.parallel.group import TensorParallelGroup, use_tp_group
 
+pytestmark = pytest.mark.heavy  # each test loads a GGUF model at its ranks (tests/conftest.py)
+
 #: 9 heads / 3 KV heads (3 ranks: 3 + 3 + 3; 2 ranks: 6 + 3), 32-element blocks only, shards of
 #: q | k | v and gate | up in different formats, an untied LM head of 1024 rows (342 + 341 + 341)
 UNEVEN = LlamaConfig(vocab_size=1024, hidden_size=288, intermediate_size=192, num_hidden_layers=1,

@@ -102,6 +102,7 @@ def _ours(config, path: Path, dtype=torch.float32) -> LlamaForCausalLM:
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.heavy
 def test_tiny_model_matches_hf_greedy(name, tmp_path):
     shard = {"max_shard_size": "100KB"} if name == "qwen2" else {}  # qwen2: sharded checkpoint
     config, hf_model = _tiny_checkpoint(name, tmp_path, **shard)
@@ -117,6 +118,7 @@ def test_tiny_model_matches_hf_greedy(name, tmp_path):
             assert ours_new == ref_new, (block_size, chunk, prompt)
 
 
+@pytest.mark.heavy
 def test_smollm2_matches_hf_greedy(smollm2_path):
     from transformers import AutoTokenizer
 
@@ -135,6 +137,7 @@ def test_smollm2_matches_hf_greedy(smollm2_path):
         assert len(ref_new) == max_new or ref_new[-1] == eos  # HF stops at EOS, we do not
 
 
+@pytest.mark.heavy
 def test_reference_backend_matches_hf(tmp_path):
     """The model on the reference attention (the oracle) gives the same tokens."""
     config, hf_model = _tiny_checkpoint("llama3", tmp_path)
@@ -148,6 +151,7 @@ def test_reference_backend_matches_hf(tmp_path):
     not mkldnn_packing_supported(torch.device("cpu"), torch.bfloat16), reason="oneDNN bf16 is not available on this CPU"
 )
 @pytest.mark.parametrize("name", ["qwen2", "llama_bias"])
+@pytest.mark.heavy
 def test_bf16_packed_weights_match_plain_linear(name, tmp_path):
     """bf16 oneDNN-prepacked matmuls (SiLU and gate * up as epilogues of the MLP's matmuls)
     give the logits of plain ``F.linear`` on the parameters: a prefill, a 3-token chunk with
@@ -217,6 +221,7 @@ def test_greedy_argmax_matches_argmax():
         assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
 
 
+@pytest.mark.heavy
 def test_bfloat16_runs_close_to_float32(tmp_path):
     config, _ = _tiny_checkpoint("llama3", tmp_path)
     f32, bf16 = _ours(config, tmp_path), _ours(config, tmp_path, torch.bfloat16)
@@ -255,6 +260,7 @@ def test_refused_configs():
     assert get_model_class(MistralConfig(sliding_window=4096, architectures=["MistralForCausalLM"])) is LlamaForCausalLM
 
 
+@pytest.mark.heavy
 def test_configs_without_architectures_go_by_model_type(tmp_path):
     """A config.json with only ``model_type`` (HF's Auto classes accept it) gets the class of
     that model type, with its details (Qwen2's q/k/v biases); an unknown one is refused."""
@@ -278,6 +284,7 @@ def test_kv_cache_sizing():
     assert kv_cache_bytes_per_block(config, 16, torch.bfloat16) == 2 * 3 * 16 * 2 * 32 * 2
 
 
+@pytest.mark.heavy
 def test_missing_weights_are_reported(tmp_path):
     config, hf_model = _tiny_checkpoint("mistral", tmp_path)
     state = {k: v for k, v in hf_model.state_dict().items() if "layers.1.mlp.up_proj" not in k}
@@ -293,6 +300,7 @@ def test_missing_weights_are_reported(tmp_path):
 
 @NEEDS_KERNEL
 @pytest.mark.parametrize("name", ["llama3", "qwen2"])
+@pytest.mark.heavy
 def test_bf16_native_norms_match_torch_norms(name, tmp_path):
     """The C fused residual-add + RMSNorm gives the logits and greedy tokens of the torch norms
     (prefill, chunk and decodes), and is used only where it applies (bf16 on CPU)."""
@@ -312,6 +320,7 @@ def test_bf16_native_norms_match_torch_norms(name, tmp_path):
 
 @NEEDS_KERNEL
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "llama_bias"])
+@pytest.mark.heavy
 def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
     """Where prefer_native_gemm (AVX2 CPUs, AVX512-BF16 without AMX) every matmul runs in the
     native bf16-weight GEMM (biases included, float32 logits), per layer or with all layers in
@@ -380,6 +389,7 @@ def test_bf16_native_matmuls_match_torch_matmuls(name, tmp_path, monkeypatch):
 
 
 @NEEDS_KERNEL
+@pytest.mark.heavy
 def test_native_layers_refuse_bad_slots_and_lengths(tmp_path, monkeypatch):
     """NativeLayers checks what the C code would otherwise read unchecked: a slot outside the
     cache and slot / row arrays that do not have T rows raise ValueError, the cache intact."""

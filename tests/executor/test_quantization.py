@@ -189,6 +189,7 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.heavy
 def test_quantized_tiny_llama_gives_the_greedy_tokens_of_its_dequantized_weights(fmt, tiny_llama, tmp_path):
     qf.quantize_checkpoint(tiny_llama, tmp_path / "q", tmp_path / "deq", fmt)
     config = json.loads((tmp_path / "q" / "config.json").read_text())
@@ -208,6 +209,7 @@ def test_quantized_tiny_llama_gives_the_greedy_tokens_of_its_dequantized_weights
 
 
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, None)])
+@pytest.mark.heavy
 def test_compressed_tensors_weights_equal_hugging_face_loader(bits, group, tiny_llama, tmp_path):
     """HF's compressed-tensors integration (``run_compressed=False``: decompressed at load)
     reads our packed checkpoint as the same float weights our layers hold."""
@@ -242,6 +244,7 @@ NON_LLAMA = {  # architecture -> (config class name, its tiny config)
 
 
 @pytest.mark.parametrize(("arch", "fmt"), [("gemma", "gptq"), ("opt", "ct-w4a16"), ("phi3", "awq")])
+@pytest.mark.heavy
 def test_quantized_non_llama_models_give_the_greedy_tokens_of_their_dequantized_weights(arch, fmt, tmp_path):
     """Architectures other than Llama take the quantized linears (Gemma: GeGLU, head_dim 24; OPT:
     biases, ReLU, learned positions; Phi-3: q|k|v and gate|up fused in the checkpoint): every

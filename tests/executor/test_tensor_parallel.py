@@ -175,6 +175,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.heavy
 def test_group_collectives_between_processes():
     """Three ranks on gloo: rank 0's bytes reach every rank (one broadcast when they fit the
     header, two otherwise), rank 0 gathers ranges of unequal width, sums and minima agree."""

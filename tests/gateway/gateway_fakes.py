@@ -7,8 +7,9 @@ detokenizer stand-in on a real nats-server, for the HTTP, SSE and WebSocket test
 them. A prompt (a chat's last message) that starts with "SAY:" is answered with the rest of
 it instead, in pieces of ``SAY_PIECE`` characters. Prompts containing "slow" produce one delta and then wait for an abort; with
 "children first" the samples of n > 1 come last to first; prompts containing "fail" end with
-an engine error, "refuse" is refused by the scheduler after tokenization; ``max_tokens``
-above 100 is refused by the fake tokenizer.
+an engine error, "refuse" is refused by the scheduler after tokenization, "lost once" is
+lost by the engine (a ``request_lost`` error) before any output and answered when the gateway
+sends it again; ``max_tokens`` above 100 is refused by the fake tokenizer.
 """
 
 from __future__ import annotations
@@ -181,6 +182,11 @@ class FakeBackend:
             return
         if req.spec.notify_accepted:  # as the scheduler, once queued
             await self.bus.publish(subjects.gateway(req.spec.gateway_id), GatewayStep(accepted=[req.spec.request_id]))
+        if "lost once" in text and "~" not in req.spec.request_id:  # a first attempt, not a resubmission
+            error = ServiceError(message="the detokenizer stopped", type="server_error", code="request_lost",
+                                 status=503)
+            await self._send(req, finished=True, finish_reason="error", error=error)
+            return
         if "slow" in text:
             await self._send(
                 req, text="Hello", token_ids=[7], num_prompt_tokens=num_prompt, num_output_tokens=1

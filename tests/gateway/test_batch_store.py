@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.js.errors
 import pytest
 
 from gateway.batch.objects import BatchRequestOutput, BatchWorkItem, new_batch
@@ -43,23 +44,55 @@ async def test_files_round_trip_list_newest_first_and_delete(store):
         await store.get_file("not a valid key!")
 
 
-async def test_batch_updates_are_compare_and_set(store):
+async def test_batch_updates_are_compare_and_set(store, monkeypatch):
+    """Ten updates read the same revision (a barrier holds each after its first ``get_batch``)
+    and then write together: nine lose the compare-and-set, read again and retry, and the
+    batch ends with every update."""
     batch = new_batch("file-1", "/v1/completions", "24h", {"k": "v"})
     await store.create_batch(batch)
     got, revision = await store.get_batch(batch.id)
     assert got == batch and got.expires_at == got.created_at + 24 * 3600
 
+    updates = 10
+    barrier = asyncio.Barrier(updates)
+    read_once: set[asyncio.Task] = set()
+    conflicts = 0
+    get_batch, kv_update = store.get_batch, store.batches.update
+
+    async def get_batch_then_meet(batch_id):
+        got = await get_batch(batch_id)
+        if (task := asyncio.current_task()) not in read_once:  # the first read of each update
+            read_once.add(task)
+            await barrier.wait()
+        return got
+
+    async def update_counting_conflicts(*args, **kwargs):
+        nonlocal conflicts
+        try:
+            return await kv_update(*args, **kwargs)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            conflicts += 1
+            raise
+
+    monkeypatch.setattr(store, "get_batch", get_batch_then_meet)
+    monkeypatch.setattr(store.batches, "update", update_counting_conflicts)
+
     async def bump(i: int) -> None:
         def change(b):
             b.request_counts.completed += 1
+            b.metadata[f"u{i}"] = str(i)
             return b
-        await asyncio.sleep(0.001 * i)
         await store.update_batch(batch.id, change)
 
-    await asyncio.gather(*(bump(i) for i in range(10)))  # concurrent: none lost
-    assert (await store.get_batch(batch.id))[0].request_counts.completed == 10
+    await asyncio.gather(*(bump(i) for i in range(updates)))
+    monkeypatch.undo()
+    assert len(read_once) == updates
+    assert conflicts >= updates - 1  # all read one revision: all but the first writer retried
+    final = (await store.get_batch(batch.id))[0]
+    assert final.request_counts.completed == updates  # none lost
+    assert final.metadata == {"k": "v"} | {f"u{i}": str(i) for i in range(updates)}
     unchanged = await store.update_batch(batch.id, lambda b: None)
-    assert unchanged.request_counts.completed == 10
+    assert unchanged.request_counts.completed == updates
     assert batch.id in [b.id for b in await store.list_batches()]
     with pytest.raises(NotFound):
         await store.get_batch("batch_missing")

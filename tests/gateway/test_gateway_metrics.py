@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest_asyncio
-from gateway_fakes import PROMPT, FakeBackend
+from gateway_fakes import FULL, PROMPT, FakeBackend
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import STALE_AFTER_S, GatewayMetrics
@@ -167,6 +167,18 @@ async def test_engine_error_counts_as_error(gw):
     assert value(samples, "vllm:prompt_tokens_total", model_name=m) == 3
     assert value(samples, "vllm:generation_tokens_total", model_name=m) == 1
     assert value(samples, "vllm:e2e_request_latency_seconds_count", model_name=m) == 1
+
+
+async def test_a_request_the_engine_lost_and_the_gateway_sent_again_counts_as_a_resubmission(gw):
+    m = gw.model
+    assert value(await scrape(gw), "pagedllm:request_resubmissions_total", model_name=m) == 0
+    out = await gw.oai.completions.create(model=m, prompt="lost once: " + PROMPT)
+    assert out.choices[0].text == FULL and out.choices[0].finish_reason == "stop"  # the client saw no loss
+    samples = await scrape(gw)
+    assert value(samples, "pagedllm:request_resubmissions_total", model_name=m) == 1
+    assert value(samples, "vllm:request_success_total", model_name=m, finished_reason="stop") == 1
+    assert ("vllm:request_success_total", frozenset({("model_name", m), ("finished_reason", "error")})) \
+        not in samples
 
 
 def _delta(index: int, *tokens: int, reason: str | None = None) -> RequestDelta:

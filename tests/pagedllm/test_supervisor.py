@@ -52,12 +52,14 @@ def test_a_child_that_ran_long_enough_restarts_after_the_first_backoff_again():
     policy = RestartPolicy(backoff_s=0.5, max_backoff_s=8.0, stable_s=0.0, max_restarts=10, window_s=100)
     procs = supervised("pass", policy)
     child = procs.children["worker"]
-    for _ in range(3):
+    for restarts in range(1, 4):
+        dead_pid = child.proc.pid
         wait_dead(procs)
         now = time.monotonic()
-        procs.supervise(now)
+        assert procs.supervise(now) == []  # death noted, restart due in 0.5 s
         assert child.backoff_s == 0.5
-        procs.supervise(now + 0.5)
+        assert procs.supervise(now + 0.5) == ["worker"]
+        assert child.proc.pid != dead_pid and child.restarts == restarts  # a new process each time
 
 
 def test_a_crash_loop_names_the_service_its_status_and_its_last_log_lines():

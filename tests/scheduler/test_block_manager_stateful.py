@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -37,6 +38,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from services.scheduler.block_manager import KVCacheManager, cdiv
 from services.scheduler.request import Request, RequestStatus
 from shared.messages import RequestSpec, SamplingParams
+
+pytestmark = pytest.mark.heavy  # a stateful property search (tests/conftest.py)
 
 VOCAB = 4  # tiny vocabulary: prefix hits and identical blocks are frequent
 MAX_LIVE = 6  # waiting + running requests before add_request stops (forks may exceed it)

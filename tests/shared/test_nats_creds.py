@@ -166,6 +166,7 @@ def test_the_command_line_takes_nats_creds(tmp_path):
     assert settings_from_args(args).nats_creds == creds
 
 
+@pytest.mark.heavy
 def test_a_service_process_serves_with_its_credentials_file_and_stops_without(jwt_server, smollm2_path):
     """``pagedllm service tokenizer`` with PAGEDLLM_NATS_CREDS answers pings; without it, it
     exits at once with one line saying NATS refused it."""
