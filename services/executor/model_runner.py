@@ -9,9 +9,10 @@ only what changed (``request_states.py``: that state, the plan's diffs applied t
 n > 1 forks).
 
 Under tensor parallelism every rank runs a runner over its part of the model and of the KV
-cache (``parallel/``): all of them run every step's forward together (the layers' collectives),
-rank 0 alone gets the gathered logits and samples; the other ranks learn the sampled tokens
-from rank 0's next message (:meth:`ModelRunner.append_sampled`).
+cache (``tp_group/``: the rank processes that drive the runners): all of them run every step's
+forward together (the layers' collectives, ``parallel/``), rank 0 alone gets the gathered
+logits and samples; the other ranks learn the sampled tokens from rank 0's next message
+(:meth:`ModelRunner.append_sampled`).
 """
 
 from __future__ import annotations
