@@ -55,8 +55,9 @@ class ForwardPass:
         self.native_layers: NativeLayers | None = None  # for the caches of _cache_key; None: no C call
         self._generation: int | None = None  # model.weights_generation that _stack was decided at
         self._stack: LlamaStack | None = None  # all_layers_stack(model)
+        self._heads = (0, 0)  # the stack's attention heads and head_dim (this rank's)
         self._single_row_gemv = False  # one-row steps on torch's GEMV
-        self._cache_key: list[tuple[int, int, tuple[int, ...]]] | None = None
+        self._cache_key: list[tuple[int, int, torch.Size]] | None = None
 
     def native_rows(self, kv_caches: KVCaches, meta: AttentionMetadata) -> NativeRows | None:
         """The step's attention rows when one C call runs every decoder layer (the module's
@@ -67,10 +68,7 @@ class ForwardPass:
         """
         model = self.model
         if self._generation != model.weights_generation:  # loaded again, or other kernels
-            self._stack = all_layers_stack(model)
-            self._single_row_gemv = model.takes_single_row_gemv and model.kernels.single_row_gemv
-            self.native_layers, self._cache_key = None, None
-            self._generation = model.weights_generation
+            self._decide()
         stack = self._stack
         if stack is None:
             return None
@@ -82,8 +80,19 @@ class ForwardPass:
         layers = self.native_layers
         if layers is None or (layers.max_rows is not None and meta.num_tokens > layers.max_rows):
             return None
-        attn = stack.layers[0].self_attn
-        return model.attn_backend.native_rows(meta, kv_caches[0][0], attn.num_heads, attn.head_dim, model.dtype)
+        return model.attn_backend.native_rows(meta, kv_caches[0][0], *self._heads, model.dtype)
+
+    def _decide(self) -> None:
+        """Decide what depends on the model alone (the module's condition 1, one-row GEMV) at
+        its current weight forms; forget the pointer arrays into the previous ones."""
+        model = self.model
+        self._stack = stack = all_layers_stack(model)
+        if stack is not None:
+            attn = stack.layers[0].self_attn
+            self._heads = (attn.num_heads, attn.head_dim)
+        self._single_row_gemv = model.takes_single_row_gemv and model.kernels.single_row_gemv
+        self.native_layers, self._cache_key = None, None
+        self._generation = model.weights_generation
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                  meta: AttentionMetadata) -> torch.Tensor:

@@ -125,9 +125,10 @@ class NativeLayers:
         )
 
     @staticmethod
-    def cache_key(kv_caches: KVCaches) -> list[tuple[int, int, tuple[int, ...]]]:
-        """What the pointer arrays depend on: each cache pair's addresses and shape."""
-        return [(k.data_ptr(), v.data_ptr(), tuple(k.shape)) for k, v in kv_caches]
+    def cache_key(kv_caches: KVCaches) -> list[tuple[int, int, torch.Size]]:
+        """What the pointer arrays depend on: each cache pair's addresses and shape (asked every
+        step: ``torch.Size`` as it is, half the cost of a tuple copy)."""
+        return [(k.data_ptr(), v.data_ptr(), k.shape) for k, v in kv_caches]
 
     def run(
         self,
