@@ -152,7 +152,7 @@ def run_one_service(name: str, settings: Settings) -> None:
     prefix = f"pagedllm service {name}"
     configure_logging(settings.log_level, service=name)
     if name == "executor" and settings.tensor_parallel_rank:  # a rank other than 0: no NATS, rank 0 drives it
-        from services.executor.parallel.ranks import run_rank
+        from services.executor.tp_group.ranks import run_rank
 
         try:
             run_rank(settings, model_info_or_exit(settings, prefix))

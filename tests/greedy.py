@@ -1,5 +1,6 @@
 """Greedy generation helpers shared by the model tests: ours over a paged KV cache with
-continuous batching (no services), and Hugging Face's ``generate``."""
+continuous batching (no services; each step's forward pass run as the model runner runs it,
+``services/executor/forward_pass.py``), and Hugging Face's ``generate``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 import torch
 
 from services.executor.attention import AttentionMetadata
+from services.executor.forward_pass import ForwardPass
 from services.executor.models import kv_cache_shape
 
 
@@ -19,14 +21,18 @@ def paged_greedy(
     block_size: int = 16,
     chunk: int | None = None,
     seed: int = 0,
+    forward: ForwardPass | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy generation with continuous batching over a paged cache.
 
     Every step puts all sequences in one flat batch: prompts (in chunks of ``chunk`` tokens when
     given, so chunks with cached context mix with decodes), then one token per sequence.
-    Blocks come from a shuffled free list. Returns the new tokens of each prompt and the
-    float32 logits ``[len(prompt), vocab]`` of every prompt position.
+    Blocks come from a shuffled free list. Each step runs through ``forward`` (default: a new
+    ``ForwardPass(model)``; pass one to look at its choices afterwards). Returns the new tokens
+    of each prompt and the float32 logits ``[len(prompt), vocab]`` of every prompt position.
     """
+    if forward is None:
+        forward = ForwardPass(model)
     cfg = model.hf_config
     # a short prompt keeps decoding while a long one is prefilled in chunks: room for that too
     longest = max(map(len, prompts))
@@ -55,7 +61,7 @@ def paged_greedy(
                 seq_lens.append(computed[i] + n)
             meta = AttentionMetadata.build(query_lens, seq_lens, blocks, block_size,
                                            num_prompt_tokens=[len(p) for p in prompts])
-            hidden = model(torch.tensor(ids), torch.tensor(positions), caches, meta)  # [T, hidden]
+            hidden = forward(torch.tensor(ids), torch.tensor(positions), caches, meta)  # [T, hidden]
             start = 0
             for i, n in enumerate(query_lens):
                 rows = hidden[start : start + n]

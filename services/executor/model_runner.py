@@ -6,12 +6,14 @@ Per step it builds (vLLM V1 flat layout, decodes first):
 and samples one token for each request whose computed tokens reach its known tokens.
 The runner keeps each request's tokens and block table between steps, so a plan carries
 only what changed (``request_states.py``: that state, the plan's diffs applied to it, the
-n > 1 forks).
+n > 1 forks). How each step's forward pass runs, layer by layer or every decoder layer in one
+C call, is the runner's choice (``forward_pass.py``), made once per step.
 
 Under tensor parallelism every rank runs a runner over its part of the model and of the KV
-cache (``parallel/``): all of them run every step's forward together (the layers' collectives),
-rank 0 alone gets the gathered logits and samples; the other ranks learn the sampled tokens
-from rank 0's next message (:meth:`ModelRunner.append_sampled`).
+cache (``tp_group/``: the rank processes that drive the runners): all of them run every step's
+forward together (the layers' collectives, ``parallel/``), rank 0 alone gets the gathered
+logits and samples; the other ranks learn the sampled tokens from rank 0's next message
+(:meth:`ModelRunner.append_sampled`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kernels.cpu import native
 from services.executor.attention import AttentionMetadata, get_attention_backend
 from services.executor.cpu_threads import CpuThreadGovernor
 from services.executor.device import resolve_device
+from services.executor.forward_pass import ForwardPass
 from services.executor.model_loader import quantization_config
 from services.executor.models import get_model_class, kv_cache_bytes_per_block, kv_cache_shape
 from services.executor.models.base import QUANTIZED_ARCHITECTURES
@@ -92,6 +95,7 @@ class ModelRunner:
                                    native_cpu_kernels=settings.native_cpu_kernels, **quant_kwargs)
         self.model.load_weights(model_info.path)
         self.model.eval()
+        self.forward_pass = ForwardPass(self.model)
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(settings.seed, self.device, model_info.eos_token_ids, native_kernels=native_cpu)
@@ -296,7 +300,7 @@ class ModelRunner:
              sample_states: list[CachedRequestState],
              early_mask: futures.Future[tuple[torch.Tensor, list[int]] | None] | None) -> StepResult:
         """:meth:`execute` from the forward pass on: the model, the logits, the sample."""
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        hidden = self.forward_pass(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         result = StepResult(step_id=plan.step_id, group_id=plan.group_id)
         if any(s.wants_prompt_logprobs for s in states):
             result.prompt_logprobs = self._prompt_logprobs(hidden, states, [n for _, n in order])

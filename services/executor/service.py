@@ -7,7 +7,7 @@ blocks the plan names.
 
 With ``tensor_parallel_size`` N > 1 it is rank 0 of the group: it starts ranks 1..N-1 as child
 processes (unless ``tensor_parallel_rank`` says the ranks are started by hand), drives them
-(``parallel/ranks.py``) and ends when one of them does (``parallel/rank_zero.py``: forming,
+(``tp_group/ranks.py``) and ends when one of them does (``tp_group/rank_zero.py``: forming,
 watching and stopping the ranks): a group missing a rank cannot run a step, so the scheduler
 is told the group stops and recomputes its requests elsewhere.
 """
@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import nats.errors
 
 from services.executor.model_runner import ModelRunner
-from services.executor.parallel.rank_zero import RankZero
-from services.executor.parallel.ranks import TensorParallelDriver
+from services.executor.tp_group.rank_zero import RankZero
+from services.executor.tp_group.ranks import TensorParallelDriver
 from shared.bus import Bus, RemoteError
 from shared.config import Settings
 from shared.logging import get_logger

@@ -14,6 +14,7 @@ from transformers import AutoConfig
 
 from kernels.cpu import ops
 from services.executor.attention import AttentionMetadata
+from services.executor.forward_pass import ForwardPass, all_layers_stack
 from services.executor.layers.cpu.native_layers import NativeLayers
 from services.executor.layers.quantization import gguf as G
 from services.executor.model_loader import quantization_config
@@ -38,21 +39,21 @@ def test_gguf_blocks_run_in_the_all_layers_c_call(smollm2_path, monkeypatch, int
     assert model.use_native_norms(True) and model.use_native_matmuls(True)
     layer = model.model.layers[0]
     assert isinstance(layer.mlp.down_proj.quant_method, G.GGUFLinearMethod)  # kept quantized
-    assert model.model.native_layers_enabled
+    assert all_layers_stack(model) is not None
 
     fused: list[int] = []
     real_run = NativeLayers.run
     monkeypatch.setattr(NativeLayers, "run", lambda self, h, *a: fused.append(h.shape[0]) or real_run(self, h, *a))
-    new_n, logits_n = paged_greedy(model, PROMPTS, 5)
+    forward = ForwardPass(model)
+    new_n, logits_n = paged_greedy(model, PROMPTS, 5, forward=forward)
     # the 17-token prefill (over NATIVE_MAX_ROWS: no limit for the interleaved layout) and the 3-row decodes in C
     assert sum(map(len, PROMPTS)) > G.NATIVE_MAX_ROWS and fused == [sum(map(len, PROMPTS))] + [len(PROMPTS)] * 4
-    assert model.model.native_layers.max_rows is None
-    assert model.model.native_layers._wtype.tolist() == [G.Q4_1.ggml_type | 0x100] * (4 * config.num_hidden_layers)
+    assert forward.native_layers.max_rows is None
+    assert forward.native_layers._wtype.tolist() == [G.Q4_1.ggml_type | 0x100] * (4 * config.num_hidden_layers)
 
     monkeypatch.setattr(NativeLayers, "applies", staticmethod(lambda layers, caches: False))
-    model.model.native_layers = None
     fused.clear()
-    new_l, logits_l = paged_greedy(model, PROMPTS, 5)
+    new_l, logits_l = paged_greedy(model, PROMPTS, 5)  # a new ForwardPass: asks applies again
     assert not fused
     assert new_n == new_l
     for a, b in zip(logits_n, logits_l, strict=True):
@@ -111,10 +112,11 @@ def test_k_quant_blocks_run_in_the_all_layers_c_call(tmp_path, smollm2_path, mon
     # prompts whose greedy steps have no near-tie in this random model (the top two logits >= 0.5 apart; [900, 17, 31]
     # has one 0.03 apart, which the two paths' roundings of bf16 and int8 activations may order either way)
     prompts = [[1, 2, 3, 400, 500, 700], [900, 18, 31], [5, 60, 7, 80, 9, 100, 11, 120]]
-    new_n, _ = paged_greedy(model, prompts, 5)
+    forward = ForwardPass(model)
+    new_n, _ = paged_greedy(model, prompts, 5, forward=forward)
     assert sum(map(len, prompts)) > G.NATIVE_MAX_ROWS
     assert fused == [sum(map(len, prompts))] + [len(prompts)] * 4  # the 17-token prefill and the decodes
-    native_layers = model.model.native_layers
+    native_layers = forward.native_layers
     assert native_layers.max_rows is None
     layer_types = [TINY_FORMATS[k].ggml_type | 0x100 for k in ("attn_q", "attn_output", "ffn_gate", "ffn_down")]
     assert native_layers._wtype.tolist() == [0 if i in shards else t
@@ -128,9 +130,8 @@ def test_k_quant_blocks_run_in_the_all_layers_c_call(tmp_path, smollm2_path, mon
         assert native_layers._nshard is None
 
     monkeypatch.setattr(NativeLayers, "applies", staticmethod(lambda layers, caches: False))
-    model.model.native_layers = None
     fused.clear()
-    new_l, _ = paged_greedy(model, prompts, 5)
+    new_l, _ = paged_greedy(model, prompts, 5)  # a new ForwardPass: asks applies again
     assert not fused
     assert new_n == new_l
 
@@ -150,8 +151,9 @@ def test_the_c_call_refuses_shards_that_do_not_make_the_matmul(tmp_path, smollm2
                torch.zeros(kv_cache_shape(model.hf_config, 4, 16), dtype=torch.bfloat16))
               for _ in range(model.hf_config.num_hidden_layers)]
     meta = AttentionMetadata.build([3], [3], [[2]], 16)
-    rows = model.model.native_rows(caches, meta)
-    layers = model.model.native_layers
+    forward = ForwardPass(model)
+    rows = forward.native_rows(caches, meta)
+    layers = forward.native_layers
     assert rows is not None and layers._nshard is not None and ops.load().abi.max_shards == 3
     h = model.model.embed_tokens(torch.tensor([5, 6, 7]))
     cos, sin = model.model.rotary_emb(torch.arange(3))
@@ -189,7 +191,7 @@ def test_qwen2_gguf_with_qkv_biases_runs_layer_by_layer(tmp_path, smollm2_path, 
         model = get_model_class(config)(config, dtype=dtype, device="cpu", native_cpu_kernels=native,
                                          quant_config=quantization_config(path, config))
         model.load_weights(path)
-        assert model.model.native_layers_enabled == native  # the kernels would take the C call ...
+        assert (all_layers_stack(model) is not None) == native  # the kernels would take the C call ...
         assert model.model.layers[0].self_attn.qkv_proj.bias is not None
         runs[native] = paged_greedy(model, prompts, 5)
     assert not fused  # ... which refuses the biased q | k | v

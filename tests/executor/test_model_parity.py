@@ -11,6 +11,7 @@ from native_builds import NEEDS_KERNEL
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from services.executor.attention import AttentionMetadata
+from services.executor.forward_pass import ForwardPass
 from services.executor.layers.cpu.onednn import OneDNNLinearMethod, mkldnn_packing_supported
 from services.executor.layers.embedding import refine_top_logits
 from services.executor.layers.layernorm import ln_trick_weight, rms_norm
@@ -161,7 +162,7 @@ def test_bf16_packed_weights_match_plain_linear(name, tmp_path):
     assert isinstance(model.kernels.linear_method, OneDNNLinearMethod)
     prompt = [(7 * i + 3) % 500 + 1 for i in range(41)]
     steps = [(0, 30), (30, 33), (33, 34), (34, 35)]  # token ranges computed per step
-    logits = []
+    logits, forward = [], ForwardPass(model)  # as the runner runs a step: one row on torch's GEMV
     for packed in (True, False):
         model.process_weights_after_loading() if packed else model.unpack_weights()
         assert (model.model.layers[0].self_attn.qkv_proj.packed is not None) == packed
@@ -172,7 +173,7 @@ def test_bf16_packed_weights_match_plain_linear(name, tmp_path):
         with torch.inference_mode():
             for start, end in steps:
                 meta = AttentionMetadata.build([end - start], [end], [[2, 0, 3]], 16)
-                hidden = model(torch.tensor(prompt[start:end]), torch.arange(start, end), caches, meta)
+                hidden = forward(torch.tensor(prompt[start:end]), torch.arange(start, end), caches, meta)
                 out.append(model.compute_logits(hidden))
         logits.append(torch.cat(out))
     assert logits[0].dtype == torch.float32
@@ -404,14 +405,15 @@ def test_native_layers_refuse_bad_slots_and_lengths(tmp_path, monkeypatch):
                torch.zeros(kv_cache_shape(config, 4, 16), dtype=torch.bfloat16))
               for _ in range(config.num_hidden_layers)]
     meta = AttentionMetadata.build([3], [3], [[2]], 16)
-    rows = model.model.native_rows(caches, meta)
-    assert rows is not None and isinstance(model.model.native_layers, NativeLayers)
+    forward = ForwardPass(model)
+    rows = forward.native_rows(caches, meta)
+    assert rows is not None and isinstance(forward.native_layers, NativeLayers)
     h = model.model.embed_tokens(torch.tensor([5, 6, 7]))
     cos, sin = model.model.rotary_emb(torch.arange(3))
     with pytest.raises(ValueError, match="outside the cache"):
-        model.model.native_layers.run(h.clone(), cos, sin, torch.tensor([32, 33, 4 * 16]), rows)
+        forward.native_layers.run(h.clone(), cos, sin, torch.tensor([32, 33, 4 * 16]), rows)
     with pytest.raises(ValueError, match="3 rows"):
-        model.model.native_layers.run(h.clone(), cos, sin, torch.tensor([32, 33]), rows)
+        forward.native_layers.run(h.clone(), cos, sin, torch.tensor([32, 33]), rows)
     assert all(not t.any() for kv in caches for t in kv)  # nothing was written
-    out = model.model.native_layers.run(h.clone(), cos, sin, meta.slot_mapping, rows)
+    out = forward.native_layers.run(h.clone(), cos, sin, meta.slot_mapping, rows)
     assert out.isfinite().all() and caches[0][0][2, :3].any() and not caches[0][0][2, 3:].any()

@@ -14,8 +14,9 @@ The decision covers every place where the CPU fast path changes how a step is co
 - the RMSNorm forms (``layers/layernorm.py``): ``"native"`` (bf16 on CPU, native kernels on,
   the library loads), else ``"layer_norm"`` in bf16/fp16 (the decoder layers' norms take
   ``"torch"`` where the panels serve the matmuls), else ``"torch"``;
-- whether one-row decoder passes run on torch's GEMV (CPU, bf16/fp16), and whether every
-  decoder layer may run in one C call (the panels serve: ``layers/cpu/native_layers.py``).
+- whether one-row decoder passes may run on torch's GEMV (CPU, bf16/fp16), and whether every
+  decoder layer may run in one C call (the panels serve: ``layers/cpu/native_layers.py``); the
+  model runner uses both per step (``services/executor/forward_pass.py``).
 """
 
 from __future__ import annotations

@@ -208,3 +208,7 @@ class GPT2LMHeadModel(PagedCausalLM):
     def checkpoint_name(self, name: str) -> str:
         """``h.0.attn...`` (OpenAI's conversions, a bare ``GPT2Model``) -> ``transformer.h.0.attn...``."""
         return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """Also the causal masks old checkpoints hold (``attn.bias``, ``attn.masked_bias``)."""
+        return super().skip_checkpoint_tensor(name) or ".attn.bias" in name or ".attn.masked_bias" in name

@@ -13,9 +13,9 @@ submodules and parameters are plain attributes (``layers/utils.py``).
 
 How each matmul and norm is computed is decided once, at load time, by one strategy
 (``layers/selection.py``): plain ``F.linear``, oneDNN-prepacked or native-GEMM panels;
-``F.rms_norm``, its LayerNorm form or the C kernel. On CPU in bf16 with the panels, a step whose
-every attention row the backend's C kernel serves (``AttentionBackend.native_rows``) runs all
-decoder layers in one C call (``layers/cpu/native_layers.py``).
+``F.rms_norm``, its LayerNorm form or the C kernel. How a step runs is the model runner's
+(``services/executor/forward_pass.py``): this model's forward, or, on CPU in bf16, all decoder
+layers of :meth:`LlamaForCausalLM.llama_stack` in one C call.
 
 Numerics change checklist. The bf16 CPU decoder's roundings are decided in four places, kept in
 agreement by ``tests/executor/test_model_parity.py``; a change in one is made in all four:
@@ -33,37 +33,22 @@ agreement by ``tests/executor/test_model_parity.py``; a change in one is made in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from kernels.cpu.attention_plan import NativeRows
-from services.executor.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from services.executor.attention import AttentionBackend, AttentionMetadata
 from services.executor.layers.activation import SiluAndMul
 from services.executor.layers.attention import Attention
-from services.executor.layers.cpu.native_layers import KVCaches, NativeLayers
-from services.executor.layers.cpu.onednn import reduced_precision_gemv
 from services.executor.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.executor.layers.layernorm import RMSNorm
 from services.executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from services.executor.layers.quantization import (
-    QuantizationConfig,
-    get_quantization_config,
-    layer_method_for,
-    linear_method_for,
-)
+from services.executor.layers.quantization import QuantizationConfig, layer_method_for, linear_method_for
 from services.executor.layers.rotary_embedding import apply_rope, get_rope
-from services.executor.layers.selection import (
-    KernelChoice,
-    KernelSwitches,
-    restore_weights,
-    select_kernels,
-    use_linear_methods,
-)
+from services.executor.layers.selection import KernelChoice
 from services.executor.layers.utils import FastModule
-from services.executor.model_loader import gguf_loader, loader
+from services.executor.models.base import KVCaches, LlamaStack, PagedCausalLM
 from services.executor.models.hf_config import (
     architectures_of,
     check_supported,
@@ -73,7 +58,6 @@ from services.executor.models.hf_config import (
     num_kv_heads_of,
     rope_parameters,
 )
-from services.executor.parallel.group import current_tp_group
 
 
 @dataclass(frozen=True)
@@ -207,18 +191,13 @@ class LlamaModel(FastModule):
     def __init__(self, hf_config: Any, args: LlamaArgs, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
-        self.dtype = dtype
         self.embed_tokens = VocabParallelEmbedding(config_value(hf_config, "vocab_size"), args.hidden_size, dtype,
                                                    layer_method_for(quant_config, "model.embed_tokens"))
-        self.sliding_windows = layer_sliding_windows(hf_config)  # Mistral's, Qwen2's sliding layers
+        windows = layer_sliding_windows(hf_config)  # Mistral's, Qwen2's sliding layers
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype, backend, window, quant_config, f"model.layers.{i}")
-                                    for i, window in enumerate(self.sliding_windows))
+                                    for i, window in enumerate(windows))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.rotary_emb = get_rope(args.head_dim, rope_parameters(hf_config), dtype, device)
-        self.attn_backend = backend
-        self.single_row_gemv = False  # the kernels' choice (LlamaForCausalLM.use_kernels)
-        self.native_layers_enabled = False  # likewise: the panels serve every matmul
-        self.native_layers: NativeLayers | None = None  # pointer arrays for the caches of the last step
 
     def forward(
         self,
@@ -229,45 +208,15 @@ class LlamaModel(FastModule):
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions)  # [T, 1, D] each, shared by every layer
-        rows = self.native_rows(kv_caches, attn_metadata)
-        if rows is not None:  # every decoder layer in one C call
-            self.native_layers.run(hidden_states, cos, sin, attn_metadata.slot_mapping.long(), rows)
-            return self.norm(hidden_states)
-        with reduced_precision_gemv(self.single_row_gemv and hidden_states.shape[0] == 1):
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden_states = layer(hidden_states, cos, sin, kv_cache, attn_metadata)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states = layer(hidden_states, cos, sin, kv_cache, attn_metadata)
         return self.norm(hidden_states)
 
-    def native_rows(self, kv_caches: KVCaches, attn_metadata: AttentionMetadata) -> NativeRows | None:
-        """The step's attention rows when :class:`NativeLayers` runs it (the panels and the C
-        norms serve every layer, the caches suit it, and the backend's C kernel serves every
-        row of the step), else ``None`` (the per-layer path)."""
-        if not self.native_layers_enabled:
-            return None
-        if self.native_layers is None or self.native_layers.key != NativeLayers.cache_key(kv_caches):
-            applies = NativeLayers.applies(self.layers, kv_caches)
-            self.native_layers = NativeLayers(self.layers, kv_caches) if applies else None
-            if self.native_layers is None:
-                return None
-        if self.native_layers.max_rows is not None and attn_metadata.slot_mapping.shape[0] > self.native_layers.max_rows:
-            return None
-        attn = self.layers[0].self_attn
-        return self.attn_backend.native_rows(attn_metadata, kv_caches[0][0], attn.num_heads, attn.head_dim, self.dtype)
 
-
-class LlamaForCausalLM(KernelSwitches, FastModule):
-    """Llama-family causal LM over a paged KV cache.
-
-    Args:
-        hf_config: a ``transformers`` config (or its dict) of a supported architecture.
-        dtype: parameter / activation / KV cache dtype.
-        device: where parameters live (allocated uninitialised; call :meth:`load_weights`).
-        attn_backend: an :class:`AttentionBackend` or a name for :func:`get_attention_backend`.
-        native_cpu_kernels: allow the C norms and the native GEMM where they apply
-            (``layers/selection.py``; ``Settings.native_cpu_kernels``).
-        quant_config: the checkpoint's quantization (``layers/quantization/``); default: read
-            from ``hf_config``'s ``quantization_config``. Its linear methods serve the decoder's
-            matmuls (the LM head and embedding stay unquantized but in a GGUF file).
+class LlamaForCausalLM(PagedCausalLM):
+    """Llama-family causal LM over a paged KV cache (arguments: :class:`PagedCausalLM`;
+    ``native_cpu_kernels`` also allows the C norms, ``quant_config``'s linear methods serve the
+    decoder's matmuls, the LM head and embedding staying unquantized but in a GGUF file).
 
     Built under ``use_tp_group`` (``services/executor/parallel/group.py``) it is one rank's part
     of the model: its heads, MLP columns and vocabulary rows; ``num_kv_heads_per_rank`` sizes
@@ -284,56 +233,38 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
         (".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
         (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1),
     ]
+    takes_quantization = True
+    takes_native_norms = True  # the decoder layers' norms with the attention residual add fused in
+    takes_single_row_gemv = True  # measured: benchmarks/RESULTS.md, "Figures moved out of the code"
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
                  attn_backend: AttentionBackend | str = "auto", native_cpu_kernels: bool = False,
                  quant_config: QuantizationConfig | None = None) -> None:
-        super().__init__()
-        check_supported(hf_config)
-        # the checkpoint's quantization (config.json), unless the caller has read and checked it
-        self.quant_config = quant_config if quant_config is not None else get_quantization_config(hf_config)
-        device = torch.device(device)
-        if isinstance(attn_backend, str):
-            attn_backend = get_attention_backend(attn_backend, device)
+        check_supported(hf_config)  # before the checkpoint's quantization is read
+        super().__init__(hf_config, dtype, device, attn_backend, native_cpu_kernels, quant_config)
         args = LlamaArgs.from_hf_config(hf_config)
-        self.hf_config, self.dtype, self.device = hf_config, dtype, device
         self.tie_word_embeddings = bool(config_value(hf_config, "tie_word_embeddings", False))
-        self.tp_size = current_tp_group().world_size  # layers built under use_tp_group take their rank's part
-        with torch.device(device):  # uninitialised: load_weights fills every parameter
-            self.model = LlamaModel(hf_config, args, dtype, device, attn_backend, self.quant_config)
+        with torch.device(self.device):  # uninitialised: load_weights fills every parameter
+            self.model = LlamaModel(hf_config, args, dtype, self.device, self.attn_backend, self.quant_config)
             self.lm_head = ParallelLMHead(config_value(hf_config, "vocab_size"), args.hidden_size, dtype,
                                           layer_method_for(self.quant_config, "lm_head"))
         self.num_kv_heads_per_rank = self.model.layers[0].self_attn.num_kv_heads  # this rank's KV cache heads
+        self.head_dim = args.head_dim
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
-        self.kernel_request = {"native_norms": native_cpu_kernels, "native_matmuls": native_cpu_kernels}
-        self.kernels = select_kernels(dtype, device, **self.kernel_request)
-
-    @property
-    def attn_backend(self) -> AttentionBackend:
-        return self.model.attn_backend
-
-    @attn_backend.setter
-    def attn_backend(self, backend: AttentionBackend) -> None:
-        self.model.attn_backend = backend
-        for layer in self.model.layers:
-            layer.self_attn.attn.backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
         """Run the decoder over the step's new tokens, writing their K/V into ``kv_caches``."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] f32
-        """Logits in float32 (``layers/embedding.py``: ``ParallelLMHead.compute_logits``); ``None``
-        on the ranks other than 0 of a tensor-parallel group."""
-        return self.lm_head.compute_logits(hidden_states)
+    def llama_stack(self) -> LlamaStack:
+        """:class:`LlamaModel` itself: its embedding, RoPE, decoder layers and final norm."""
+        return self.model
 
-    # ------------------------------------------------------------------ kernels and weights
-
-    def use_kernels(self, kernels: KernelChoice) -> None:
-        """Compute with ``kernels`` from now on (after loading: every weight form is derived again)."""
-        use_linear_methods(self, kernels)
+    def set_norm_forms(self, kernels: KernelChoice) -> None:
+        """The decoder layers' norms in ``kernels.layer_norm_form`` (the C kernel's, with the
+        residual add fused, where it is ``"native"``), the final norm in ``final_norm_form``."""
         for layer in self.model.layers:
             layer.input_layernorm.set_form(kernels.layer_norm_form)
             layer.post_attention_layernorm.set_form(kernels.layer_norm_form)
@@ -341,38 +272,3 @@ class LlamaForCausalLM(KernelSwitches, FastModule):
                 if norm is not None:  # per head: never the C kernel's fused residual form
                     norm.set_form("torch" if kernels.layer_norm_form == "native" else kernels.layer_norm_form)
         self.model.norm.set_form(kernels.final_norm_form)
-        self.model.single_row_gemv = kernels.single_row_gemv
-        # one C call for every layer has no all-reduce between them (a single rank only) and
-        # no sliding window
-        self.model.native_layers_enabled = (kernels.native_matmuls and self.tp_size == 1
-                                            and (self.quant_config is None or not self.quant_config.from_checkpoint)
-                                            and not any(self.model.sliding_windows)
-                                            and self.model.layers[0].self_attn.q_norm is None)
-        self.model.native_layers = None
-        self.kernels = kernels
-
-    @torch.no_grad()
-    def load_weights(self, model_dir: Path | str) -> None:
-        """Load HF safetensors (one file, or shards listed in ``model.safetensors.index.json``)
-        through :func:`services.executor.model_loader.loader.load_weights`, or the GGUF file the
-        directory is served from (``gguf_loader``: llama, qwen2 and qwen3 files, their Q4_0 /
-        Q4_1 / Q8_0 / K-quant matrices kept quantized), then derive the kernels' weight forms.
-        ``lm_head.weight`` is ignored when embeddings are tied.
-
-        Raises:
-            FileNotFoundError: no ``*.safetensors`` in ``model_dir``.
-            ValueError: a parameter is missing, has the wrong shape, the checkpoint holds
-                tensors this architecture does not know, or a GGUF file's architecture is not
-                served from GGUF.
-        """
-        restore_weights(self)  # the parameters must hold their shapes to be loaded into
-        gguf = gguf_loader.gguf_file(model_dir)
-        if gguf is not None:
-            native = self.kernel_request["native_matmuls"] and self.device.type == "cpu"
-            gguf_loader.load_gguf_weights(self, gguf, native=native)
-        else:
-            loader.load_weights(self, model_dir, self.stacked_params_mapping, skip=self._skip_checkpoint_tensor)
-        self.use_kernels(self.kernels)
-
-    def _skip_checkpoint_tensor(self, name: str) -> bool:
-        return "rotary_emb" in name or (self.tie_word_embeddings and name == "lm_head.weight")

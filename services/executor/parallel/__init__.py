@@ -1,3 +1,4 @@
-"""Tensor parallelism of one executor group: how weights and heads split over the ranks
-(``partition.py``), the ranks' process group and its collectives (``group.py``), and the rank
-processes with rank 0 driving the others (``ranks.py``)."""
+"""Tensor parallelism below the layers: how weights and heads split over the ranks
+(``partition.py``) and the ranks' process group with its collectives (``group.py``). It imports
+neither the layers, the models nor the runner; the rank processes that drive a runner are
+``services/executor/tp_group/``."""

@@ -55,7 +55,8 @@ def _shards(proj: nn.Module) -> list[tuple[torch.Tensor, GGUFLinearMethod]] | No
 
 class NativeLayers:
     """The pointer arrays of ``pagedllm_llama_layers_bf16`` for a model's decoder layers and
-    one set of KV cache tensors (rebuilt when the caches change: :meth:`cache_key`)."""
+    one set of KV cache tensors (the caller builds them again when the caches change:
+    :meth:`cache_key`; ``services/executor/forward_pass.py`` decides when they run a step)."""
 
     def __init__(self, layers: Sequence[nn.Module], kv_caches: KVCaches) -> None:
         first = layers[0]
@@ -106,7 +107,6 @@ class NativeLayers:
         a.k_cache = pointers([k for k, _ in kv_caches])
         a.v_cache = pointers([v for _, v in kv_caches])
         self.args = a
-        self.key = self.cache_key(kv_caches)
         self._widths = {"x": a.hidden, "qkv": (a.num_heads + 2 * a.num_kv_heads) * a.head_dim,
                         "attn": a.num_heads * a.head_dim, "gate_up": 2 * a.inter, "act": a.inter, "delta": a.hidden}
 
@@ -129,9 +129,10 @@ class NativeLayers:
         )
 
     @staticmethod
-    def cache_key(kv_caches: KVCaches) -> list[tuple[int, int, tuple[int, ...]]]:
-        """What the pointer arrays depend on: each cache pair's addresses and shape."""
-        return [(k.data_ptr(), v.data_ptr(), tuple(k.shape)) for k, v in kv_caches]
+    def cache_key(kv_caches: KVCaches) -> list[tuple[int, int, torch.Size]]:
+        """What the pointer arrays depend on: each cache pair's addresses and shape (asked every
+        step: ``torch.Size`` as it is, half the cost of a tuple copy)."""
+        return [(k.data_ptr(), v.data_ptr(), k.shape) for k, v in kv_caches]
 
     def run(
         self,

@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from services.executor.model_runner import ModelRunner
-from services.executor.parallel.ranks import (
+from services.executor.tp_group.ranks import (
     RankProcesses,
     TensorParallelDriver,
     check_same_settings,

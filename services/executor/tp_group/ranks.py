@@ -38,10 +38,13 @@ import time
 from typing import Literal
 
 import msgspec
+from transformers import AutoConfig
 
 from services.executor.device import resolve_device
 from services.executor.model_runner import ModelRunner
+from services.executor.models.hf_config import config_value, num_kv_heads_of
 from services.executor.parallel.group import TensorParallelGroup
+from services.executor.parallel.partition import attention_heads
 from services.executor.structured_output import StructuredOutputManager
 from shared.bus import decode, encode
 from shared.config import Settings
@@ -273,11 +276,6 @@ def check_splittable(model_info: ModelInfo, tp_size: int) -> None:
     Raises:
         ValueError: :func:`~services.executor.parallel.partition.attention_heads`'s message.
     """
-    from transformers import AutoConfig
-
-    from services.executor.models.hf_config import config_value, num_kv_heads_of
-    from services.executor.parallel.partition import attention_heads
-
     hf_config = AutoConfig.from_pretrained(model_info.path)
     heads, kv_heads = config_value(hf_config, "num_attention_heads"), num_kv_heads_of(hf_config)
     for rank in range(tp_size):
