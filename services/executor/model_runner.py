@@ -98,7 +98,7 @@ class ModelRunner:
         self.sampler = Sampler(settings.seed, self.device, model_info.eos_token_ids, native_kernels=native_cpu)
         self.requests: dict[str, CachedRequestState] = {}
         # their sampling parameters, one row each, written when they join
-        self.columns = SamplingColumns(model_info.vocab_size, model_info.eos_token_ids, self.device,
+        self.sampling_columns = SamplingColumns(model_info.vocab_size, model_info.eos_token_ids, self.device,
                                        settings.max_num_seqs)
         # the grammar matchers of structured outputs: rank 0's, which samples
         self.structured = StructuredOutputManager(model_info.path, model_info.vocab_size, model_info.eos_token_ids)
@@ -122,7 +122,7 @@ class ModelRunner:
         its requests from their first token). The KV cache keeps its content; nothing reads
         it again before a plan writes it."""
         self.requests.clear()
-        self.columns.clear()
+        self.sampling_columns.clear()
         self.structured.clear()
 
     def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
@@ -275,8 +275,8 @@ class ModelRunner:
         """
         if self.cpu_threads is not None:
             self.cpu_threads.before_step()
-        update_states(self.requests, self.columns, plan, self.sampler, self.structured, self.model_info.vocab_size,
-                      self.tp.is_first_rank)
+        update_states(self.requests, self.sampling_columns, plan, self.sampler, self.structured,
+                      self.model_info.vocab_size, self.tp.is_first_rank)
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
         # decodes first, then prefills (the order attention backends expect)
@@ -310,7 +310,7 @@ class ModelRunner:
         if not sample_states:
             return result
         if plan.forks:
-            fork_states(self.requests, self.columns, plan.forks, sample_states, logits_rows, self.sampler,
+            fork_states(self.requests, self.sampling_columns, plan.forks, sample_states, logits_rows, self.sampler,
                         self.structured, self.model_info.vocab_size, self.tp.is_first_rank)
         if logits_rows != list(range(hidden.shape[0])):  # else every row samples (pure decode)
             hidden = hidden[torch.tensor(logits_rows, device=self.device)]
@@ -324,7 +324,7 @@ class ModelRunner:
             bitmask = early_mask.result()
         else:
             bitmask = self.structured.bitmask(sample_ids) if plan.forks else None
-        sampling = self.columns.gather([s.sampling_row for s in sample_states])
+        sampling = self.sampling_columns.gather([s.sampling_row for s in sample_states])
         tokens = self.sampler.sample_rows(logits, sampling, [s.token_ids for s in sample_states],
                                           [s.num_prompt_tokens for s in sample_states], bitmask=bitmask)
         if bitmask is not None:

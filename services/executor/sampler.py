@@ -213,9 +213,11 @@ class Sampler:
         if (held or penalised) and (token_ids is None or num_prompt_tokens is None):
             raise ValueError("min_tokens and penalties need each row's token_ids and num_prompt_tokens")
         columns, rows = step.columns, step.rows
-        held_rows = [(i, stops) for i in held  # only the rows still short of min_tokens
-                     if (entry := columns.min_tokens[rows[i]]) is not None and (stops := entry[1]) is not None
-                     and len(token_ids[i]) - num_prompt_tokens[i] < entry[0]]  # type: ignore[index]
+        held_rows = []  # the rows still short of min_tokens, with the token ids they forbid
+        for i in held:
+            min_tokens, stops = columns.min_tokens[rows[i]]  # type: ignore[misc]
+            if stops is not None and len(token_ids[i]) - num_prompt_tokens[i] < min_tokens:  # type: ignore[index]
+                held_rows.append((i, stops))
         if not (biased or held_rows or penalised):
             return logits
         logits = logits.clone()
@@ -247,7 +249,11 @@ class Sampler:
         bitmask: tuple[torch.Tensor, list[int]] | None = None,  # (int32 [R, ceil(V / 32)], their R rows)
     ) -> list[int]:
         """:meth:`sample_rows` for rows given as their params and generators (written into
-        columns of their own, rows ``0 .. N - 1``)."""
+        columns of their own, rows ``0 .. N - 1``).
+
+        Raises:
+            ValueError: as :meth:`sample_rows`; ``params`` and ``generators`` differ in length.
+        """
         columns = SamplingColumns(logits.shape[1], self.eos_token_ids, logits.device, len(params))
         rows = [columns.add(p, g) for p, g in zip(params, generators, strict=True)]
         return self.sample_rows(logits, columns.gather(rows), token_ids, num_prompt_tokens, bitmask)
