@@ -74,9 +74,9 @@ def apply_penalties(
     logits: torch.Tensor,  # [R, V] float32, contiguous, changed in place
     prompt_ids: list[list[int]],  # [R] the prompt's token ids of each row
     output_ids: list[list[int]],  # [R] the output's token ids of each row
-    presence: list[float] | torch.Tensor,  # [R] (a tensor: float32, on the logits' device)
-    frequency: list[float] | torch.Tensor,  # [R]
-    repetition: list[float] | torch.Tensor,  # [R]
+    presence: list[float],  # [R]
+    frequency: list[float],  # [R]
+    repetition: list[float],  # [R]
 ) -> torch.Tensor:  # [R, V] float32, the same tensor
     """vLLM's ``apply_penalties``: the repetition penalty (CTRL, Keskar et al. 2019) divides the
     positive logits and multiplies the others of every token seen in the prompt or the output;
@@ -96,17 +96,17 @@ def apply_penalties(
         keep = (tokens >= 0) & (tokens < vocab)
         return (row_of[keep] * vocab + tokens[keep]).to(dev)
 
-    presence, frequency, repetition = (torch.as_tensor(x, dtype=logits.dtype, device=dev)  # [R] each
-                                       for x in (presence, frequency, repetition))
     out_flat, out_counts = torch.unique(pairs(output_ids), return_counts=True)  # [U], [U]
-    if bool((repetition != 1).any()):
+    if any(r != 1 for r in repetition):
         seen = torch.unique(torch.cat([pairs(prompt_ids), out_flat]))  # [S]
-        rep = repetition[seen // vocab]  # [S]
+        rep = torch.tensor(repetition, dtype=logits.dtype, device=dev)[seen // vocab]  # [S]
         values = flat_logits[seen]
         flat_logits[seen] = torch.where(values > 0, values / rep, values * rep)
-    if bool(frequency.any()) or bool(presence.any()):
+    if any(frequency) or any(presence):
         row = out_flat // vocab
-        flat_logits[out_flat] -= frequency[row] * out_counts.to(logits.dtype) + presence[row]
+        freq = torch.tensor(frequency, dtype=logits.dtype, device=dev)[row]
+        pres = torch.tensor(presence, dtype=logits.dtype, device=dev)[row]
+        flat_logits[out_flat] -= freq * out_counts.to(logits.dtype) + pres
     return logits
 
 
@@ -229,12 +229,14 @@ class Sampler:
         if penalised:
             index = torch.tensor(penalised, device=logits.device)
             sub = logits.index_select(0, index)  # [R, V]
-            floats = step.floats.index_select(0, index)  # type: ignore[union-attr]  # [R, 6]
+            # [3, R]: the presence, frequency and repetition penalties (float32 values) of those rows
+            presence, frequency, repetition = columns.floats[col.PRESENCE:col.REPETITION + 1,
+                                                             [rows[i] for i in penalised]].tolist()
             apply_penalties(
                 sub,
                 [token_ids[i][: num_prompt_tokens[i]] for i in penalised],  # type: ignore[index]
                 [token_ids[i][num_prompt_tokens[i]:] for i in penalised],  # type: ignore[index]
-                floats[:, col.PRESENCE], floats[:, col.FREQUENCY], floats[:, col.REPETITION],
+                presence, frequency, repetition,
             )
             logits[index] = sub
         return logits
@@ -291,7 +293,7 @@ class Sampler:
         greedy = greedy_argmax(logits)  # [N]
         index = torch.from_numpy(random_rows).to(logits.device)  # [R]
         greedy[index] = self._sample_random(logits.index_select(0, index), step, random_rows,
-                                            step.ints[random_rows], step.floats.index_select(0, index))
+                                            step.ints.take(random_rows, axis=1), step.floats.index_select(1, index))
         return greedy.tolist()
 
     def _sample_random(
@@ -299,22 +301,22 @@ class Sampler:
         logits: torch.Tensor,  # [R, V] float32, the processed logits of the random rows
         step: StepSampling,
         random_rows: np.ndarray,  # [R] int64, their rows in the step
-        ints: np.ndarray,  # [R, 10] int64, their int columns
-        floats: torch.Tensor,  # [R, 6] float32, their float columns
+        ints: np.ndarray,  # [10, R] int64, their int columns
+        floats: torch.Tensor,  # [6, R] float32, their float columns
     ) -> torch.Tensor:  # [R] int64
         """Temperature, min-p, top-k and top-p, then the exponential race (the batch's
         generator for every row, then each seeded row's own, in row order)."""
-        sub = logits / floats[:, col.TEMPERATURE].unsqueeze(1)
-        if step.need(col.MIN_P_ON) and ints[:, col.MIN_P_ON].any():  # vLLM: after the temperature
+        sub = logits / floats[col.TEMPERATURE].unsqueeze(1)
+        if step.need(col.MIN_P_ON) and ints[col.MIN_P_ON].any():  # vLLM: after the temperature
             probs = sub.softmax(dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * floats[:, col.MIN_P].unsqueeze(1)
+            threshold = probs.amax(dim=-1, keepdim=True) * floats[col.MIN_P].unsqueeze(1)
             sub = sub.masked_fill(probs < threshold, float("-inf"))
-        if step.need(col.TOP_K_P) and ints[:, col.TOP_K_P].any():
-            top_k = torch.from_numpy(ints[:, col.TOP_K]).to(logits.device)  # [R] int64
-            sub = apply_top_k_top_p(sub, top_k, floats[:, col.TOP_P])
+        if step.need(col.TOP_K_P) and ints[col.TOP_K_P].any():
+            top_k = torch.from_numpy(ints[col.TOP_K]).to(logits.device)  # [R] int64
+            sub = apply_top_k_top_p(sub, top_k, floats[col.TOP_P])
         probs = sub.softmax(dim=-1)
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         if step.need(col.SEEDED):  # seeded: its own stream, whatever the batch
-            for j in np.flatnonzero(ints[:, col.SEEDED]).tolist():
+            for j in ints[col.SEEDED].nonzero()[0].tolist():
                 q[j].exponential_(generator=step.columns.generators[step.rows[random_rows[j]]])
         return greedy_argmax(probs / q)

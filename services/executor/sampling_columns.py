@@ -7,14 +7,15 @@ beam. It frees the row (:meth:`SamplingColumns.free`) when it finishes or is pre
 row is taken again by the next request that joins. Its ``SamplingParams`` are written into the
 row once, at ``add``:
 
-    floats [rows, 6] float32: temperature, top_p, min_p, presence, frequency, repetition penalty
-    ints [rows, 10] int64: top_k (0: off), num_top (logprobs, or a beam's candidates; -1: none),
+    floats [6, rows] float32: temperature, top_p, min_p, presence, frequency, repetition penalty
+    ints [10, rows] int64: top_k (0: off), num_top (logprobs, or a beam's candidates; -1: none),
         then one 0/1 flag per processing stage: random (not greedy), penalised, biased,
         min_tokens, seeded, min_p, top_k_p (top_k on or top_p < 1 in float32), logprobs
 
 and, per row, the Python objects a stage needs: its seeded ``torch.Generator``, its
 ``logit_bias`` as tensors, its ``min_tokens`` with the token ids it forbids until then. Both
-tables are numpy arrays (host memory); ``counts`` holds per flag the rows in use that set it.
+tables are numpy arrays (host memory), one contiguous line per column; ``counts`` holds per
+flag the rows in use that set it.
 
 Each step, :meth:`SamplingColumns.gather` takes the rows of the requests that sample, in
 their logits order: a ``StepSampling`` with their columns (one index, two row gathers; the
@@ -61,8 +62,8 @@ class SamplingColumns:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
-        self.floats = np.zeros((0, _NUM_FLOATS), dtype=np.float32)  # [rows, 6]
-        self.ints = np.zeros((0, _NUM_INTS), dtype=np.int64)  # [rows, 10]
+        self.floats = np.zeros((_NUM_FLOATS, 0), dtype=np.float32)  # [6, rows]
+        self.ints = np.zeros((_NUM_INTS, 0), dtype=np.int64)  # [10, rows]
         self.generators: list[torch.Generator | None] = []  # [rows] a seeded request's own
         self.bias: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # [rows] (ids [K] int64, biases [K] float32)
         self.min_tokens: list[tuple[int, torch.Tensor | None] | None] = []  # [rows] (min_tokens, forbidden ids [S] int64)
@@ -77,8 +78,8 @@ class SamplingColumns:
 
     def _grow(self, capacity: int) -> None:
         old = len(self._in_use)
-        self.floats = np.concatenate([self.floats, np.zeros((capacity - old, _NUM_FLOATS), dtype=np.float32)])
-        self.ints = np.concatenate([self.ints, np.zeros((capacity - old, _NUM_INTS), dtype=np.int64)])
+        self.floats = np.concatenate([self.floats, np.zeros((_NUM_FLOATS, capacity - old), dtype=np.float32)], 1)
+        self.ints = np.concatenate([self.ints, np.zeros((_NUM_INTS, capacity - old), dtype=np.int64)], 1)
         for extra in (self.generators, self.bias, self.min_tokens):
             extra.extend([None] * (capacity - old))
         self._in_use.extend([False] * (capacity - old))
@@ -92,14 +93,14 @@ class SamplingColumns:
             self._grow(2 * len(self._in_use))
         row = heapq.heappop(self._free)
         self._in_use[row] = True
-        floats = self.floats[row]
+        floats = self.floats[:, row]  # a view
         floats[:] = (params.temperature, params.top_p, params.min_p, params.presence_penalty,
                      params.frequency_penalty, params.repetition_penalty)  # rounded to float32 once
         top_k = params.top_k if params.top_k > 0 else 0
         num_top = params.beam_candidates(len(self.eos_token_ids)) if params.use_beam_search else params.logprobs
         flags = (not params.greedy, params.has_penalties, bool(params.logit_bias), params.min_tokens > 0,
                  generator is not None, floats[MIN_P] != 0, top_k > 0 or floats[TOP_P] < 1.0, num_top is not None)
-        self.ints[row] = (top_k, -1 if num_top is None else num_top, *flags)
+        self.ints[:, row] = (top_k, -1 if num_top is None else num_top, *flags)
         for i, on in enumerate(flags):
             self.counts[i] += bool(on)
         self.generators[row] = generator
@@ -121,7 +122,7 @@ class SamplingColumns:
         """
         if not (0 <= row < len(self._in_use) and self._in_use[row]):
             raise ValueError(f"sampling row {row} is not in use")
-        for i, on in enumerate(self.ints[row, _FIRST_FLAG:].tolist()):
+        for i, on in enumerate(self.ints[_FIRST_FLAG:, row].tolist()):
             self.counts[i] -= on
         self._in_use[row] = False
         self.generators[row] = self.bias[row] = self.min_tokens[row] = None
@@ -138,9 +139,9 @@ class SamplingColumns:
         if not any(self.counts):  # no running request sets a flag: nothing to gather
             return StepSampling(self, rows, None, None, (False,) * len(self.counts))
         index = np.array(rows, dtype=np.int64)  # [N]
-        ints = self.ints[index]  # [N, 10] int64
-        floats = torch.from_numpy(self.floats[index]).to(self.device)  # [N, 6] float32
-        return StepSampling(self, rows, ints, floats, tuple(ints[:, _FIRST_FLAG:].any(axis=0).tolist()))
+        ints = self.ints.take(index, axis=1)  # [10, N] int64
+        floats = torch.from_numpy(self.floats.take(index, axis=1)).to(self.device)  # [6, N] float32
+        return StepSampling(self, rows, ints, floats, tuple(ints[_FIRST_FLAG:].any(axis=1).tolist()))
 
 
 @dataclass
@@ -152,8 +153,8 @@ class StepSampling:
 
     columns: SamplingColumns
     rows: list[int]  # [N] each logits row's row in ``columns``
-    ints: np.ndarray | None  # [N, 10] int64
-    floats: torch.Tensor | None  # [N, 6] float32, on ``columns.device``
+    ints: np.ndarray | None  # [10, N] int64
+    floats: torch.Tensor | None  # [6, N] float32, on ``columns.device``
     needs: tuple[bool, ...]  # per flag (RANDOM ... LOGPROBS): whether any row sets it
 
     def __len__(self) -> int:
@@ -168,7 +169,7 @@ class StepSampling:
         if not self.need(flag):
             return _NONE
         assert self.ints is not None
-        return np.flatnonzero(self.ints[:, flag])
+        return self.ints[flag].nonzero()[0]
 
     def num_top(self) -> list[int | None] | None:
         """Log probability alternatives per row (``compute_logprobs``'s ``num_top``: None for
@@ -176,4 +177,4 @@ class StepSampling:
         if not self.need(LOGPROBS):
             return None
         assert self.ints is not None
-        return [None if k < 0 else k for k in self.ints[:, NUM_TOP].tolist()]
+        return [None if k < 0 else k for k in self.ints[NUM_TOP].tolist()]

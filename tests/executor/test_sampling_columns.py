@@ -27,10 +27,10 @@ def columns(capacity: int = 4) -> SamplingColumns:
 def test_rows_are_taken_lowest_first_reused_after_free_and_grow_when_full():
     store = columns(capacity=2)
     assert [store.add(GREEDY, None) for _ in range(3)] == [0, 1, 2]  # the third doubled the tables
-    assert len(store) == 3 and store.ints.shape == (4, 10) and store.floats.shape == (4, 6)
+    assert len(store) == 3 and store.ints.shape == (10, 4) and store.floats.shape == (6, 4)
     store.free(1)
     assert store.add(SamplingParams(temperature=0.5), None) == 1  # the freed row, before row 3
-    assert store.floats[1, col.TEMPERATURE] == np.float32(0.5)
+    assert store.floats[col.TEMPERATURE, 1] == np.float32(0.5)
     store.free(1)
     with pytest.raises(ValueError, match="sampling row 1 is not in use"):
         store.free(1)
@@ -45,8 +45,8 @@ def test_parameters_are_written_once_as_float32_columns_flags_and_row_objects():
                             repetition_penalty=1.2, logit_bias={5: 1.5, 100: 3.0}, min_tokens=2,
                             stop_token_ids=[7, 500], logprobs=3, seed=9)
     row = store.add(params, seeded)
-    assert store.floats[row].tolist() == np.array([0.7, 0.9, 0.1, 0.5, 0.0, 1.2], dtype=np.float32).tolist()
-    assert store.ints[row].tolist() == [0, 3, 1, 1, 1, 1, 1, 1, 1, 1]  # top_k -1 is off
+    assert store.floats[:, row].tolist() == np.array([0.7, 0.9, 0.1, 0.5, 0.0, 1.2], dtype=np.float32).tolist()
+    assert store.ints[:, row].tolist() == [0, 3, 1, 1, 1, 1, 1, 1, 1, 1]  # top_k -1 is off
     assert store.generators[row] is seeded
     ids, bias = store.bias[row]  # token 100 is past the vocabulary
     assert ids.tolist() == [5] and bias.tolist() == [1.5]
@@ -54,9 +54,9 @@ def test_parameters_are_written_once_as_float32_columns_flags_and_row_objects():
     assert minimum == 2 and forbidden.tolist() == [2, 7]  # EOS and the stop id inside the vocabulary
     # top_p just below 1 rounds to 1 in float32: no top-k/top-p stage, as the float32 tensor said before
     near_one = store.add(SamplingParams(temperature=0, top_p=1 - 1e-9), None)
-    assert store.ints[near_one, col.TOP_K_P] == 0 and store.ints[near_one, col.RANDOM] == 0
+    assert store.ints[col.TOP_K_P, near_one] == 0 and store.ints[col.RANDOM, near_one] == 0
     search = store.add(SamplingParams(use_beam_search=True, n=3), None)
-    assert store.ints[search, col.NUM_TOP] == 6  # max(2, 1 + one EOS) * 3 candidates per beam
+    assert store.ints[col.NUM_TOP, search] == 6  # max(2, 1 + one EOS) * 3 candidates per beam
     store.free(row)
     assert store.generators[row] is None and store.bias[row] is None and store.min_tokens[row] is None
     assert store.counts == [1, 0, 0, 0, 0, 0, 0, 1]  # the beam search: random, logprobs
@@ -69,8 +69,8 @@ def test_gather_takes_the_step_rows_in_logits_order_and_says_which_stages_apply(
     warm = store.add(SamplingParams(temperature=0.5, top_k=4), None)
     logprobs = store.add(SamplingParams(temperature=0, logprobs=2), None)
     step = store.gather([logprobs, greedy, warm])
-    assert step.floats[:, col.TEMPERATURE].tolist() == [0.0, 0.0, 0.5]
-    assert step.ints[:, col.TOP_K].tolist() == [0, 0, 4]
+    assert step.floats[col.TEMPERATURE].tolist() == [0.0, 0.0, 0.5]
+    assert step.ints[col.TOP_K].tolist() == [0, 0, 4]
     assert step.where(col.RANDOM).tolist() == [2] and step.where(col.PENALISED).tolist() == []
     assert step.need(col.TOP_K_P) and not step.need(col.SEEDED)
     assert step.num_top() == [2, None, None]
@@ -96,9 +96,9 @@ def test_requests_join_and_leave_between_steps():
     assert (requests["a"].sampling_row, requests["b"].sampling_row) == (0, 1)
     assert store.generators[1] is not None and store.counts[col.SEEDED - col.RANDOM] == 1
     step(finished_request_ids=["a"], new_requests=[new("c", SamplingParams(presence_penalty=1.0))])
-    assert requests["c"].sampling_row == 0 and store.ints[0, col.PENALISED] == 1 and len(store) == 2
+    assert requests["c"].sampling_row == 0 and store.ints[col.PENALISED, 0] == 1 and len(store) == 2
     step(new_requests=[new("c", GREEDY)])  # recomputed: its old row goes, it takes one again
-    assert requests["c"].sampling_row == 0 and store.ints[0, col.PENALISED] == 0 and len(store) == 2
+    assert requests["c"].sampling_row == 0 and store.ints[col.PENALISED, 0] == 0 and len(store) == 2
     states, rows = [requests["b"]], [0]
     fork_states(requests, store, {"b": ["b#1"]}, states, rows, sampler, structured, 100, True)
     assert requests["b#1"].sampling_row == 2 and store.generators[2] is not store.generators[1]
