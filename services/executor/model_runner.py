@@ -39,6 +39,7 @@ from services.executor.models.base import QUANTIZED_ARCHITECTURES
 from services.executor.parallel.group import SINGLE_RANK, TensorParallelGroup, use_tp_group
 from services.executor.request_states import CachedRequestState, fork_states, update_states
 from services.executor.sampler import Sampler, compute_logprobs
+from services.executor.sampling_columns import SamplingColumns
 from services.executor.structured_output import StructuredOutputManager
 from shared.config import DEFAULT_CPU_KV_CACHE_BYTES, Settings, kernel_cache_dir
 from shared.logging import get_logger
@@ -100,6 +101,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(settings.seed, self.device, model_info.eos_token_ids, native_kernels=native_cpu)
         self.requests: dict[str, CachedRequestState] = {}
+        # their sampling parameters, one row each, written when they join
+        self.sampling_columns = SamplingColumns(model_info.vocab_size, model_info.eos_token_ids, self.device,
+                                       settings.max_num_seqs)
         # the grammar matchers of structured outputs: rank 0's, which samples
         self.structured = StructuredOutputManager(model_info.path, model_info.vocab_size, model_info.eos_token_ids)
         self.cpu_threads = self._cpu_thread_governor()
@@ -122,6 +126,7 @@ class ModelRunner:
         its requests from their first token). The KV cache keeps its content; nothing reads
         it again before a plan writes it."""
         self.requests.clear()
+        self.sampling_columns.clear()
         self.structured.clear()
 
     def append_sampled(self, sampled_token_ids: dict[str, int]) -> None:
@@ -274,8 +279,8 @@ class ModelRunner:
         """
         if self.cpu_threads is not None:
             self.cpu_threads.before_step()
-        update_states(self.requests, plan, self.sampler, self.structured, self.model_info.vocab_size,
-                      self.tp.is_first_rank)
+        update_states(self.requests, self.sampling_columns, plan, self.sampler, self.structured,
+                      self.model_info.vocab_size, self.tp.is_first_rank)
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
         # decodes first, then prefills (the order attention backends expect)
@@ -309,14 +314,13 @@ class ModelRunner:
         if not sample_states:
             return result
         if plan.forks:
-            fork_states(self.requests, plan.forks, sample_states, logits_rows, self.sampler, self.structured,
-                        self.model_info.vocab_size, self.tp.is_first_rank)
+            fork_states(self.requests, self.sampling_columns, plan.forks, sample_states, logits_rows, self.sampler,
+                        self.structured, self.model_info.vocab_size, self.tp.is_first_rank)
         if logits_rows != list(range(hidden.shape[0])):  # else every row samples (pure decode)
             hidden = hidden[torch.tensor(logits_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)  # [N, V] f32
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return result
-        params = [s.sampling_params for s in sample_states]
         sample_ids = [s.request_id for s in sample_states]
         # [R, ceil(V / 32)] of the constrained rows: filled during the forward pass, or now for a
         # step that forked samples (without a fork, no early mask means no constrained row)
@@ -324,18 +328,17 @@ class ModelRunner:
             bitmask = early_mask.result()
         else:
             bitmask = self.structured.bitmask(sample_ids) if plan.forks else None
-        tokens = self.sampler.sample(logits, params, [s.generator for s in sample_states],
-                                     [s.token_ids for s in sample_states], [s.num_prompt_tokens for s in sample_states],
-                                     bitmask=bitmask)
+        sampling = self.sampling_columns.gather([s.sampling_row for s in sample_states])
+        tokens = self.sampler.sample_rows(logits, sampling, [s.token_ids for s in sample_states],
+                                          [s.num_prompt_tokens for s in sample_states], bitmask=bitmask)
         if bitmask is not None:
             self.structured.accept(sample_ids, tokens)
         for state, tok in zip(sample_states, tokens, strict=True):
             state.token_ids.append(tok)
             result.sampled_token_ids[state.request_id] = tok
         # a beam-search row returns the top continuations its scheduler picks the next beams from
-        num_eos = len(self.model_info.eos_token_ids)
-        num_top = [p.beam_candidates(num_eos) if p.use_beam_search else p.logprobs for p in params]
-        if any(k is not None for k in num_top):
+        num_top = sampling.num_top()
+        if num_top is not None:
             for state, lp in zip(sample_states, compute_logprobs(logits, tokens, num_top), strict=True):
                 if lp is not None:
                     result.logprobs[state.request_id] = lp

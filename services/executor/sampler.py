@@ -7,6 +7,11 @@ token ids masked), then the repetition (CTRL), frequency and presence penalties
 greedy rows take the argmax of the processed logits. Log probabilities
 (``compute_logprobs``) are of the raw logits.
 
+The parameters of a step's rows come as a ``StepSampling`` gathered from the executor's
+``SamplingColumns`` (``sampling_columns.py``: written once per request), whose flags say which
+stages any row needs; the others are skipped. :meth:`Sampler.sample` takes them as a list of
+``SamplingParams`` instead.
+
 Sampling draws ``q ~ Exponential(1)`` per vocabulary entry and takes
 ``argmax(probs / q)``, which samples exactly from ``probs`` (the exponential-race form of
 the Gumbel-max trick, as vLLM's sampler does) and needs no CPU sync. A request with a
@@ -16,9 +21,12 @@ what else is in the batch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels.cpu import sampling_ops
+from services.executor import sampling_columns as col
+from services.executor.sampling_columns import SamplingColumns, StepSampling
 from shared.messages import SampleLogprobs, SamplingParams
 from shared.structured_output import apply_token_bitmask
 
@@ -175,8 +183,7 @@ class Sampler:
         self.device = device
         self.native_kernels = native_kernels
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.eos_token_ids = eos_token_ids  # forbidden before min_tokens (unless ignore_eos)
-        self._bias_cache: dict[int, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
+        self.eos_token_ids = eos_token_ids  # forbidden before min_tokens (unless ignore_eos), in sample()
 
     def new_request_generator(self, seed: int | None, num_draws_done: int, vocab_size: int) -> torch.Generator | None:
         """A per-request generator for ``seed``, advanced past ``num_draws_done`` samples (a
@@ -191,7 +198,7 @@ class Sampler:
     def process_logits(
         self,
         logits: torch.Tensor,  # [N, V] float32
-        params: list[SamplingParams],
+        step: StepSampling,
         token_ids: list[list[int]] | None,  # [N] each row's prompt + output tokens so far
         num_prompt_tokens: list[int] | None,  # [N]
     ) -> torch.Tensor:  # [N, V] float32: ``logits`` itself when no row changes it, else a copy
@@ -200,62 +207,63 @@ class Sampler:
         Raises:
             ValueError: a row needs its tokens (``min_tokens``, penalties) and none were given.
         """
-        biased = [i for i, p in enumerate(params) if p.logit_bias]
-        held = [i for i, p in enumerate(params) if p.min_tokens]
-        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        biased, held, penalised = (step.where(f).tolist() for f in (col.BIASED, col.MIN_TOKENS, col.PENALISED))
         if not (biased or held or penalised):
             return logits
         if (held or penalised) and (token_ids is None or num_prompt_tokens is None):
             raise ValueError("min_tokens and penalties need each row's token_ids and num_prompt_tokens")
-        held = [i for i in held  # only the rows still short of min_tokens
-                if len(token_ids[i]) - num_prompt_tokens[i] < params[i].min_tokens]  # type: ignore[index]
-        if not (biased or held or penalised):
+        columns, rows = step.columns, step.rows
+        held_rows = []  # the rows still short of min_tokens, with the token ids they forbid
+        for i in held:
+            min_tokens, stops = columns.min_tokens[rows[i]]  # type: ignore[misc]
+            if stops is not None and len(token_ids[i]) - num_prompt_tokens[i] < min_tokens:  # type: ignore[index]
+                held_rows.append((i, stops))
+        if not (biased or held_rows or penalised):
             return logits
         logits = logits.clone()
-        vocab = logits.shape[1]
         for i in biased:
-            ids, bias = self._bias_tensors(params[i], vocab, logits.device)
+            ids, bias = columns.bias[rows[i]]  # type: ignore[misc]
             logits[i, ids] += bias
-        for i in held:
-            p = params[i]
-            stops = {*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)}
-            ids = [t for t in stops if t < vocab]
-            if ids:
-                logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
+        for i, stops in held_rows:
+            logits[i, stops] = float("-inf")
         if penalised:
-            rows = torch.tensor(penalised, device=logits.device)
-            sub = logits[rows]
+            index = torch.tensor(penalised, device=logits.device)
+            sub = logits.index_select(0, index)  # [R, V]
+            # [3, R]: the presence, frequency and repetition penalties (float32 values) of those rows
+            presence, frequency, repetition = columns.floats[col.PRESENCE:col.REPETITION + 1,
+                                                             [rows[i] for i in penalised]].tolist()
             apply_penalties(
                 sub,
                 [token_ids[i][: num_prompt_tokens[i]] for i in penalised],  # type: ignore[index]
                 [token_ids[i][num_prompt_tokens[i]:] for i in penalised],  # type: ignore[index]
-                [params[i].presence_penalty for i in penalised],
-                [params[i].frequency_penalty for i in penalised],
-                [params[i].repetition_penalty for i in penalised],
+                presence, frequency, repetition,
             )
-            logits[rows] = sub
+            logits[index] = sub
         return logits
-
-    def _bias_tensors(self, params: SamplingParams, vocab: int,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """A request's ``logit_bias`` as (token ids [K] int64, biases [K] float32), built once
-        per params object (a running request keeps its params; ids past ``vocab`` dropped)."""
-        hit = self._bias_cache.get(id(params))
-        if hit is not None and hit[0] is params:
-            return hit[1], hit[2]
-        bias = {t: b for t, b in params.logit_bias.items() if t < vocab}
-        ids = torch.tensor(list(bias), dtype=torch.int64, device=device)
-        values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
-        if len(self._bias_cache) >= 1024:
-            self._bias_cache.clear()
-        self._bias_cache[id(params)] = (params, ids, values)
-        return ids, values
 
     def sample(
         self,
         logits: torch.Tensor,  # [N, V] float32
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        token_ids: list[list[int]] | None = None,  # [N] each row's prompt + output tokens so far
+        num_prompt_tokens: list[int] | None = None,  # [N]
+        bitmask: tuple[torch.Tensor, list[int]] | None = None,  # (int32 [R, ceil(V / 32)], their R rows)
+    ) -> list[int]:
+        """:meth:`sample_rows` for rows given as their params and generators (written into
+        columns of their own, rows ``0 .. N - 1``).
+
+        Raises:
+            ValueError: as :meth:`sample_rows`; ``params`` and ``generators`` differ in length.
+        """
+        columns = SamplingColumns(logits.shape[1], self.eos_token_ids, logits.device, len(params))
+        rows = [columns.add(p, g) for p, g in zip(params, generators, strict=True)]
+        return self.sample_rows(logits, columns.gather(rows), token_ids, num_prompt_tokens, bitmask)
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,  # [N, V] float32
+        step: StepSampling,  # the N rows' sampling columns
         token_ids: list[list[int]] | None = None,  # [N] each row's prompt + output tokens so far
         num_prompt_tokens: list[int] | None = None,  # [N]
         bitmask: tuple[torch.Tensor, list[int]] | None = None,  # (int32 [R, ceil(V / 32)], their R rows)
@@ -269,36 +277,46 @@ class Sampler:
         Raises:
             ValueError: a row needs its tokens (``min_tokens``, penalties) and none were given.
         """
-        processed = self.process_logits(logits, params, token_ids, num_prompt_tokens)
+        processed = self.process_logits(logits, step, token_ids, num_prompt_tokens)
         if bitmask is not None:
             if processed is logits:  # the raw logits stay for the log probabilities
                 processed = logits.clone()
             if not (self.native_kernels and sampling_ops.apply_token_bitmask(processed, *bitmask)):
                 apply_token_bitmask(processed, *bitmask)  # torch's (xgrammar's) path
         logits = processed
+        random_rows = step.where(col.RANDOM)  # [R]
+        if not len(random_rows):
+            return greedy_argmax(logits).tolist()
+        assert step.ints is not None and step.floats is not None  # gathered: a row sets RANDOM
+        if len(random_rows) == len(step):  # no greedy row
+            return self._sample_random(logits, step, random_rows, step.ints, step.floats).tolist()
         greedy = greedy_argmax(logits)  # [N]
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not random_rows:
-            return greedy.tolist()
-        rows = torch.tensor(random_rows, device=logits.device)
-        sub = logits[rows]  # [R, V]
-        temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
-        sub = sub / temps.unsqueeze(1)
-        min_p = [params[i].min_p for i in random_rows]
-        if any(min_p):  # vLLM: after the temperature, before top-k and top-p
+        index = torch.from_numpy(random_rows).to(logits.device)  # [R]
+        greedy[index] = self._sample_random(logits.index_select(0, index), step, random_rows,
+                                            step.ints.take(random_rows, axis=1), step.floats.index_select(1, index))
+        return greedy.tolist()
+
+    def _sample_random(
+        self,
+        logits: torch.Tensor,  # [R, V] float32, the processed logits of the random rows
+        step: StepSampling,
+        random_rows: np.ndarray,  # [R] int64, their rows in the step
+        ints: np.ndarray,  # [10, R] int64, their int columns
+        floats: torch.Tensor,  # [6, R] float32, their float columns
+    ) -> torch.Tensor:  # [R] int64
+        """Temperature, min-p, top-k and top-p, then the exponential race (the batch's
+        generator for every row, then each seeded row's own, in row order)."""
+        sub = logits / floats[col.TEMPERATURE].unsqueeze(1)
+        if step.need(col.MIN_P_ON) and ints[col.MIN_P_ON].any():  # vLLM: after the temperature
             probs = sub.softmax(dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=logits.device).unsqueeze(1)
+            threshold = probs.amax(dim=-1, keepdim=True) * floats[col.MIN_P].unsqueeze(1)
             sub = sub.masked_fill(probs < threshold, float("-inf"))
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else 0 for i in random_rows])
-        top_p = torch.tensor([params[i].top_p for i in random_rows], dtype=torch.float32)
-        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-            sub = apply_top_k_top_p(sub, top_k.to(logits.device), top_p.to(logits.device))
+        if step.need(col.TOP_K_P) and ints[col.TOP_K_P].any():
+            top_k = torch.from_numpy(ints[col.TOP_K]).to(logits.device)  # [R] int64
+            sub = apply_top_k_top_p(sub, top_k, floats[col.TOP_P])
         probs = sub.softmax(dim=-1)
         q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for j, i in enumerate(random_rows):
-            if generators[i] is not None:  # seeded: its own stream, whatever the batch
-                q[j].exponential_(generator=generators[i])
-        sampled = greedy_argmax(probs / q)
-        out = greedy.clone()
-        out[rows] = sampled
-        return out.tolist()
+        if step.need(col.SEEDED):  # seeded: its own stream, whatever the batch
+            for j in ints[col.SEEDED].nonzero()[0].tolist():
+                q[j].exponential_(generator=step.columns.generators[step.rows[random_rows[j]]])
+        return greedy_argmax(probs / q)
