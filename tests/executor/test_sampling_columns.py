@@ -14,7 +14,7 @@ from services.executor.request_states import fork_states, update_states
 from services.executor.sampler import Sampler, apply_penalties, apply_top_k_top_p
 from services.executor.sampling_columns import SamplingColumns
 from services.executor.structured_output import StructuredOutputManager
-from shared.messages import BeamFork, NewRequestData, SamplingParams, StepPlan
+from shared.messages import BeamForks, NewRequestData, SamplingParams, StepPlan
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0)
@@ -102,7 +102,7 @@ def test_requests_join_and_leave_between_steps():
     states, rows = [requests["b"]], [0]
     fork_states(requests, store, {"b": ["b#1"]}, states, rows, sampler, structured, 100, True)
     assert requests["b#1"].sampling_row == 2 and store.generators[2] is not store.generators[1]
-    step(beam_forks=[BeamFork(request_id="c.1", parent_id="c", token_id=9)], finished_request_ids=["c"])
+    step(beam_forks=BeamForks(req_ids=["c.1"], parent_ids=["c"], token_ids=[9]), finished_request_ids=["c"])
     assert requests["c.1"].sampling_row == 3 and len(store) == 3  # c's row 0 freed after the fork
     assert store.gather([r.sampling_row for r in states]).where(col.SEEDED).tolist() == [0, 1]
 
