@@ -39,8 +39,9 @@ class RequestTable:
         tokenize_timeout_s: how long a resubmission waits for the tokenizer's reply.
     """
 
-    liveness_idle_s = 10.0
-    liveness_check_s = 5.0
+    liveness_idle_s = 10.0  # a request without output this long is checked
+    liveness_check_s = 5.0  # how often
+    held_query_timeout_s = 2.0  # a scheduler that does not answer a check in this long holds nothing
 
     def __init__(self, bus: Bus, subjects: Subjects, tokenize_timeout_s: float) -> None:
         self.bus = bus
@@ -133,7 +134,7 @@ class RequestTable:
         try:
             reply = await self.bus.request(self.subjects.requests_get,
                                            RequestsQuery(request_ids=[p.engine_id for p in requests]),
-                                           RequestsKnown, timeout=2.0)
+                                           RequestsKnown, timeout=self.held_query_timeout_s)
             known = set(reply.known)
         except Exception:  # no scheduler answers: it holds nothing for us now
             known = set()

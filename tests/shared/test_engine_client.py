@@ -33,7 +33,7 @@ from shared.messages import (
 )
 from shared.subjects import TOKENIZER_QUEUE, Subjects
 
-IDLE_S, CHECK_S = 0.5, 0.2
+IDLE_S, CHECK_S, QUERY_S = 0.5, 0.2, 0.5
 
 
 class FakeScheduler:
@@ -50,7 +50,7 @@ class FakeScheduler:
         answer = self.answers[min(self.queries, len(self.answers) - 1)]
         self.queries += 1
         if answer is None:
-            await asyncio.sleep(3.0)  # past the client's 2 s: unanswered
+            await asyncio.sleep(QUERY_S + 1.0)  # past the client's query timeout: unanswered
         if self.queries in self.output_after:
             delta = RequestDelta(request_id=query.request_ids[0], text="x", token_ids=[7], num_output_tokens=1)
             asyncio.get_running_loop().call_later(0.01, lambda: asyncio.ensure_future(self.publish(delta)))
@@ -74,6 +74,7 @@ async def env(nats_url: str, monkeypatch) -> AsyncIterator[SimpleNamespace]:
     await bus.subscribe(Subjects(model).tokenize, TokenizeRequest, tokenize, queue=TOKENIZER_QUEUE)
     client = EngineClient(bus, model)
     client.requests.liveness_idle_s, client.requests.liveness_check_s = IDLE_S, CHECK_S
+    client.requests.held_query_timeout_s = QUERY_S
     await client.start()
 
     async def scheduler(answers: list[bool | None], output_after: frozenset[int] = frozenset()) -> FakeScheduler:
