@@ -37,10 +37,10 @@ test: model
 
 # the pure layer (under a minute on two cores): no end-to-end or kernel tests (their folders are
 # not even collected) and no heavy ones: a test that loads a model, starts a process running the
-# engine's code or runs a stateful property search is marked heavy (tests/conftest.py)
+# engine's code or runs a stateful property search is marked heavy (tests/conftest.py); two
+# pytest processes side by side, each collecting only its own folders (tests/run_fast.py)
 test-fast: model
-	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not kernel and not heavy" \
-		--ignore=tests/e2e --ignore=tests/kernels --durations=10 tests
+	$(BIN)/python tests/run_fast.py --durations=5
 
 lint: setup
 	$(BIN)/ruff check .
