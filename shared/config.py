@@ -47,9 +47,10 @@ class Settings(BaseSettings):
     model: str | None = Field(None, description="Hugging Face model directory; None = default SmolLM2")
     served_model_name: str | None = Field(None, description="Name in the API and subjects")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["gptq", "awq", "compressed-tensors", "fp8"] | None = Field(
-        None, description="The checkpoint's quantization method (config.json's quantization_config); None = "
-        "detected from the checkpoint, a name = refuse a checkpoint quantized otherwise or not at all")
+    quantization: Literal["gptq", "awq", "compressed-tensors", "fp8", "gguf"] | None = Field(
+        None, description="The checkpoint's quantization method (config.json's quantization_config, or gguf "
+        "for a model served from a GGUF file); None = detected from the checkpoint, a name = refuse a "
+        "checkpoint quantized otherwise or not at all")
     max_model_len: int | None = Field(None, ge=1, description="Context length in tokens")
     block_size: int = Field(16, description="KV cache block size in tokens")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="KV pool size in blocks")

@@ -29,7 +29,7 @@ import nats.errors
 from nats.aio.subscription import Subscription
 
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, decode, encode
 from shared.inflight import InFlight, Received
 from shared.logging import get_logger
 from shared.messages import (
@@ -193,16 +193,21 @@ class EngineClient:
             nats.errors.NoRespondersError: no tokenizer served this model within it.
             shared.bus.RemoteError: the tokenizer's handler failed on the request (it may have
                 submitted it: abort it).
-            ValueError: ``request_id`` is already in flight.
-            TypeError: an option that is not a field of ``RequestSpec``.
+            ValueError: ``request_id`` is already in flight, or a field is of the wrong type
+                (``msgspec.ValidationError``, naming it: nothing is sent).
+            TypeError: ``sampling_params`` is not a ``SamplingParams``, or an option is not a
+                field of ``RequestSpec``.
         """
         if request_id in self.requests.pending:
             raise ValueError(f"request_id {request_id!r} is already in flight")
+        if not isinstance(sampling_params, SamplingParams):  # its values were checked where it was built
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         spec = RequestSpec(request_id=request_id, gateway_id=self.gateway_id, sampling_params=sampling_params,
                            arrival_time=time.time(), **options)
         message = TokenizeRequest(
             spec=spec, prompt=prompt, messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             chat_template=chat_template, cap_at_max_model_len=cap_at_max_model_len, return_prompt=return_prompt)
+        decode(encode(message), TokenizeRequest)  # the types, as the tokenizer will decode them
         pending = self.requests.pending[request_id] = InFlight(
             message=message, queue=asyncio.Queue(), last_output=time.monotonic(),
             verdict=asyncio.get_running_loop().create_future() if spec.notify_accepted else None)

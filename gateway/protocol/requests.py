@@ -85,7 +85,7 @@ class CompletionRequest(SamplingFields):
         """The request as ``SamplingParams``.
 
         Raises:
-            pydantic.ValidationError: a value is out of range (the message names it).
+            ValueError: a value is out of range (the message names it).
         """
         # the echoed prompt's tokens get their log probabilities too (logprobs is range-checked there)
         return self._sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs,
@@ -196,7 +196,7 @@ class ChatCompletionRequest(SamplingFields):
         """The request as ``SamplingParams`` (``max_completion_tokens`` wins over ``max_tokens``).
 
         Raises:
-            pydantic.ValidationError: a value is out of range (the message names it).
+            ValueError: a value is out of range (the message names it).
         """
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)

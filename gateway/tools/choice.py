@@ -47,7 +47,8 @@ class ToolUse:
         if self.schema is not None:
             # compact JSON: the arguments read as OpenAI's, and no tokens go to spacing
             update["structured_outputs"] = StructuredOutputsParams(json=self.schema, disable_any_whitespace=True)
-        return params.replace(**update) if update else params
+        # as a derived copy (not checked again): a forced call's schema also goes with beam search
+        return params.derive(**update) if update else params
 
 
 NO_TOOLS = ToolUse()

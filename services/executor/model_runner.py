@@ -101,9 +101,11 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(settings.seed, self.device, model_info.eos_token_ids, native_kernels=native_cpu)
         self.requests: dict[str, CachedRequestState] = {}
-        # their sampling parameters, one row each, written when they join
-        self.sampling_columns = SamplingColumns(model_info.vocab_size, model_info.eos_token_ids, self.device,
-                                       settings.max_num_seqs)
+        # their sampling parameters, one row each, written when they join (host tensors off the
+        # first rank, which alone samples)
+        self.sampling_columns = SamplingColumns(model_info.vocab_size, model_info.eos_token_ids,
+                                                self.device if self.tp.is_first_rank else torch.device("cpu"),
+                                                settings.max_num_seqs)
         # the grammar matchers of structured outputs: rank 0's, which samples
         self.structured = StructuredOutputManager(model_info.path, model_info.vocab_size, model_info.eos_token_ids)
         self.cpu_threads = self._cpu_thread_governor()

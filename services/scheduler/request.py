@@ -85,7 +85,11 @@ class Request:
         """A request as the tokenizer submitted it; ``now`` (unix seconds) is its arrival time
         if its spec has none. A resubmitted request's outputs (``spec.output_token_ids``) are
         recomputed like a preempted request's."""
-        spec = msg.spec if msg.spec.arrival_time else msg.spec.derive(arrival_time=now)
+        spec = msg.spec
+        # the outputs a resubmitted request already has become its own state (not kept twice)
+        output_token_ids = list(spec.output_token_ids)
+        if output_token_ids or not spec.arrival_time:
+            spec = spec.derive(arrival_time=spec.arrival_time or now, output_token_ids=[])
         params = spec.sampling_params
         beam = None
         if params.use_beam_search:
@@ -93,7 +97,7 @@ class Request:
                               eos_token_ids=eos_token_ids, num_candidates=params.beam_candidates(len(eos_token_ids)),
                               rows=[spec.request_id])
         return cls(spec=spec, prompt_token_ids=msg.prompt_token_ids, max_model_len=max_model_len,
-                   eos_token_ids=eos_token_ids, output_token_ids=list(spec.output_token_ids), beam=beam)
+                   eos_token_ids=eos_token_ids, output_token_ids=output_token_ids, beam=beam)
 
     # ------------------------------------------------------------------ the spec's fields
 

@@ -37,10 +37,11 @@ _NOT_WITH_BEAM_SEARCH: dict[str, Any] = {
 }
 
 
-class DetokenizeParams(Record, frozen=True):
+class DetokenizeParams(Record):
     """What the detokenizer does with a request's text (``SamplingParams.detokenize_params``):
     stop strings, whether a matched one stays in the text, whether special tokens are shown,
-    and how many output tokens come before a stop string may match."""
+    and how many output tokens come before a stop string may match. Built once per request and
+    only read after (its ``stop`` is the params' own list)."""
 
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -143,10 +144,18 @@ class SamplingParams(Record, metaclass=_Constructor):
             self._coerce()
             self.validate()
 
-    def _coerce(self) -> None:  # ``stop`` given as a string or None, ``stop_token_ids`` as None
-        stop = self.stop
+    def _coerce(self) -> None:
+        """``stop`` given as a string or None and ``stop_token_ids`` as None made lists; a
+        ``structured_outputs`` given as a dict built (and checked) as ``StructuredOutputsParams``."""
+        stop, constraint = self.stop, self.structured_outputs
+        if isinstance(constraint, dict):
+            try:
+                constraint = StructuredOutputsParams(**constraint)
+            except TypeError as exc:  # an unknown field
+                raise ValueError(f"structured_outputs: {exc}") from None
         super()._coerce(stop=[] if stop is None else [stop] if isinstance(stop, str) else stop,
-                        stop_token_ids=[] if self.stop_token_ids is None else self.stop_token_ids)
+                        stop_token_ids=[] if self.stop_token_ids is None else self.stop_token_ids,
+                        structured_outputs=constraint)
 
     def validate(self) -> SamplingParams:
         """Check every value (types are :meth:`_coerce`'s); ``self``.
@@ -230,8 +239,22 @@ class SamplingParams(Record, metaclass=_Constructor):
                                 skip_special_tokens=self.skip_special_tokens, min_tokens=self.min_tokens)
 
     def replace(self, **changes: Any) -> SamplingParams:
-        """A copy with ``changes``, checked as at construction."""
+        """A copy with ``changes``, checked as at construction.
+
+        Raises:
+            ValueError: as at construction.
+        """
         return msgspec.structs.replace(self, **changes)
+
+    def derive(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` that the caller vouches for (not checked again)."""
+        with decoding():
+            return msgspec.structs.replace(self, **changes)
+
+    def clone(self) -> SamplingParams:
+        """A copy (vLLM's ``SamplingParams.clone``)."""
+        with decoding():
+            return msgspec.structs.replace(self)
 
     def for_child(self, index: int) -> SamplingParams:
         """The params of sample ``index`` of an ``n > 1`` request (vLLM's rule: a seeded

@@ -7,9 +7,10 @@ gateway) carry one entry per running request every step. msgspec encodes and dec
 about ten times faster than pydantic's ``model_dump`` / ``model_validate`` (see
 ``benchmarks/messages.py``) while the decoder still checks every field's type and refuses
 unknown fields. Unlike a pydantic model, a struct does not check its values when built in
-code: the code that builds one is the check. The two pydantic models they embed,
-``SamplingParams`` and ``ServiceError``, travel as their fields and are validated on decode
-(``shared/bus.py``'s hooks).
+code: the code that builds one is the check. The records they embed (``SamplingParams``,
+``DetokenizeParams``) are msgspec structs too, checked where the request was made and not again
+on decode; the one pydantic model, ``ServiceError``, travels as its fields and is validated on
+decode (``shared/bus.py``'s hooks).
 """
 
 from __future__ import annotations

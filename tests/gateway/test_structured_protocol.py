@@ -92,3 +92,22 @@ def test_params_travel_in_a_step_plan():
         request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(structured_outputs=StructuredOutputsParams(
             json=SCHEMA)), block_ids=[0], num_computed_tokens=0)), NewRequestData)
         .sampling_params.structured_outputs.json["properties"]) == ["b", "a"]
+
+
+def test_a_constraint_given_as_a_dict_is_checked_as_when_built():
+    """A ``structured_outputs`` dict (or ``guided_decoding``) is built as ``StructuredOutputsParams``
+    and checked, at construction and on assignment; a field of the wrong type is named."""
+    for bad, message in (({"json": "{}", "regex": "x"}, "exactly one of"), ({}, "exactly one of"),
+                         ({"json_object": False}, "json_object must be true"), ({"jsn": {}}, "jsn")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(structured_outputs=bad)
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(guided_decoding=bad)
+    params = SamplingParams(structured_outputs={"regex": "a+"})
+    with pytest.raises(ValueError, match="choice must hold"):
+        params.structured_outputs = {"choice": []}
+    assert params.structured_outputs == StructuredOutputsParams(regex="a+")
+    with pytest.raises(ValueError, match="^temperature: Expected `float`"):
+        SamplingParams(temperature="hot")
+    with pytest.raises(ValueError, match="^regex: Expected `str | null`"):
+        StructuredOutputsParams(regex=5)

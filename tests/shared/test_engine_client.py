@@ -262,3 +262,17 @@ async def test_a_refusal_ends_the_wait_for_acceptance_and_forgets_the_request(en
     assert sorted(env.client.requests.pending) == ["ok"] and env.client.requests.pending["ok"].queue.empty()
     await env.client.abort(["ok"])
     assert env.client.num_in_flight == 0
+
+
+async def test_submit_refuses_what_would_not_decode_before_sending_it(env):
+    """A request whose fields are of the wrong type is refused by the client, naming the field,
+    and nothing reaches the tokenizer (its records are not checked again there)."""
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        await env.client.submit("t1", prompt="hi", sampling_params={"temperature": 0.5})
+    with pytest.raises(ValueError, match=r"\$\.prompt"):
+        await env.client.submit("t2", prompt=["not", "token ids"], sampling_params=SamplingParams())
+    with pytest.raises(ValueError, match=r"\$\.spec\.priority"):
+        await env.client.submit("t3", prompt="hi", sampling_params=SamplingParams(), priority=0.5)
+    await env.client.submit("t4", prompt="hi", sampling_params=SamplingParams())
+    assert _ids(env) == ["t4"] and env.client.num_in_flight == 1
+    await env.client.abort(["t4"])
